@@ -1,0 +1,1 @@
+"""GRPO-family loss algebra on per-token [B, T] tensors: the specification and the CPU path of every variant."""

@@ -1,0 +1,67 @@
+"""compute_loss: per-token policy term -> entropy selection -> IS weight -> KL -> normaliser, and the metrics."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from grpo_kernels.losses.aggregate import NORMALISERS
+from grpo_kernels.losses.entropy import high_entropy_mask
+from grpo_kernels.losses.kl import kl_penalty
+from grpo_kernels.losses.policy import POLICY_LOSSES, vespo_weights
+from grpo_kernels.losses.terms import TokenTerms
+from grpo_kernels.options import LossOptions
+
+
+class GRPOLossOutput(NamedTuple):
+    """`loss`: 0-dim tensor to minimise; `metrics`: detached 0-dim tensors (TRL's metric names)."""
+
+    loss: Tensor
+    metrics: dict[str, Tensor]
+
+
+def compute_loss(terms: TokenTerms, options: LossOptions) -> GRPOLossOutput:
+    """The loss of `options.loss_type` on `terms`, with TRL's order of operations and normalisation."""
+    spec = POLICY_LOSSES[options.loss_type]
+    per_token = spec.term(terms, options)  # [B, T] or [B, 1]
+    if options.top_entropy_quantile < 1.0:
+        per_token = per_token * high_entropy_mask(terms.entropy, terms.mask, options.top_entropy_quantile)
+    if terms.is_ratio is not None and not spec.absorbs_is_ratio:
+        per_token = per_token * terms.is_ratio
+    kl = None
+    if options.beta != 0.0:
+        kl = kl_penalty(terms, options)  # [B, T]
+        per_token = per_token + options.beta * kl
+    loss = NORMALISERS[spec.normaliser](per_token, terms.mask, options)
+    return GRPOLossOutput(loss, _metrics(terms, options, kl))
+
+
+def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """Mean over kept tokens of a [B, T] tensor, or over sequences of a per-sequence [B, 1] one (TRL's rule)."""
+    if x.shape[-1] == 1:
+        return x.sum() / x.shape[0]
+    return (x * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+@torch.no_grad()
+def _metrics(terms: TokenTerms, options: LossOptions, kl: Tensor | None) -> dict[str, Tensor]:
+    spec = POLICY_LOSSES[options.loss_type]
+    low, high = spec.clip_flags(terms, options)
+    mean = lambda x: _masked_mean(x.to(terms.mask.dtype), terms.mask)  # noqa: E731
+    metrics = {
+        "clip_ratio/low_mean": mean(low),
+        "clip_ratio/high_mean": mean(high),
+        "clip_ratio/region_mean": mean(low | high),
+        "ratio/mean": mean(terms.ratio),
+    }
+    if kl is not None:
+        metrics["kl"] = mean(kl)
+    if terms.entropy is not None:
+        metrics["entropy"] = mean(terms.entropy)
+    if options.loss_type == "cispo":
+        metrics["cispo_clip_ratio"] = metrics["clip_ratio/high_mean"]
+    if options.loss_type == "vespo":
+        metrics["vespo/phi_seq_mean"] = mean(vespo_weights(terms, options))
+    return {name: value.detach() for name, value in metrics.items()}

@@ -1,0 +1,66 @@
+"""TokenTerms: the per-token quantities every variant is written in, built once per loss call."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from grpo_kernels.options import LossOptions
+
+
+@dataclass(frozen=True)
+class TokenTerms:
+    """Per-token inputs of the loss algebra; `[B, 1]` entries are per-sequence values broadcast over T."""
+
+    logp: Tensor  # [B, T] log π_θ(token), differentiable
+    old_logp: Tensor  # [B, T] log π_old(token); logp.detach() when on-policy
+    ref_logp: Tensor | None  # [B, T] log π_ref(token)
+    advantages: Tensor  # [B, 1] or [B, T]
+    mask: Tensor  # [B, T] float, 1 = token counts
+    entropy: Tensor | None  # [B, T] full-vocabulary entropy, when computed
+    is_ratio: Tensor | None  # [B, 1] or [B, T] rollout importance weight (vLLM IS correction)
+    log_ratio: Tensor  # [B, T] (token level) or [B, 1] (sequence level): log importance weight
+    ratio: Tensor  # exp(log_ratio), same shape
+
+    @property
+    def token_log_ratio(self) -> Tensor:
+        """logp − old_logp per token, [B, T], whatever the importance-sampling level."""
+        return self.logp - self.old_logp
+
+
+def build_terms(
+    logp: Tensor,
+    old_logp: Tensor | None,
+    ref_logp: Tensor | None,
+    advantages: Tensor,
+    mask: Tensor,
+    entropy: Tensor | None,
+    is_ratio: Tensor | None,
+    options: LossOptions,
+) -> TokenTerms:
+    """Promote shapes ([B] -> [B, 1]) and dtypes (to logp's), and form the importance ratio at its level."""
+    dtype = logp.dtype
+    old_logp = logp.detach() if old_logp is None else old_logp.to(dtype)  # [B, T]
+    mask = mask.to(dtype)  # [B, T]
+    advantages = _per_sequence_or_token(advantages).to(dtype)  # [B, 1] or [B, T]
+    token_log_ratio = logp - old_logp  # [B, T]
+    if options.importance_sampling_level == "sequence":  # GSPO: masked mean of the log-ratio per sequence
+        log_ratio = (token_log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)  # [B, 1]
+    else:
+        log_ratio = token_log_ratio  # [B, T]
+    return TokenTerms(
+        logp=logp,
+        old_logp=old_logp,
+        ref_logp=None if ref_logp is None else ref_logp.to(dtype),
+        advantages=advantages,
+        mask=mask,
+        entropy=None if entropy is None else entropy.detach(),
+        is_ratio=None if is_ratio is None else _per_sequence_or_token(is_ratio).to(dtype),
+        log_ratio=log_ratio,
+        ratio=log_ratio.exp(),
+    )
+
+
+def _per_sequence_or_token(x: Tensor) -> Tensor:
+    return x.unsqueeze(-1) if x.dim() == 1 else x

@@ -1,0 +1,86 @@
+"""LossOptions: every loss option once, with its default (TRL's name and default where TRL has the concept)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+CLIP_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+
+
+@dataclass(frozen=True)
+class LossOptions:
+    """Hyperparameters of the GRPO loss family; validated on construction."""
+
+    loss_type: str = "grpo"  # TRL's loss types: the per-token loss and its normaliser
+    epsilon_low: float = 0.2  # clip range low width: ratio >= 1 - epsilon_low (TRL's `epsilon`)
+    epsilon_high: float | None = None  # clip range high width (None = epsilon_low); cispo: absolute IS-weight cap
+    delta: float | None = None  # two-sided clipping: cap of the unclipped ratio (INTELLECT-2, arXiv:2505.07291)
+    beta: float = 0.0  # coefficient of the k3 KL(pi || pi_ref) penalty; needs ref_logp when non-zero
+    temperature: float = 1.0  # logits are divided by it before the softmax
+    importance_sampling_level: str = "token"  # "token" or "sequence" (GSPO, arXiv:2507.18071)
+    max_completion_length: int | None = None  # dr_grpo's constant normaliser (arXiv:2503.20783)
+    num_items_in_batch: float | torch.Tensor | None = None  # dapo/cispo/vespo normaliser; None = mask.sum()
+    sapo_temperature_pos: float = 1.0  # SAPO gate temperature for A > 0 (arXiv:2511.20347)
+    sapo_temperature_neg: float = 1.05  # SAPO gate temperature for A <= 0
+    use_bias_correction_kl: bool = False  # KL term multiplied by the unclipped IS ratio (DeepSeek-V3.2)
+    vespo_k_pos: float = 2.0  # VESPO gamma shape for A >= 0
+    vespo_lambda_pos: float = 3.0  # VESPO gamma rate for A >= 0
+    vespo_k_neg: float = 3.0  # VESPO gamma shape for A < 0
+    vespo_lambda_neg: float = 2.0  # VESPO gamma rate for A < 0
+    top_entropy_quantile: float = 1.0  # keep only tokens in the top entropy quantile (arXiv:2506.01939)
+
+    def __post_init__(self) -> None:
+        _check_choice("loss_type", self.loss_type, LOSS_TYPES)
+        _check_choice("importance_sampling_level", self.importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
+        _check_positive("temperature", self.temperature)
+        _check_positive("sapo_temperature_pos", self.sapo_temperature_pos)
+        _check_positive("sapo_temperature_neg", self.sapo_temperature_neg)
+        if not 0.0 <= self.epsilon_low:
+            raise ValueError(f"epsilon_low must be >= 0, got {self.epsilon_low}")
+        if self.epsilon_high is not None and not 0.0 <= self.epsilon_high:
+            raise ValueError(f"epsilon_high must be >= 0 or None, got {self.epsilon_high}")
+        if not 0.0 <= self.top_entropy_quantile <= 1.0:
+            raise ValueError(f"top_entropy_quantile must be in [0, 1], got {self.top_entropy_quantile}")
+        if self.delta is not None:
+            if self.loss_type not in CLIP_LOSS_TYPES:
+                raise ValueError(f"delta applies to loss_type in {CLIP_LOSS_TYPES}, got loss_type={self.loss_type!r}")
+            _check_positive("delta", self.delta)
+        if self.loss_type == "dr_grpo":
+            if self.max_completion_length is None or self.max_completion_length <= 0:
+                raise ValueError(
+                    f"loss_type='dr_grpo' needs max_completion_length > 0, got {self.max_completion_length}"
+                )
+        if self.loss_type == "vespo" and self.importance_sampling_level != "token":
+            raise ValueError("loss_type='vespo' computes its own sequence weight: importance_sampling_level must be 'token'")
+        if self.num_items_in_batch is not None and not isinstance(self.num_items_in_batch, torch.Tensor):
+            if self.num_items_in_batch <= 0:
+                raise ValueError(f"num_items_in_batch must be > 0, got {self.num_items_in_batch}")
+
+    @property
+    def clip_high(self) -> float:
+        """The high clip width (epsilon_high, or epsilon_low when it is None, as in TRL)."""
+        return self.epsilon_low if self.epsilon_high is None else self.epsilon_high
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> LossOptions:
+        """Build from keyword arguments; an unknown name is a TypeError listing the valid ones."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown loss option(s) {unknown}; valid options are {sorted(names)}")
+        return cls(**kwargs)
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
+def _check_positive(name: str, value: float) -> None:
+    if not value > 0:
+        raise ValueError(f"{name} must be > 0, got {value}")

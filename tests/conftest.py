@@ -1,0 +1,42 @@
+"""Test setup: Triton runs under its CPU interpreter when no GPU is present; one tolerance table for all tests."""
+
+import os
+import sys
+
+import torch
+
+if not torch.cuda.is_available():
+    assert "triton" not in sys.modules, "TRITON_INTERPRET must be set before triton is imported"
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from grpo_kernels.vocab import backends  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+BACKENDS = ("torch", "triton")
+DTYPES = (torch.float32, torch.bfloat16)
+
+# Relative tolerance by input dtype: max |actual − expected| <= RTOL · max(max |expected|, 1e-6 ... see assert_close)
+RTOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 2e-2}
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, name: str = "") -> None:
+    """Max abs error relative to the largest expected magnitude (the tensor's scale), at the input dtype's rtol.
+
+    Elementwise relative error is meaningless for entries that are 0 by construction (masked rows) or tiny
+    softmax tails; the scale-relative error is what a float32 accumulation guarantees.
+    """
+    actual, expected = actual.detach().double().cpu(), expected.detach().double().cpu()
+    assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert torch.isfinite(actual).all() == torch.isfinite(expected).all(), f"{name}: non-finite values differ"
+    scale = expected.abs().max().clamp(min=1e-6) if expected.numel() else torch.tensor(1.0)
+    err = (actual - expected).abs().max() if expected.numel() else torch.tensor(0.0)
+    assert err <= RTOL[dtype] * scale, f"{name}: max error {err:.3g} > {RTOL[dtype]:g} x scale {scale:.3g}"
+
+
+@pytest.fixture
+def launches():
+    """The launch counter, reset: tests assert the requested backend ran (or that nothing ran)."""
+    backends.launches.clear()
+    return backends.launches

@@ -1,0 +1,46 @@
+"""Shared test plumbing: the loss inputs of a case, and our loss next to the float64 oracle's."""
+
+from __future__ import annotations
+
+import torch
+
+import grpo_kernels as gk
+from grpo_kernels import reference
+from tests.cases import Case, make_inputs
+
+
+def oracle_logits(logits: torch.Tensor) -> torch.Tensor:
+    """A float64 leaf copy for the reference, with the NaN that poison masked rows replaced by 0."""
+    x = logits.detach().double().cpu()
+    return torch.where(torch.isnan(x), torch.zeros_like(x), x).requires_grad_()
+
+
+def loss_inputs(case: Case, dtype: torch.dtype, device, seed: int = 0, per_token_advantages: bool = False) -> dict:
+    """Inputs of grpo_loss: the case's logits/targets/mask plus advantages, and old/ref log-probs near the
+    current ones (ratios spread around 1, some outside the clip range)."""
+    inputs = make_inputs(case, dtype, device, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    B, T = inputs["mask"].shape
+    with torch.no_grad():
+        logp, _ = reference.token_logprobs(oracle_logits(inputs["logits"]), inputs["targets"].cpu(),
+                                           temperature=case.temperature)
+    adv_shape = (B, T) if per_token_advantages else (B,)
+    inputs["advantages"] = torch.randn(adv_shape, generator=g).to(device)
+    inputs["old_logp"] = (logp + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)).float().to(device)
+    inputs["ref_logp"] = (logp + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)).float().to(device)
+    return inputs
+
+
+def ours_and_oracle(inputs: dict, backend: str, temperature: float = 1.0, with_entropy: bool = True, **options):
+    """(loss, metrics, logits grad) of grpo_loss and of reference.grpo_loss on the same inputs."""
+    args = {k: inputs[k] for k in ("targets", "advantages", "old_logp", "ref_logp", "mask")}
+    extra = {k: inputs[k] for k in ("is_ratio",) if k in inputs}
+    logits = inputs["logits"].detach().requires_grad_()
+    out = gk.grpo_loss(logits, **args, **extra, temperature=temperature, backend=backend, with_entropy=with_entropy,
+                       **options)
+    out.loss.backward()
+    ref_logits = oracle_logits(inputs["logits"])
+    cpu = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in {**args, **extra}.items()}
+    ref_loss, ref_metrics = reference.grpo_loss(ref_logits, **cpu, temperature=temperature, **options)
+    ref_loss.backward()
+    return (out.loss, out.metrics, logits.grad), (ref_loss, ref_metrics, ref_logits.grad)
