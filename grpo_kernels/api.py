@@ -13,9 +13,7 @@ from grpo_kernels.vocab.backends import resolve_backend
 from grpo_kernels.vocab.function import VocabPassOptions, vocab_pass
 
 
-def _prepare(
-    logits: Tensor, targets: Tensor, mask: Tensor | None, backend: str
-) -> tuple[str, Tensor, Tensor, Tensor]:
+def _prepare(logits: Tensor, targets: Tensor, mask: Tensor | None, backend: str) -> tuple[str, Tensor, Tensor, Tensor]:
     """Resolve the backend and check logits/targets/mask; returns (backend, logits, targets, bool mask)."""
     checks.check_tensor("logits", logits)
     backend = resolve_backend(backend, logits.device)
@@ -88,7 +86,9 @@ def grpo_loss(
     if options is None:
         options = LossOptions.from_kwargs(**loss_options)
     elif loss_options:
-        raise TypeError(f"pass loss options either as options=LossOptions(...) or as keywords, not both: {loss_options}")
+        raise TypeError(
+            f"pass loss options either as options=LossOptions(...) or as keywords, not both: {loss_options}"
+        )
     backend, logits, targets, mask = _prepare(logits, targets, mask, backend)
     B, T, _ = logits.shape
     checks.check_loss_inputs(B, T, logits.device, advantages, old_logp, ref_logp, is_ratio, options)

@@ -36,7 +36,7 @@ def check_logits(logits: Tensor, backend: str) -> None:
 def _check_like(name: str, x: Tensor, shapes: tuple[tuple[int, ...], ...], labels: tuple[str, ...], device) -> None:
     check_tensor(name, x)
     if tuple(x.shape) not in shapes:
-        expected = " or ".join(f"{label} = {_shape(s)}" for label, s in zip(labels, shapes))
+        expected = " or ".join(f"{label} = {_shape(s)}" for label, s in zip(labels, shapes, strict=True))
         raise ValueError(f"{name} must be {expected}, got {_shape(x.shape)}")
     if x.device != device:
         raise ValueError(f"{name} must be on {device} (the device of logits), got {x.device}")

@@ -56,7 +56,9 @@ class LossOptions:
                     f"loss_type='dr_grpo' needs max_completion_length > 0, got {self.max_completion_length}"
                 )
         if self.loss_type == "vespo" and self.importance_sampling_level != "token":
-            raise ValueError("loss_type='vespo' computes its own sequence weight: importance_sampling_level must be 'token'")
+            raise ValueError(
+                "loss_type='vespo' computes its own sequence weight: importance_sampling_level must be 'token'"
+            )
         if self.num_items_in_batch is not None and not isinstance(self.num_items_in_batch, torch.Tensor):
             if self.num_items_in_batch <= 0:
                 raise ValueError(f"num_items_in_batch must be > 0, got {self.num_items_in_batch}")

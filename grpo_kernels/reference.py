@@ -70,9 +70,12 @@ def _vespo_phi(
 
 
 def _global_mean(x: Tensor, mask: Tensor) -> Tensor:
-    """TRL's logged mean: a [B, 1] tensor is one value per sequence (sum / B), else a mask-weighted token mean."""
+    """TRL's logged mean: a [B, 1] tensor is one value per sequence (sum / B), else a mask-weighted token mean.
+
+    Except at T = 1, where TRL's shape test cannot tell the two apart and would average padding: token mean there.
+    """
     x = x.detach().to(F64)
-    if x.shape[1] == 1:
+    if x.shape[1] == 1 and mask.shape[1] > 1:
         return x.sum() / max(x.shape[0], 1)
     return (x * mask).sum() / mask.sum().clamp(min=1.0)
 

@@ -19,15 +19,23 @@ def loss_inputs(case: Case, dtype: torch.dtype, device, seed: int = 0, per_token
     """Inputs of grpo_loss: the case's logits/targets/mask plus advantages, and old/ref log-probs near the
     current ones (ratios spread around 1, some outside the clip range)."""
     inputs = make_inputs(case, dtype, device, seed)
+    if case.name == "extreme_logits":
+        # At |logits| ~ 1e4 a random target has |logp| ~ 1e4, which float32 holds only to ~1e-3, and the ratio
+        # exp(logp − old) inherits that; sampled tokens are the probable ones, so take the argmax instead.
+        inputs["targets"] = inputs["logits"].nan_to_num(0.0).argmax(-1)
     g = torch.Generator().manual_seed(seed + 1)
     B, T = inputs["mask"].shape
     with torch.no_grad():
-        logp, _ = reference.token_logprobs(oracle_logits(inputs["logits"]), inputs["targets"].cpu(),
-                                           temperature=case.temperature)
+        logp, _ = reference.token_logprobs(
+            oracle_logits(inputs["logits"]), inputs["targets"].cpu(), temperature=case.temperature
+        )
     adv_shape = (B, T) if per_token_advantages else (B,)
     inputs["advantages"] = torch.randn(adv_shape, generator=g).to(device)
     inputs["old_logp"] = (logp + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)).float().to(device)
-    inputs["ref_logp"] = (logp + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)).float().to(device)
+    # ref at least 0.2 away: k3 ≈ d²/2 has float32 relative error ≈ 2·eps·|logp|/|d| from logp's own rounding,
+    # so a tiny d would measure float32 rounding of the inputs rather than the kernel.
+    d = torch.randn(B, T, generator=g, dtype=torch.float64)
+    inputs["ref_logp"] = (logp + d.sign() * (0.2 + 0.3 * d.abs())).float().to(device)
     return inputs
 
 
@@ -35,11 +43,12 @@ def ours_and_oracle(inputs: dict, backend: str, temperature: float = 1.0, with_e
     """(loss, metrics, logits grad) of grpo_loss and of reference.grpo_loss on the same inputs."""
     args = {k: inputs[k] for k in ("targets", "advantages", "old_logp", "ref_logp", "mask")}
     extra = {k: inputs[k] for k in ("is_ratio",) if k in inputs}
+    ref_logits = oracle_logits(inputs["logits"])  # before the in-place backward overwrites the logits
     logits = inputs["logits"].detach().requires_grad_()
-    out = gk.grpo_loss(logits, **args, **extra, temperature=temperature, backend=backend, with_entropy=with_entropy,
-                       **options)
+    out = gk.grpo_loss(
+        logits, **args, **extra, temperature=temperature, backend=backend, with_entropy=with_entropy, **options
+    )
     out.loss.backward()
-    ref_logits = oracle_logits(inputs["logits"])
     cpu = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in {**args, **extra}.items()}
     ref_loss, ref_metrics = reference.grpo_loss(ref_logits, **cpu, temperature=temperature, **options)
     ref_loss.backward()

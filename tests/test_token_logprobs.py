@@ -67,8 +67,14 @@ def test_entropy_only_gradient_and_packed_rows(backend):
     B, T, V = inputs["logits"].shape
     flat = inputs["logits"].reshape(B * T, V).requires_grad_()
     ref_logits = oracle_logits(inputs["logits"]).reshape(B * T, V).detach().requires_grad_()
-    logp, ent = gk.token_logprobs(flat, inputs["targets"].reshape(-1), temperature=0.7, with_entropy=True,
-                                  mask=inputs["mask"].reshape(-1), backend=backend)
+    logp, ent = gk.token_logprobs(
+        flat,
+        inputs["targets"].reshape(-1),
+        temperature=0.7,
+        with_entropy=True,
+        mask=inputs["mask"].reshape(-1),
+        backend=backend,
+    )
     ent.sum().backward()
     assert logp.shape == ent.shape == (B * T,)
     _, ref_ent = reference.token_logprobs(ref_logits, inputs["targets"].reshape(-1).cpu(), temperature=0.7)

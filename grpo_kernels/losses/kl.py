@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from grpo_kernels.losses.terms import TokenTerms
@@ -9,9 +10,12 @@ from grpo_kernels.options import LossOptions
 
 
 def k3(terms: TokenTerms) -> Tensor:
-    """k3 estimator of KL(π_θ ‖ π_ref): e^(ref − logp) − (ref − logp) − 1 ≥ 0, [B, T] (TRL's, DeepSeekMath eq. 4)."""
+    """k3 estimator of KL(π_θ ‖ π_ref): e^(ref − logp) − (ref − logp) − 1 ≥ 0, [B, T] (TRL's, DeepSeekMath eq. 4).
+
+    Written as expm1(d) − d: for nearly equal policies e^d − 1 cancels, and expm1 keeps its low bits.
+    """
     delta = terms.ref_logp - terms.logp  # [B, T]
-    return delta.exp() - delta - 1
+    return torch.expm1(delta) - delta
 
 
 def kl_penalty(terms: TokenTerms, options: LossOptions) -> Tensor:

@@ -39,8 +39,9 @@ def compute_loss(terms: TokenTerms, options: LossOptions) -> GRPOLossOutput:
 
 
 def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
-    """Mean over kept tokens of a [B, T] tensor, or over sequences of a per-sequence [B, 1] one (TRL's rule)."""
-    if x.shape[-1] == 1:
+    """Mean over kept tokens of a [B, T] tensor, or over all sequences of a per-sequence [B, 1] one (TRL's rule;
+    at T = 1 TRL's shape test would also average padding, so there a [B, 1] tensor is taken per token)."""
+    if x.shape[-1] == 1 and mask.shape[-1] > 1:
         return x.sum() / x.shape[0]
     return (x * mask).sum() / mask.sum().clamp(min=1.0)
 

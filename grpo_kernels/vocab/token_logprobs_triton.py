@@ -13,7 +13,9 @@ import triton.language as tl
 from torch import Tensor
 
 MAX_BLOCK_V = 4096
-_FLOAT32_LOWEST = tl.constexpr(-3.4028234663852886e38)  # running-max start: finite, so e^(m_old − m_new) never sees inf − inf
+_FLOAT32_LOWEST = tl.constexpr(
+    -3.4028234663852886e38
+)  # running-max start: finite, so e^(m_old − m_new) never sees inf − inf
 
 
 def _block_v(vocab: int) -> int:

@@ -1,0 +1,125 @@
+"""grpo_loss against the float64 oracle: every loss type x IS level x backend x dtype, every option, every case."""
+
+import pytest
+import torch
+
+import grpo_kernels as gk
+from tests.cases import CASE_IDS, CASES, Case
+from tests.conftest import BACKENDS, DEVICE, DTYPES, assert_close
+from tests.helpers import loss_inputs, ours_and_oracle
+
+REQUIRED_METRICS = {"clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "ratio/mean", "entropy"}
+
+
+def type_options(loss_type: str, T: int) -> dict:
+    """What a loss type needs beyond the defaults."""
+    return {"max_completion_length": T + 3} if loss_type == "dr_grpo" else {}
+
+
+def assert_matches(ours, oracle, dtype, expect_kl: bool) -> None:
+    (loss, metrics, grad), (ref_loss, ref_metrics, ref_grad) = ours, oracle
+    assert loss.dim() == 0 and torch.isfinite(loss)
+    assert_close(loss, ref_loss, dtype, "loss")
+    assert_close(grad, ref_grad, dtype, "grad logits")
+    assert REQUIRED_METRICS | ({"kl"} if expect_kl else set()) <= set(metrics)
+    for name, value in metrics.items():
+        assert value.dim() == 0 and not value.requires_grad, name
+        assert_close(value, ref_metrics[name], dtype, name)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("loss_type", gk.LOSS_TYPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_loss_types(backend, dtype, loss_type, level, launches):
+    if loss_type == "vespo" and level == "sequence":
+        pytest.skip("vespo forms its own sequence weight; LossOptions refuses importance_sampling_level='sequence'")
+    case = Case("ragged_vocab")
+    inputs = loss_inputs(case, dtype, DEVICE)
+    ours, oracle = ours_and_oracle(
+        inputs,
+        backend,
+        loss_type=loss_type,
+        importance_sampling_level=level,
+        beta=0.04,
+        epsilon_high=0.28,
+        **type_options(loss_type, case.T),
+    )
+    assert_matches(ours, oracle, dtype, expect_kl=True)
+    assert launches == {backend: 2}
+
+
+OPTION_SETS = {
+    "on_policy": dict(old_logp=None),
+    "per_token_advantages": dict(per_token_advantages=True),
+    "delta": dict(delta=1.25, epsilon_high=0.2),
+    "bias_corrected_kl": dict(beta=0.1, use_bias_correction_kl=True),
+    "num_items_in_batch": dict(num_items_in_batch=23),
+    "num_items_tensor": dict(num_items_in_batch=torch.tensor(23.0)),
+    "is_ratio_per_token": dict(is_ratio="token"),
+    "is_ratio_per_sequence": dict(is_ratio="sequence"),
+    "top_entropy_quantile": dict(top_entropy_quantile=0.4),
+    "temperature": dict(temperature=0.7),
+    "sapo_temperatures": dict(sapo_temperature_pos=0.75, sapo_temperature_neg=1.25),
+    "vespo_gamma": dict(vespo_k_pos=1.5, vespo_lambda_pos=2.0, vespo_k_neg=2.5, vespo_lambda_neg=1.5),
+}
+
+
+@pytest.mark.parametrize("option_set", OPTION_SETS)
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "cispo", "sapo", "vespo"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_options(backend, loss_type, option_set):
+    options = dict(OPTION_SETS[option_set])
+    if "delta" in options and loss_type not in ("grpo", "dapo"):
+        pytest.skip("delta applies to the clipped loss types only")
+    case = Case("ragged_vocab")
+    inputs = loss_inputs(
+        case, torch.float32, DEVICE, seed=3, per_token_advantages=options.pop("per_token_advantages", False)
+    )
+    if "old_logp" in options:
+        inputs["old_logp"] = options.pop("old_logp")
+    if "is_ratio" in options:
+        shape = (case.B, case.T) if options.pop("is_ratio") == "token" else (case.B,)
+        inputs["is_ratio"] = (0.6 + 0.8 * torch.rand(shape, generator=torch.Generator().manual_seed(5))).to(DEVICE)
+    temperature = options.pop("temperature", 1.0)
+    options.setdefault("beta", 0.04)
+    ours, oracle = ours_and_oracle(inputs, backend, temperature=temperature, loss_type=loss_type, **options)
+    assert_matches(ours, oracle, torch.float32, expect_kl=True)
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_hard_cases(backend, dtype, case):
+    inputs = loss_inputs(case, dtype, DEVICE, seed=11)
+    ours, oracle = ours_and_oracle(
+        inputs,
+        backend,
+        temperature=case.temperature,
+        loss_type="dapo",
+        beta=0.04,
+        epsilon_high=0.28,
+        top_entropy_quantile=0.8,
+    )
+    assert_matches(ours, oracle, dtype, expect_kl=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fully_masked_batch_gives_zero(backend):
+    inputs = loss_inputs(Case("ragged_vocab"), torch.float32, DEVICE)
+    inputs["mask"] = torch.zeros_like(inputs["mask"])
+    (loss, metrics, grad), _ = ours_and_oracle(inputs, backend, loss_type="grpo", beta=0.04)
+    assert loss.item() == 0.0 and torch.count_nonzero(grad) == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_module_matches_function(backend):
+    inputs = loss_inputs(Case("ragged_vocab"), torch.float32, DEVICE)
+    args = [inputs[k] for k in ("targets", "advantages", "old_logp", "ref_logp", "mask")]
+    module = gk.GRPOLoss(loss_type="dapo", epsilon_high=0.28, beta=0.04, backend=backend, inplace=False)
+    from_module = module(inputs["logits"], *args)
+    from_function = gk.grpo_loss(
+        inputs["logits"], *args, loss_type="dapo", epsilon_high=0.28, beta=0.04, backend=backend
+    )
+    assert torch.equal(from_module.loss, from_function.loss)
+    assert "dapo" in repr(module)
