@@ -54,14 +54,17 @@ def _vespo_phi(
 ) -> Tensor:
     """VESPO gamma weight phi(w) = e^lambda * w^k * e^(-lambda * w), so phi(1) = 1; w is the sequence IS ratio.
 
-    log w = sum_t clamp(log_ratio_t, -20, 20) * m_t  [+ sum_t clamp(log is_ratio_t, log 1e-8, 20), unmasked, as TRL],
+    log w = sum_t clamp(log_ratio_t, -20, 20) * m_t  [+ sum_t clamp(log is_ratio_t, log 1e-8, 20) * m_t;
+    TRL also sums padding, where its rollouts put 1],
     then clamped to [log 1e-8, 20]; (k, lambda) = pos values where A >= 0, else neg; lambda >= 1e-4.
     log phi = lambda + k * log w - lambda * w; non-finite phi -> 0. No gradient (a pure scale of grad log pi).
     """
     log_floor = math.log(1e-8)
     log_w = (log_ratio.clamp(-20.0, 20.0) * mask).sum(-1, keepdim=True)  # [B, 1]
     if is_ratio is not None:
-        log_w = log_w + is_ratio.log().clamp(log_floor, 20.0).sum(-1, keepdim=True)  # [B, 1]
+        log_is = is_ratio.log().clamp(log_floor, 20.0)  # [B, T], or [B, 1] for one weight per sequence
+        log_is = log_is * mask if log_is.shape == mask.shape else log_is
+        log_w = log_w + log_is.sum(-1, keepdim=True)  # [B, 1]
     log_w = log_w.clamp(log_floor, 20.0)  # [B, 1]
     k = _pick(advantages >= 0, k_pos, k_neg)  # [B, 1] or [B, T]
     lam = _pick(advantages >= 0, lambda_pos, lambda_neg).clamp(min=1e-4)  # [B, 1] or [B, T]

@@ -14,5 +14,5 @@ def high_entropy_mask(entropy: Tensor, mask: Tensor, top_quantile: float) -> Ten
     kept = mask.bool()  # [B, T]
     if not kept.any():
         return torch.zeros_like(mask)
-    threshold = torch.quantile(entropy[kept].float(), 1.0 - top_quantile).to(entropy.dtype)
+    threshold = torch.quantile(entropy[kept], 1.0 - top_quantile)
     return ((entropy * mask >= threshold) & kept).to(mask.dtype)  # [B, T]

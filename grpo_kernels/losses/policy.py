@@ -115,14 +115,16 @@ def vespo_weights(terms: TokenTerms, options: LossOptions) -> Tensor:
     """VESPO's gamma weight φ(w) = e^λ · w^k · e^(−λw) of the sequence IS ratio w, detached, [B, 1].
 
     w = Π_t ρ_t (times the rollout IS weights), in log space with TRL's clamps: per-token log-ratio to [−20, 20],
-    log w and log is_ratio to [ln 1e-8, 20]; (k, λ) = (k_pos, λ_pos) when A ≥ 0 else (k_neg, λ_neg).
+    log w and log is_ratio to [ln 1e-8, 20]; (k, λ) = (k_pos, λ_pos) when A ≥ 0 else (k_neg, λ_neg). Unlike TRL,
+    which sums log is_ratio over padding too (where its own rollouts put 1), padding is masked out here.
     """
     floor = math.log(1e-8)
     with torch.no_grad():
         mask = terms.mask
         log_w = (terms.token_log_ratio.clamp(-20.0, 20.0) * mask).sum(-1, keepdim=True)  # [B, 1]
         if terms.is_ratio is not None:
-            log_w = log_w + terms.is_ratio.log().clamp(floor, 20.0).sum(-1, keepdim=True)
+            log_is = terms.is_ratio.log().clamp(floor, 20.0)  # [B, T] or [B, 1]
+            log_w = log_w + (log_is * mask if log_is.shape == mask.shape else log_is).sum(-1, keepdim=True)
         log_w = log_w.clamp(floor, 20.0)  # [B, 1]
         nonneg = terms.advantages >= 0
         k = torch.where(nonneg, options.vespo_k_pos, options.vespo_k_neg)

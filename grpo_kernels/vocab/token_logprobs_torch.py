@@ -24,6 +24,12 @@ def _row_chunks(mask: Tensor, vocab: int):
         yield b_idx[start : start + step], t_idx[start : start + step]
 
 
+def _scaled_rows(logits: Tensor, b: Tensor, t: Tensor, temperature: float) -> Tensor:
+    """The kept rows' logits / temperature in the compute dtype: one fresh [C, V] buffer, scaled in place."""
+    z = logits[b, t].to(compute_dtype(logits.dtype))  # [C, V]
+    return z.div_(temperature) if temperature != 1.0 else z
+
+
 def token_logprobs_fwd(
     logits: Tensor, targets: Tensor, mask: Tensor, temperature: float, with_entropy: bool
 ) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -36,14 +42,12 @@ def token_logprobs_fwd(
     lse = torch.zeros_like(logp)  # [B, T]
     entropy = torch.zeros_like(logp) if with_entropy else None  # [B, T]
     for b, t in _row_chunks(mask, logits.shape[-1]):
-        z = logits[b, t].to(dtype) / temperature  # [C, V]
+        z = _scaled_rows(logits, b, t, temperature)  # [C, V]
         row_lse = torch.logsumexp(z, dim=-1)  # [C]
         lse[b, t] = row_lse
         logp[b, t] = z.gather(1, targets[b, t, None]).squeeze(1) - row_lse
-        if entropy is not None:
-            log_q = z - row_lse[:, None]  # [C, V]
-            q = log_q.exp()  # [C, V]
-            entropy[b, t] = -torch.where(q > 0, q * log_q, 0.0).sum(-1)
+        if entropy is not None:  # H = −Σ q log q, with 0 · log 0 = 0 for -inf logits
+            entropy[b, t] = torch.special.entr(z.sub_(row_lse[:, None]).exp_()).sum(-1)
     return logp, lse, entropy
 
 
@@ -62,18 +66,15 @@ def token_logprobs_bwd(
 
     g·(onehot − q)/T  +  g_H·(−q·(log q + H))/T,  q = softmax(logits/T);  masked rows get 0.
     """
-    dtype = compute_dtype(logits.dtype)
     for b, t in _row_chunks(mask, logits.shape[-1]):
-        z = logits[b, t].to(dtype) / temperature  # [C, V]
-        log_q = z - lse[b, t, None]  # [C, V]
-        q = log_q.exp()  # [C, V]
-        grad = torch.zeros_like(q)  # [C, V]
-        if grad_logp is not None:
-            g = grad_logp[b, t].to(dtype)  # [C]
-            grad = -g[:, None] * q
-            grad.scatter_add_(1, targets[b, t, None], g[:, None])
-        if grad_entropy is not None:
-            g_h = grad_entropy[b, t].to(dtype)  # [C]
-            grad -= g_h[:, None] * torch.where(q > 0, q * (log_q + entropy[b, t, None]), 0.0)
-        out[b, t] = (grad / temperature).to(out.dtype)
+        log_q = _scaled_rows(logits, b, t, temperature).sub_(lse[b, t, None])  # [C, V]
+        g = torch.zeros_like(lse[b, t]) if grad_logp is None else grad_logp[b, t].to(log_q.dtype)  # [C]
+        if grad_entropy is None:
+            grad = log_q.exp_().mul_(-g[:, None])  # [C, V], reusing the buffer
+        else:
+            q = log_q.exp()  # [C, V]
+            shifted = torch.where(q > 0, log_q.add_(entropy[b, t, None]), 0.0)  # log q + H, 0 where q = 0
+            grad = shifted.mul_(q).mul_(-grad_entropy[b, t, None].to(q.dtype)).sub_(q.mul_(g[:, None]))
+        grad.scatter_add_(1, targets[b, t, None], g[:, None])
+        out[b, t] = (grad.div_(temperature) if temperature != 1.0 else grad).to(out.dtype)
     out[~mask] = 0
