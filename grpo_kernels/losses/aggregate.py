@@ -1,4 +1,8 @@
-"""Normalisers: how a loss type turns masked per-token losses [B, T] (or [B, 1]) into one scalar."""
+"""Normalisers as per-token weights: every loss type reduces as Σ_{b,t} ω[b, t] · L[b, t], ω = m / Z.
+
+One template for every mode: a normaliser only says what Z is for each token. The same weights are what the fused
+kernel epilogue multiplies into each token's loss and gradient.
+"""
 
 from __future__ import annotations
 
@@ -9,33 +13,33 @@ from torch import Tensor
 
 from grpo_kernels.options import LossOptions
 
-Normaliser = Callable[[Tensor, Tensor, LossOptions], Tensor]
+Normaliser = Callable[[Tensor, LossOptions], Tensor]
 
 
-def sequence_mean(loss: Tensor, mask: Tensor, options: LossOptions) -> Tensor:
-    """Mean over sequences of each sequence's masked token mean (GRPO, SAPO)."""
-    return ((loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+def sequence_mean(mask: Tensor, options: LossOptions) -> Tensor:
+    """Z = B · |o_b|: each sequence's token mean, then the mean over sequences (GRPO, SAPO)."""
+    return mask / (mask.shape[0] * mask.sum(-1, keepdim=True).clamp(min=1.0))  # [B, T]
 
 
-def token_mean(loss: Tensor, mask: Tensor, options: LossOptions) -> Tensor:
-    """Masked mean over all tokens of this batch (BNPO)."""
-    return (loss * mask).sum() / mask.sum().clamp(min=1.0)
+def token_mean(mask: Tensor, options: LossOptions) -> Tensor:
+    """Z = Σ m: the mean over this batch's tokens (BNPO)."""
+    return mask / mask.sum().clamp(min=1.0)  # [B, T]
 
 
-def item_mean(loss: Tensor, mask: Tensor, options: LossOptions) -> Tensor:
-    """Masked token sum over `num_items_in_batch` (the global token count; this batch's when None) (DAPO)."""
+def item_mean(mask: Tensor, options: LossOptions) -> Tensor:
+    """Z = `num_items_in_batch` (the global token count; this batch's when None) (DAPO, CISPO, VESPO)."""
     items = mask.sum() if options.num_items_in_batch is None else torch.as_tensor(options.num_items_in_batch)
-    return (loss * mask).sum() / items.to(loss.device, loss.dtype).clamp(min=1.0)
+    return mask / items.to(mask.device, mask.dtype).clamp(min=1.0)  # [B, T]
 
 
-def constant_length(loss: Tensor, mask: Tensor, options: LossOptions) -> Tensor:
-    """Masked token sum over B · max_completion_length, a batch-independent constant (Dr.GRPO)."""
-    return (loss * mask).sum() / (mask.shape[0] * options.max_completion_length)
+def constant_length(mask: Tensor, options: LossOptions) -> Tensor:
+    """Z = B · max_completion_length, a batch-independent constant (Dr.GRPO)."""
+    return mask / (mask.shape[0] * options.max_completion_length)  # [B, T]
 
 
-def sequence_sum_mean(loss: Tensor, mask: Tensor, options: LossOptions) -> Tensor:
-    """Mean over sequences of each sequence's masked token sum (LUSPO)."""
-    return (loss * mask).sum(-1).mean()
+def sequence_sum_mean(mask: Tensor, options: LossOptions) -> Tensor:
+    """Z = B: each sequence's token sum, then the mean over sequences (LUSPO)."""
+    return mask / mask.shape[0]  # [B, T]
 
 
 NORMALISERS: dict[str, Normaliser] = {

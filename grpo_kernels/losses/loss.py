@@ -30,12 +30,10 @@ def compute_loss(terms: TokenTerms, options: LossOptions) -> GRPOLossOutput:
         per_token = per_token * high_entropy_mask(terms.entropy, terms.mask, options.top_entropy_quantile)
     if terms.is_ratio is not None and not spec.absorbs_is_ratio:
         per_token = per_token * terms.is_ratio
-    kl = None
     if options.beta != 0.0:
-        kl = kl_penalty(terms, options)  # [B, T]
-        per_token = per_token + options.beta * kl
-    loss = NORMALISERS[spec.normaliser](per_token, terms.mask, options)
-    return GRPOLossOutput(loss, _metrics(terms, options, kl))
+        per_token = per_token + options.beta * kl_penalty(terms, options)  # [B, T]
+    weights = NORMALISERS[spec.normaliser](terms.mask, options)  # [B, T]
+    return GRPOLossOutput((per_token * weights).sum(), loss_metrics(terms, options))
 
 
 def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
@@ -47,7 +45,8 @@ def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def _metrics(terms: TokenTerms, options: LossOptions, kl: Tensor | None) -> dict[str, Tensor]:
+def loss_metrics(terms: TokenTerms, options: LossOptions) -> dict[str, Tensor]:
+    """TRL's logged quantities (clip fractions, kl, entropy) plus `ratio/mean`, detached 0-dim tensors."""
     spec = POLICY_LOSSES[options.loss_type]
     low, high = spec.clip_flags(terms, options)
     mean = lambda x: _masked_mean(x.to(terms.mask.dtype), terms.mask)  # noqa: E731
@@ -57,8 +56,8 @@ def _metrics(terms: TokenTerms, options: LossOptions, kl: Tensor | None) -> dict
         "clip_ratio/region_mean": mean(low | high),
         "ratio/mean": mean(terms.ratio),
     }
-    if kl is not None:
-        metrics["kl"] = mean(kl)
+    if options.beta != 0.0:
+        metrics["kl"] = mean(kl_penalty(terms, options))
     if terms.entropy is not None:
         metrics["entropy"] = mean(terms.entropy)
     if options.loss_type == "cispo":

@@ -38,6 +38,7 @@ class PolicyLoss:
     paper: str
     clip_flags: ClipFlags = trust_region_flags
     absorbs_is_ratio: bool = False  # the term uses `is_ratio` itself instead of being multiplied by it
+    epilogue: str | None = None  # the fused Triton epilogue computing this term at token level (None: two-phase)
 
 
 POLICY_LOSSES: dict[str, PolicyLoss] = {}
@@ -62,31 +63,31 @@ def clipped_surrogate(terms: TokenTerms, options: LossOptions) -> Tensor:
     return -torch.min(ratio * terms.advantages, clipped * terms.advantages)
 
 
-@policy_loss("grpo", normaliser="sequence_mean", paper="DeepSeekMath, arXiv:2402.03300")
+@policy_loss("grpo", normaliser="sequence_mean", paper="DeepSeekMath, arXiv:2402.03300", epilogue="clip")
 def grpo(terms: TokenTerms, options: LossOptions) -> Tensor:
     """Clipped surrogate, each sequence's token mean, then the mean over sequences."""
     return clipped_surrogate(terms, options)
 
 
-@policy_loss("bnpo", normaliser="token_mean", paper="BNPO (TRL), token mean of the local batch")
+@policy_loss("bnpo", normaliser="token_mean", paper="BNPO (TRL), token mean of the local batch", epilogue="clip")
 def bnpo(terms: TokenTerms, options: LossOptions) -> Tensor:
     """Clipped surrogate, mean over the batch's tokens."""
     return clipped_surrogate(terms, options)
 
 
-@policy_loss("dr_grpo", normaliser="constant_length", paper="Dr. GRPO, arXiv:2503.20783")
+@policy_loss("dr_grpo", normaliser="constant_length", paper="Dr. GRPO, arXiv:2503.20783", epilogue="clip")
 def dr_grpo(terms: TokenTerms, options: LossOptions) -> Tensor:
     """Clipped surrogate over the constant B · max_completion_length: no length bias."""
     return clipped_surrogate(terms, options)
 
 
-@policy_loss("dapo", normaliser="item_mean", paper="DAPO, arXiv:2503.14476")
+@policy_loss("dapo", normaliser="item_mean", paper="DAPO, arXiv:2503.14476", epilogue="clip")
 def dapo(terms: TokenTerms, options: LossOptions) -> Tensor:
     """Clipped surrogate (clip-higher via epsilon_high) over the global token count."""
     return clipped_surrogate(terms, options)
 
 
-@policy_loss("luspo", normaliser="sequence_sum_mean", paper="LUSPO, arXiv:2602.05261")
+@policy_loss("luspo", normaliser="sequence_sum_mean", paper="LUSPO, arXiv:2602.05261", epilogue="clip")
 def luspo(terms: TokenTerms, options: LossOptions) -> Tensor:
     """Clipped (sequence-level) surrogate, each sequence's token sum: GSPO scaled by length."""
     return clipped_surrogate(terms, options)
@@ -97,14 +98,16 @@ def _cispo_flags(terms: TokenTerms, options: LossOptions) -> tuple[Tensor, Tenso
     return torch.zeros_like(high), high
 
 
-@policy_loss("cispo", normaliser="item_mean", paper="MiniMax-M1, arXiv:2506.13585", clip_flags=_cispo_flags)
+@policy_loss(
+    "cispo", normaliser="item_mean", paper="MiniMax-M1, arXiv:2506.13585", clip_flags=_cispo_flags, epilogue="cispo"
+)
 def cispo(terms: TokenTerms, options: LossOptions) -> Tensor:
     """REINFORCE with a capped, stop-gradient IS weight: −sg(min(ρ, ε_high))·A·logp (TRL: ε_high is the cap)."""
     weight = terms.ratio.clamp(max=options.clip_high).detach()  # [B, T] or [B, 1]
     return -weight * terms.advantages * terms.logp
 
 
-@policy_loss("sapo", normaliser="sequence_mean", paper="SAPO, arXiv:2511.20347")
+@policy_loss("sapo", normaliser="sequence_mean", paper="SAPO, arXiv:2511.20347", epilogue="sapo")
 def sapo(terms: TokenTerms, options: LossOptions) -> Tensor:
     """Soft gate instead of a clip: −σ(τ(ρ − 1))·4/τ · A, τ = τ_pos if A > 0 else τ_neg."""
     tau = torch.where(terms.advantages > 0, options.sapo_temperature_pos, options.sapo_temperature_neg)

@@ -43,7 +43,7 @@ def build_terms(
     dtype = logp.dtype
     old_logp = logp.detach() if old_logp is None else old_logp.to(dtype)  # [B, T]
     mask = mask.to(dtype)  # [B, T]
-    advantages = _per_sequence_or_token(advantages).to(dtype)  # [B, 1] or [B, T]
+    advantages = per_sequence_or_token(advantages).to(dtype)  # [B, 1] or [B, T]
     token_log_ratio = logp - old_logp  # [B, T]
     if options.importance_sampling_level == "sequence":  # GSPO: masked mean of the log-ratio per sequence
         log_ratio = (token_log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)  # [B, 1]
@@ -56,11 +56,12 @@ def build_terms(
         advantages=advantages,
         mask=mask,
         entropy=None if entropy is None else entropy.detach(),
-        is_ratio=None if is_ratio is None else _per_sequence_or_token(is_ratio).to(dtype),
+        is_ratio=None if is_ratio is None else per_sequence_or_token(is_ratio).to(dtype),
         log_ratio=log_ratio,
         ratio=log_ratio.exp(),
     )
 
 
-def _per_sequence_or_token(x: Tensor) -> Tensor:
-    return x.unsqueeze(-1) if x.dim() == 1 else x
+def per_sequence_or_token(x: Tensor | None) -> Tensor | None:
+    """[B] -> [B, 1] (one value per sequence, broadcast over T); [B, T] and None pass through."""
+    return x.unsqueeze(-1) if x is not None and x.dim() == 1 else x

@@ -10,7 +10,7 @@ import torch
 
 BACKENDS = ("auto", "torch", "triton", "cuda")
 
-launches: Counter[str] = Counter()  # backend name -> number of vocabulary passes launched
+launches: Counter[str] = Counter()  # backend name (and "fused_epilogue") -> vocabulary passes launched
 
 
 def triton_usable(device: torch.device) -> tuple[bool, str]:

@@ -18,12 +18,36 @@ _FLOAT32_LOWEST = tl.constexpr(
 )  # running-max start: finite, so e^(m_old − m_new) never sees inf − inf
 
 
-def _block_v(vocab: int) -> int:
+def block_v_for(vocab: int) -> int:
     return min(MAX_BLOCK_V, triton.next_power_of_2(vocab))
 
 
-def _num_warps(block_v: int) -> int:
+def num_warps_for(block_v: int) -> int:
     return 8 if block_v >= 2048 else 4
+
+
+@triton.jit
+def row_logprob_stats(row_ptr, target, V, inv_temperature, WITH_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr):
+    """(logp of `target`, lse, entropy) of one row of logits / T, in one online pass (entropy 0 unless asked)."""
+    offs = tl.arange(0, BLOCK_V)
+    m = tl.full((), _FLOAT32_LOWEST, tl.float32)
+    s = tl.zeros((), tl.float32)
+    t = tl.zeros((), tl.float32)
+    for start in range(0, V, BLOCK_V):
+        cols = start + offs
+        z = tl.load(row_ptr + cols, mask=cols < V, other=-float("inf")).to(tl.float32) * inv_temperature
+        m_new = tl.maximum(m, tl.max(z, axis=0))
+        scale = tl.exp(m - m_new)
+        e = tl.exp(z - m_new)
+        if WITH_ENTROPY:
+            # Σ e·(z − m_new) = scale·(t + s·(m − m_new)) + this block's terms
+            t = scale * (t + s * (m - m_new)) + tl.sum(e * tl.where(e > 0, z - m_new, 0.0), axis=0)
+        s = s * scale + tl.sum(e, axis=0)
+        m = m_new
+    lse = m + tl.log(s)
+    logp = tl.load(row_ptr + target).to(tl.float32) * inv_temperature - lse
+    entropy = tl.log(s) - t / s
+    return logp, lse, entropy
 
 
 @triton.jit
@@ -43,36 +67,18 @@ def _token_logprobs_fwd_kernel(
     BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    logp = tl.zeros((), tl.float32)
+    lse = tl.zeros((), tl.float32)
+    entropy = tl.zeros((), tl.float32)
     if tl.load(mask_ptr + row) != 0:
         b = row // T
         row_ptr = logits_ptr + b * stride_b + (row - b * T) * stride_t
-        offs = tl.arange(0, BLOCK_V)
-        m = tl.full((), _FLOAT32_LOWEST, tl.float32)
-        s = tl.zeros((), tl.float32)
-        t = tl.zeros((), tl.float32)
-        for start in range(0, V, BLOCK_V):
-            cols = start + offs
-            z = tl.load(row_ptr + cols, mask=cols < V, other=-float("inf")).to(tl.float32) * inv_temperature
-            m_new = tl.maximum(m, tl.max(z, axis=0))
-            scale = tl.exp(m - m_new)
-            e = tl.exp(z - m_new)
-            if WITH_ENTROPY:
-                # Σ e·(z − m_new) = scale·(t + s·(m − m_new)) + this block's terms
-                t = scale * (t + s * (m - m_new)) + tl.sum(e * tl.where(e > 0, z - m_new, 0.0), axis=0)
-            s = s * scale + tl.sum(e, axis=0)
-            m = m_new
         target = tl.load(targets_ptr + row)
-        z_target = tl.load(row_ptr + target).to(tl.float32) * inv_temperature
-        lse = m + tl.log(s)
-        tl.store(lse_ptr + row, lse)
-        tl.store(logp_ptr + row, z_target - lse)
-        if WITH_ENTROPY:
-            tl.store(entropy_ptr + row, tl.log(s) - t / s)
-    else:
-        tl.store(lse_ptr + row, 0.0)
-        tl.store(logp_ptr + row, 0.0)
-        if WITH_ENTROPY:
-            tl.store(entropy_ptr + row, 0.0)
+        logp, lse, entropy = row_logprob_stats(row_ptr, target, V, inv_temperature, WITH_ENTROPY, BLOCK_V)
+    tl.store(logp_ptr + row, logp)
+    tl.store(lse_ptr + row, lse)
+    if WITH_ENTROPY:
+        tl.store(entropy_ptr + row, entropy)
 
 
 @triton.jit
@@ -138,7 +144,7 @@ def token_logprobs_fwd(
     logp = torch.empty((B, T), dtype=torch.float32, device=logits.device)  # [B, T]
     lse = torch.empty_like(logp)  # [B, T]
     entropy = torch.empty_like(logp) if with_entropy else None  # [B, T]
-    block_v = _block_v(V)
+    block_v = block_v_for(V)
     _token_logprobs_fwd_kernel[(B * T,)](
         logits,
         logits.stride(0),
@@ -153,7 +159,7 @@ def token_logprobs_fwd(
         1.0 / temperature,
         WITH_ENTROPY=with_entropy,
         BLOCK_V=block_v,
-        num_warps=_num_warps(block_v),
+        num_warps=num_warps_for(block_v),
     )
     return logp, lse, entropy
 
@@ -174,7 +180,7 @@ def token_logprobs_bwd(
     targets, mask = targets.contiguous(), mask.contiguous()
     grad_logp = None if grad_logp is None else grad_logp.contiguous()
     grad_entropy = None if grad_entropy is None else grad_entropy.contiguous()
-    block_v = _block_v(V)
+    block_v = block_v_for(V)
     _token_logprobs_bwd_kernel[(B * T,)](
         logits,
         logits.stride(0),
@@ -194,5 +200,5 @@ def token_logprobs_bwd(
         HAS_GRAD_LOGP=grad_logp is not None,
         HAS_GRAD_ENTROPY=grad_entropy is not None,
         BLOCK_V=block_v,
-        num_warps=_num_warps(block_v),
+        num_warps=num_warps_for(block_v),
     )

@@ -1,0 +1,195 @@
+"""Token-level GRPO losses fused into the Triton forward pass: one online pass over V per row, then an epilogue
+that forms the token's weighted loss and dL/dlogp, so the backward only has to scale them.
+
+The epilogue is a transcription of `grpo_kernels/losses/` (policy.py, kl.py) for the token-level terms; those
+PyTorch functions stay the specification, and the tests hold this kernel to the float64 oracle.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from grpo_kernels.vocab.token_logprobs_triton import block_v_for, num_warps_for, row_logprob_stats
+
+EPILOGUES = {"clip": 0, "cispo": 1, "sapo": 2}  # PolicyLoss.epilogue -> the kernel's POLICY constant
+
+
+@triton.jit
+def _k3(d):
+    """e^d − 1 − d without cancellation: its Taylor series (to d⁹/9!) for |d| < 0.5, the direct form beyond."""
+    series = 1.0 / 40320.0 + d / 362880.0
+    series = 1.0 / 5040.0 + d * series
+    series = 1.0 / 720.0 + d * series
+    series = 1.0 / 120.0 + d * series
+    series = 1.0 / 24.0 + d * series
+    series = 1.0 / 6.0 + d * series
+    series = 0.5 + d * series
+    return tl.where(tl.abs(d) < 0.5, d * d * series, tl.exp(d) - 1.0 - d)
+
+
+@triton.jit
+def _grpo_loss_fwd_kernel(
+    logits_ptr,
+    stride_b,
+    stride_t,
+    targets_ptr,
+    mask_ptr,
+    weights_ptr,
+    adv_ptr,
+    adv_stride_b,
+    adv_stride_t,
+    old_ptr,
+    ref_ptr,
+    is_ptr,
+    is_stride_b,
+    is_stride_t,
+    logp_ptr,
+    lse_ptr,
+    entropy_ptr,
+    loss_ptr,
+    dlogp_ptr,
+    T,
+    V,
+    inv_temperature,
+    eps_low,
+    eps_high,
+    delta,
+    beta,
+    tau_pos,
+    tau_neg,
+    POLICY: tl.constexpr,
+    HAS_OLD: tl.constexpr,
+    HAS_DELTA: tl.constexpr,
+    HAS_KL: tl.constexpr,
+    BIAS_CORRECTION: tl.constexpr,
+    HAS_IS: tl.constexpr,
+    WITH_ENTROPY: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    logp = tl.zeros((), tl.float32)
+    lse = tl.zeros((), tl.float32)
+    entropy = tl.zeros((), tl.float32)
+    loss = tl.zeros((), tl.float32)
+    dlogp = tl.zeros((), tl.float32)
+    if tl.load(mask_ptr + row) != 0:
+        b = row // T
+        t = row - b * T
+        row_ptr = logits_ptr + b * stride_b + t * stride_t
+        target = tl.load(targets_ptr + row)
+        logp, lse, entropy = row_logprob_stats(row_ptr, target, V, inv_temperature, WITH_ENTROPY, BLOCK_V)
+        adv = tl.load(adv_ptr + b * adv_stride_b + t * adv_stride_t)
+        ratio = tl.full((), 1.0, tl.float32)  # on-policy: exp(logp − sg(logp)) = 1, d ratio / d logp = ratio
+        if HAS_OLD:
+            ratio = tl.exp(logp - tl.load(old_ptr + row))
+        if POLICY == 0:  # clip: −min(r₁A, clip(ρ)A), r₁ = min(ρ, δ); torch.min splits the gradient on ties
+            clipped = tl.minimum(tl.maximum(ratio, 1.0 - eps_low), 1.0 + eps_high)
+            capped = ratio
+            d_capped = ratio
+            if HAS_DELTA:
+                capped = tl.minimum(ratio, delta)
+                d_capped = tl.where(ratio <= delta, ratio, 0.0)
+            d_clipped = tl.where((ratio >= 1.0 - eps_low) & (ratio <= 1.0 + eps_high), ratio, 0.0)
+            s1 = capped * adv
+            s2 = clipped * adv
+            loss = -tl.minimum(s1, s2)
+            d_min = tl.where(s1 < s2, d_capped, tl.where(s2 < s1, d_clipped, 0.5 * (d_capped + d_clipped)))
+            dlogp = -adv * d_min
+        elif POLICY == 1:  # cispo: −sg(min(ρ, ε_high))·A·logp
+            weight = tl.minimum(ratio, eps_high)
+            loss = -weight * adv * logp
+            dlogp = -weight * adv
+        else:  # sapo: −σ(τ(ρ − 1))·4/τ·A
+            tau = tl.where(adv > 0, tau_pos, tau_neg)
+            gate = tl.sigmoid(tau * (ratio - 1.0))
+            loss = -gate * 4.0 / tau * adv
+            dlogp = -adv * 4.0 * gate * (1.0 - gate) * ratio
+        if HAS_IS:
+            is_weight = tl.load(is_ptr + b * is_stride_b + t * is_stride_t)
+            loss = loss * is_weight
+            dlogp = dlogp * is_weight
+        if HAS_KL:  # β·k3, k3 = expm1(d) − d, d = ref − logp; d k3 / d logp = −expm1(d) = −(k3 + d)
+            d = tl.load(ref_ptr + row) - logp
+            kl = _k3(d)
+            d_kl = -(kl + d)
+            if BIAS_CORRECTION:  # k3·ρ (ρ not detached)
+                d_kl = d_kl * ratio + kl * ratio
+                kl = kl * ratio
+            loss += beta * kl
+            dlogp += beta * d_kl
+        weight = tl.load(weights_ptr + row)
+        loss = loss * weight
+        dlogp = dlogp * weight
+    tl.store(logp_ptr + row, logp)
+    tl.store(lse_ptr + row, lse)
+    tl.store(loss_ptr + row, loss)
+    tl.store(dlogp_ptr + row, dlogp)
+    if WITH_ENTROPY:
+        tl.store(entropy_ptr + row, entropy)
+
+
+def grpo_loss_fwd(
+    logits: Tensor,
+    targets: Tensor,
+    mask: Tensor,
+    weights: Tensor,
+    advantages: Tensor,
+    old_logp: Tensor | None,
+    ref_logp: Tensor | None,
+    is_ratio: Tensor | None,
+    epilogue,
+    temperature: float,
+    with_entropy: bool,
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor]:
+    """One pass: logp, lse, entropy|None, weighted per-token loss, weighted dL/dlogp, each [B, T] float32.
+
+    weights, old/ref [B, T] float32 contiguous; advantages / is_ratio [B, T] views (stride 0 in T for per-sequence
+    values); `epilogue` a `TokenEpilogue` (the policy kind and its hyperparameters).
+    """
+    B, T, V = logits.shape
+    logp = weights.new_empty((B, T))  # [B, T]
+    lse, loss, dlogp = (weights.new_empty((B, T)) for _ in range(3))  # [B, T] each
+    entropy = weights.new_empty((B, T)) if with_entropy else None  # [B, T]
+    block_v = block_v_for(V)
+    _grpo_loss_fwd_kernel[(B * T,)](
+        logits,
+        logits.stride(0),
+        logits.stride(1),
+        targets.contiguous(),
+        mask.contiguous(),
+        weights,
+        advantages,
+        advantages.stride(0),
+        advantages.stride(1),
+        logp if old_logp is None else old_logp,
+        logp if ref_logp is None else ref_logp,
+        logp if is_ratio is None else is_ratio,
+        0 if is_ratio is None else is_ratio.stride(0),
+        0 if is_ratio is None else is_ratio.stride(1),
+        logp,
+        lse,
+        logp if entropy is None else entropy,
+        loss,
+        dlogp,
+        T,
+        V,
+        1.0 / temperature,
+        epilogue.eps_low,
+        epilogue.eps_high,
+        1.0 if epilogue.delta is None else epilogue.delta,
+        epilogue.beta,
+        epilogue.tau_pos,
+        epilogue.tau_neg,
+        POLICY=EPILOGUES[epilogue.kind],
+        HAS_OLD=old_logp is not None,
+        HAS_DELTA=epilogue.delta is not None,
+        HAS_KL=epilogue.beta != 0.0,
+        BIAS_CORRECTION=epilogue.bias_correction,
+        HAS_IS=is_ratio is not None,
+        WITH_ENTROPY=with_entropy,
+        BLOCK_V=block_v,
+        num_warps=num_warps_for(block_v),
+    )
+    return logp, lse, entropy, loss, dlogp
