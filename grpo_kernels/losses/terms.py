@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 from grpo_kernels.options import LossOptions
@@ -39,11 +40,22 @@ def build_terms(
     is_ratio: Tensor | None,
     options: LossOptions,
 ) -> TokenTerms:
-    """Promote shapes ([B] -> [B, 1]) and dtypes (to logp's), and form the importance ratio at its level."""
+    """Promote shapes ([B] -> [B, 1]) and dtypes (to logp's), and form the importance ratio at its level.
+
+    Padding never reaches the loss, not even as inf or NaN: where the mask is 0, old and ref log-probs are
+    taken equal to logp (log-ratio 0, KL 0), and per-token advantages and IS weights to 0 and 1.
+    """
     dtype = logp.dtype
-    old_logp = logp.detach() if old_logp is None else old_logp.to(dtype)  # [B, T]
+    keep = mask.bool()  # [B, T]
     mask = mask.to(dtype)  # [B, T]
-    advantages = per_sequence_or_token(advantages).to(dtype)  # [B, 1] or [B, T]
+
+    def at_padding(x: Tensor, fill) -> Tensor:  # per-token x gets `fill` where the mask is 0
+        return torch.where(keep, x.to(dtype), fill) if x.shape == keep.shape else x.to(dtype)
+
+    old_logp = logp.detach() if old_logp is None else at_padding(old_logp, logp.detach())  # [B, T]
+    ref_logp = None if ref_logp is None else at_padding(ref_logp, logp.detach())  # [B, T]
+    advantages = at_padding(per_sequence_or_token(advantages), 0.0)  # [B, 1] or [B, T]
+    is_ratio = None if is_ratio is None else at_padding(per_sequence_or_token(is_ratio), 1.0)  # [B, 1] or [B, T]
     token_log_ratio = logp - old_logp  # [B, T]
     if options.importance_sampling_level == "sequence":  # GSPO: masked mean of the log-ratio per sequence
         log_ratio = (token_log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)  # [B, 1]
@@ -52,11 +64,11 @@ def build_terms(
     return TokenTerms(
         logp=logp,
         old_logp=old_logp,
-        ref_logp=None if ref_logp is None else ref_logp.to(dtype),
+        ref_logp=ref_logp,
         advantages=advantages,
         mask=mask,
         entropy=None if entropy is None else entropy.detach(),
-        is_ratio=None if is_ratio is None else per_sequence_or_token(is_ratio).to(dtype),
+        is_ratio=is_ratio,
         log_ratio=log_ratio,
         ratio=log_ratio.exp(),
     )
