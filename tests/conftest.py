@@ -15,7 +15,7 @@ from grpo_kernels.vocab import backends  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 BACKENDS = ("torch", "triton")
-DTYPES = (torch.float32, torch.bfloat16)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # Relative tolerance by input dtype: max |actual − expected| <= RTOL · max(max |expected|, 1e-6 ... see assert_close)
 RTOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 2e-2}
