@@ -96,31 +96,39 @@ def grpo_loss(
     checks.check_loss_inputs(B, T, logits.device, advantages, old_logp, ref_logp, is_ratio, options)
     need_entropy = with_entropy or options.top_entropy_quantile < 1.0
     opts = VocabPassOptions(backend, options.temperature, need_entropy, inplace)
-    spec = POLICY_LOSSES[options.loss_type]
-    if backend == "triton" and _token_level(options) and spec.epilogue is not None:
-        # one pass: the token's loss and dL/dlogp come out of the forward kernel's epilogue
-        weights = NORMALISERS[spec.normaliser](mask.float(), options)  # [B, T]
-        epilogue = TokenEpilogue(
-            spec.epilogue,
-            options.epsilon_low,
-            options.clip_high,
-            options.delta,
-            options.beta,
-            options.sapo_temperature_pos,
-            options.sapo_temperature_neg,
-            options.use_bias_correction_kl,
-        )
-        adv, is_w = per_sequence_or_token(advantages), per_sequence_or_token(is_ratio)
-        loss, logp, entropy = fused_token_loss(
-            logits, targets, mask, weights, adv, old_logp, ref_logp, is_w, opts, epilogue
-        )
-        terms = build_terms(logp, old_logp, ref_logp, advantages, mask, entropy, is_ratio, options)
-        return GRPOLossOutput(loss, loss_metrics(terms, options))
+    if backend == "triton" and _token_level(options):
+        return _fused_grpo_loss(logits, targets, advantages, old_logp, ref_logp, mask, is_ratio, opts, options)
     logp, entropy = vocab_pass(logits, targets, mask, opts)  # [B, T] each
     terms = build_terms(logp, old_logp, ref_logp, advantages, mask, entropy, is_ratio, options)
     return compute_loss(terms, options)
 
 
 def _token_level(options: LossOptions) -> bool:
-    """Whether each token's loss depends on that token alone (no per-sequence or batch reduction before it)."""
-    return options.importance_sampling_level == "token" and options.top_entropy_quantile == 1.0
+    """Whether each token's loss depends on that token alone and the Triton epilogue implements it."""
+    return (
+        POLICY_LOSSES[options.loss_type].epilogue is not None
+        and options.importance_sampling_level == "token"
+        and options.top_entropy_quantile == 1.0
+    )
+
+
+def _fused_grpo_loss(logits, targets, advantages, old_logp, ref_logp, mask, is_ratio, opts, options) -> GRPOLossOutput:
+    """One Triton pass: each token's weighted loss and dL/dlogp come out of the forward kernel's epilogue."""
+    spec = POLICY_LOSSES[options.loss_type]
+    weights = NORMALISERS[spec.normaliser](mask.float(), options)  # [B, T]
+    epilogue = TokenEpilogue(
+        spec.epilogue,
+        options.epsilon_low,
+        options.clip_high,
+        options.delta,
+        options.beta,
+        options.sapo_temperature_pos,
+        options.sapo_temperature_neg,
+        options.use_bias_correction_kl,
+    )
+    adv, is_w = per_sequence_or_token(advantages), per_sequence_or_token(is_ratio)  # [B, 1] or [B, T]
+    loss, logp, entropy = fused_token_loss(
+        logits, targets, mask, weights, adv, old_logp, ref_logp, is_w, opts, epilogue
+    )
+    terms = build_terms(logp, old_logp, ref_logp, advantages, mask, entropy, is_ratio, options)  # for the metrics
+    return GRPOLossOutput(loss, loss_metrics(terms, options))
