@@ -53,6 +53,24 @@ def check_per_token_float(name: str, x: Tensor | None, B: int, T: int, device, p
         raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
 
 
+def check_packed(name: str, x: Tensor | None, shapes, labels, device, floating: bool = True) -> None:
+    """A packed-layout tensor of one of `shapes` on the device of logits (float unless told); None passes."""
+    if x is None:
+        return
+    _check_like(name, x, shapes, labels, device)
+    if floating and not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
+
+
+def check_per_sequence_float(name: str, x: Tensor | None, B: int, device) -> None:
+    """A float tensor [B] on the device of logits; None passes."""
+    if x is None:
+        return
+    _check_like(name, x, ((B,),), ("[B]",), device)
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
+
+
 def check_mask(mask: Tensor, B: int, T: int, device) -> None:
     """A [B, T] bool tensor, or numbers that are all 0 or 1."""
     _check_like("mask", mask, ((B, T),), ("[B, T]",), device)

@@ -7,9 +7,14 @@ from dataclasses import dataclass
 
 import torch
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+TRL_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+LOSS_TYPES = (*TRL_LOSS_TYPES, "gpg", "gspo_token", "gmpo", "tic_grpo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 CLIP_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+CLIPPED_SURROGATE_TYPES = (*CLIP_LOSS_TYPES, "gspo_token", "tic_grpo")  # where delta and clip_ratio_c act
+TOKEN_LEVEL_ONLY_TYPES = ("vespo", "gspo_token", "tic_grpo")  # they form their own sequence weight
+KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 @dataclass(frozen=True)
@@ -33,6 +38,13 @@ class LossOptions:
     vespo_k_neg: float = 3.0  # VESPO gamma shape for A < 0
     vespo_lambda_neg: float = 2.0  # VESPO gamma rate for A < 0
     top_entropy_quantile: float = 1.0  # keep only tokens in the top entropy quantile (arXiv:2506.01939)
+    kl_estimator: str = "k3"  # k1, k2, k3 (TRL's) or low_var_kl (k3 clamped to ±10, verl)
+    clip_ratio_c: float | None = None  # dual-clip PPO: loss capped at −A·c where A < 0 (arXiv:1912.09729); > 1
+    cispo_two_sided: bool = False  # cispo weight clip(ρ, 1 − ε_low, 1 + ε_high) instead of TRL's min(ρ, ε_high)
+    entropy_coef: float = 0.0  # entropy bonus: loss − coef · mean entropy of the kept tokens (TRL semantics)
+    loss_agg_mode: str | None = None  # verl's aggregation, overriding the loss type's normaliser (None: keep it)
+    num_sequences_in_batch: float | torch.Tensor | None = None  # seq-mean modes' sequence count; None: this batch's
+    loss_scale_factor: float | None = None  # seq-mean-token-sum-norm's constant; None: T (verl's default)
 
     def __post_init__(self) -> None:
         _check_choice("loss_type", self.loss_type, LOSS_TYPES)
@@ -46,22 +58,35 @@ class LossOptions:
             raise ValueError(f"epsilon_high must be >= 0 or None, got {self.epsilon_high}")
         if not 0.0 <= self.top_entropy_quantile <= 1.0:
             raise ValueError(f"top_entropy_quantile must be in [0, 1], got {self.top_entropy_quantile}")
+        _check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        if self.loss_agg_mode is not None:
+            _check_choice("loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
+        for name in ("delta", "clip_ratio_c"):
+            if getattr(self, name) is not None and self.loss_type not in CLIPPED_SURROGATE_TYPES:
+                raise ValueError(
+                    f"{name} applies to loss_type in {CLIPPED_SURROGATE_TYPES}, got loss_type={self.loss_type!r}"
+                )
         if self.delta is not None:
-            if self.loss_type not in CLIP_LOSS_TYPES:
-                raise ValueError(f"delta applies to loss_type in {CLIP_LOSS_TYPES}, got loss_type={self.loss_type!r}")
             _check_positive("delta", self.delta)
+        if self.clip_ratio_c is not None and not self.clip_ratio_c > 1.0:
+            raise ValueError(f"clip_ratio_c must be > 1 (dual-clip), got {self.clip_ratio_c}")
+        if self.cispo_two_sided and self.loss_type != "cispo":
+            raise ValueError(f"cispo_two_sided applies to loss_type='cispo', got loss_type={self.loss_type!r}")
+        if self.loss_scale_factor is not None:
+            _check_positive("loss_scale_factor", self.loss_scale_factor)
         if self.loss_type == "dr_grpo":
             if self.max_completion_length is None or self.max_completion_length <= 0:
                 raise ValueError(
                     f"loss_type='dr_grpo' needs max_completion_length > 0, got {self.max_completion_length}"
                 )
-        if self.loss_type == "vespo" and self.importance_sampling_level != "token":
+        if self.loss_type in TOKEN_LEVEL_ONLY_TYPES and self.importance_sampling_level != "token":
             raise ValueError(
-                "loss_type='vespo' computes its own sequence weight: importance_sampling_level must be 'token'"
+                f"loss_type={self.loss_type!r} forms its own sequence weight: importance_sampling_level must be 'token'"
             )
-        if self.num_items_in_batch is not None and not isinstance(self.num_items_in_batch, torch.Tensor):
-            if self.num_items_in_batch <= 0:
-                raise ValueError(f"num_items_in_batch must be > 0, got {self.num_items_in_batch}")
+        for name in ("num_items_in_batch", "num_sequences_in_batch"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, torch.Tensor) and value <= 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
 
     @property
     def clip_high(self) -> float:

@@ -6,7 +6,18 @@ loss from its formula rather than reusing `losses/`. It is slow and obvious on p
 everything in float64, no chunking, no custom autograd.
 
 Semantics are those of TRL's `GRPOTrainer._compute_loss` for one process without gradient accumulation
-(`num_processes = 1`, `current_gradient_accumulation_steps = 1`, `steps_per_generation = 1`).
+(`num_processes = 1`, `current_gradient_accumulation_steps = 1`, `steps_per_generation = 1`), extended with verl's
+options (kl_estimator, clip_ratio_c, cispo_two_sided, loss_agg_mode), the loss types gpg, gspo_token, gmpo and
+tic_grpo, token/sequence weights and per-sequence losses, as the project's semantics contract defines them.
+
+It deviates from TRL only at numerical extremes, at padding and at T = 1:
+- log importance ratios are clamped to [-20, 20] before exp (verl's clamp): per token, and after the masked mean
+  or sum for sequence ratios (GSPO, gspo_token, tic_grpo, gmpo); k3's d = ref - logp is clamped to [-20, 20]
+  likewise. No gradient flows outside a clamp.
+- vespo's per-token IS ratio is masked at padding (TRL sums it there, where its rollouts put 1).
+- at T = 1 a per-sequence metric is taken as a token mean (TRL's shape test cannot tell the two apart).
+- the entropy bonus divides by the kept-token count for every loss type (TRL: dapo/cispo/vespo by
+  num_items_in_batch, which is that count unless given).
 """
 
 from __future__ import annotations
@@ -17,8 +28,12 @@ import torch
 from torch import Tensor
 
 F64 = torch.float64
-CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
-LOSS_TYPES = (*CLIPPED_LOSS_TYPES, "cispo", "sapo", "vespo")
+CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "gspo_token", "tic_grpo")  # PPO clip surrogate
+SEQUENCE_MEAN_TYPES = ("grpo", "sapo", "gspo_token", "tic_grpo", "gmpo")  # each sequence's token mean, mean over B
+LOSS_TYPES = (*CLIPPED_LOSS_TYPES, "cispo", "sapo", "vespo", "gpg", "gmpo")
+KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LOG_CLAMP = 20.0  # |log ratio| and |ref - logp| bound (verl)
 
 
 def token_logprobs(logits: Tensor, targets: Tensor, *, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
@@ -83,6 +98,21 @@ def _global_mean(x: Tensor, mask: Tensor) -> Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1.0)
 
 
+def _kl_estimate(logp: Tensor, ref_logp: Tensor, estimator: str) -> Tensor:
+    """Per-token estimate of KL(pi || ref) at the sampled token (Schulman 2020; verl's kl_penalty_forward). [B, T]
+
+    k1 = logp - ref;  k2 = (logp - ref)^2 / 2;  k3 = e^d - d - 1 with d = clamp(ref - logp, -20, 20);
+    low_var_kl = clamp(k3, -10, 10).
+    """
+    if estimator == "k1":
+        return logp - ref_logp
+    if estimator == "k2":
+        return 0.5 * (logp - ref_logp) ** 2
+    d = (ref_logp - logp).clamp(-LOG_CLAMP, LOG_CLAMP)  # [B, T]
+    k3 = d.exp() - d - 1.0  # [B, T]
+    return k3 if estimator == "k3" else k3.clamp(-10.0, 10.0)
+
+
 def grpo_loss(
     logits: Tensor,
     targets: Tensor,
@@ -109,8 +139,19 @@ def grpo_loss(
     vespo_k_neg: float = 3.0,
     vespo_lambda_neg: float = 2.0,
     top_entropy_quantile: float = 1.0,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """TRL's GRPO loss on `logits [B, T, V]`, all in float64. Returns (0-dim loss, dict of detached 0-dim metrics).
+    kl_estimator: str = "k3",
+    clip_ratio_c: float | None = None,
+    cispo_two_sided: bool = False,
+    entropy_coef: float = 0.0,
+    loss_agg_mode: str | None = None,
+    num_sequences_in_batch: float | Tensor | None = None,
+    loss_scale_factor: float | None = None,
+    token_weights: Tensor | None = None,
+    sequence_weights: Tensor | None = None,
+    return_sequence_losses: bool = False,
+) -> tuple[Tensor, dict[str, Tensor]] | tuple[Tensor, dict[str, Tensor], Tensor]:
+    """TRL's GRPO loss on `logits [B, T, V]`, all in float64. Returns (0-dim loss, dict of detached 0-dim metrics),
+    and the per-sequence losses [B] (summing to the loss before the entropy bonus) when `return_sequence_losses`.
 
     The metrics always include `entropy`; tests compare only the keys the implementation returned.
     """
@@ -118,6 +159,14 @@ def grpo_loss(
         raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
     if importance_sampling_level not in ("token", "sequence"):
         raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', got {importance_sampling_level!r}")
+    if loss_type in ("gspo_token", "tic_grpo") and importance_sampling_level != "token":
+        raise ValueError(f"loss_type={loss_type!r} needs importance_sampling_level='token'")
+    if kl_estimator not in KL_ESTIMATORS:
+        raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
+    if loss_agg_mode is not None and loss_agg_mode not in LOSS_AGG_MODES:
+        raise ValueError(f"loss_agg_mode must be None or one of {LOSS_AGG_MODES}, got {loss_agg_mode!r}")
+    if clip_ratio_c is not None and not clip_ratio_c > 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1, got {clip_ratio_c}")
     if beta != 0.0 and ref_logp is None:
         raise ValueError("ref_logp is required when beta != 0")
     if loss_type == "dr_grpo" and max_completion_length is None:
@@ -128,48 +177,77 @@ def grpo_loss(
     logp, entropy = token_logprobs(logits, targets, temperature=temperature)  # [B, T], [B, T]
     B, T = logp.shape
     m = torch.ones(B, T, dtype=F64) if mask is None else mask.to(F64)  # [B, T]
+    n = m.sum(-1, keepdim=True)  # [B, 1]   kept tokens per sequence
     A = advantages.double()
     A = A.unsqueeze(1) if A.dim() == 1 else A  # [B, 1] or [B, T]
     old = logp.detach() if old_logp is None else old_logp.double()  # [B, T]
     is_w = None if is_ratio is None else is_ratio.double()
     is_w = is_w.unsqueeze(1) if is_w is not None and is_w.dim() == 1 else is_w  # [B, T] or [B, 1]
 
-    # Importance weight w = exp(log_w); token: log_w_t = logp_t - old_t; sequence (GSPO): masked mean over t.
+    # Importance weight w = exp(clamp(log_w, -20, 20)); token: log_w_t = logp_t - old_t; sequence (GSPO): masked mean.
     log_ratio = logp - old  # [B, T]
-    if importance_sampling_level == "token":
-        log_w = log_ratio  # [B, T]
-    else:
-        log_w = ((log_ratio * m).sum(-1) / m.sum(-1).clamp(min=1.0)).unsqueeze(-1)  # [B, 1]
-    coef_1 = log_w.exp()  # [B, T] or [B, 1]
+    seq_log_ratio = (log_ratio * m).sum(-1, keepdim=True) / n.clamp(min=1.0)  # [B, 1]
+    log_w = log_ratio if importance_sampling_level == "token" else seq_log_ratio  # [B, T] or [B, 1]
+    coef_1 = log_w.clamp(-LOG_CLAMP, LOG_CLAMP).exp()  # [B, T] or [B, 1]
 
-    # k3 estimator of KL(pi || ref): exp(ref - logp) - (ref - logp) - 1, optionally times the (undetached) ratio.
+    # KL(pi || ref) estimate, optionally times the (undetached) ratio.
     kl = None
     if beta != 0.0:
-        d = ref_logp.double() - logp  # [B, T]
-        kl = d.exp() - d - 1.0  # [B, T]
+        kl = _kl_estimate(logp, ref_logp.double(), kl_estimator)  # [B, T]
         if use_bias_correction_kl:
             kl = kl * coef_1  # [B, T]
 
     phi = None
-    ratio_for_clip = coef_1  # the ratio the clip metrics look at
+    dual_clipped = None
+    ratio_for_clip = coef_1  # the ratio the trust-region clip metrics look at
+    ratio_logged = coef_1  # the ratio of the "ratio/mean" metric
     if loss_type in CLIPPED_LOSS_TYPES:
+        if loss_type == "gspo_token":
+            # GSPO-token: s_t = sg(s) * pi_t / sg(pi_t): the value of GSPO's sequence ratio s, a gradient per token.
+            ratio = (seq_log_ratio.detach() + logp - logp.detach()).clamp(-LOG_CLAMP, LOG_CLAMP).exp()  # [B, T]
+        elif loss_type == "tic_grpo":
+            # TIC-GRPO: the trajectory ratio prod_t w_t (not length-normalised), one per sequence.
+            ratio = (log_ratio * m).sum(-1, keepdim=True).clamp(-LOG_CLAMP, LOG_CLAMP).exp()  # [B, 1]
+        else:
+            ratio = coef_1
         # PPO clip: -min(w * A, clamp(w, 1 - eps_low, 1 + eps_high) * A); delta caps the unclipped w (INTELLECT-2).
-        coef_2 = coef_1.clamp(1.0 - eps_low, 1.0 + eps_high)
-        capped = coef_1 if delta is None else coef_1.clamp(max=delta)
+        coef_2 = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+        capped = ratio if delta is None else ratio.clamp(max=delta)
         per_token_loss = -torch.min(capped * A, coef_2 * A)
-        ratio_for_clip = capped
+        if clip_ratio_c is not None:
+            # Dual clip (arXiv:1912.09729): where A < 0 the loss is also capped at -A * c.
+            dual_clipped = (A < 0) & (per_token_loss > -A * clip_ratio_c)
+            per_token_loss = torch.where(A < 0, torch.min(per_token_loss, -A * clip_ratio_c), per_token_loss)
+        ratio_for_clip, ratio_logged = capped, ratio
     elif loss_type == "cispo":
-        # CISPO: -sg(min(w, eps_high)) * A * logp
-        per_token_loss = -coef_1.clamp(max=eps_high).detach() * A * logp
+        # CISPO: -sg(min(w, eps_high)) * A * logp; two-sided: -sg(clamp(w, 1 - eps_low, 1 + eps_high)) * A * logp
+        weight = coef_1.clamp(1.0 - eps_low, 1.0 + eps_high) if cispo_two_sided else coef_1.clamp(max=eps_high)
+        per_token_loss = -weight.detach() * A * logp
     elif loss_type == "sapo":
         # SAPO soft gate: -(sigmoid(tau * (w - 1)) * 4 / tau) * A, tau = tau_pos if A > 0 else tau_neg
         tau = _pick(A > 0, sapo_temperature_pos, sapo_temperature_neg)
         per_token_loss = -(torch.sigmoid(tau * (coef_1 - 1.0)) * 4.0 / tau) * A
-    else:
+    elif loss_type == "vespo":
         # VESPO: -phi(w_seq) * A * logp with phi detached; the IS ratio enters phi, not the product below.
         phi = _vespo_phi(A, log_ratio.detach(), m, is_w, vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg)
         per_token_loss = -phi * A * logp
+    elif loss_type == "gpg":
+        # GPG: plain policy gradient -A * logp, no ratio, no clip.
+        per_token_loss = -A * logp
+    else:
+        # GMPO: L_i = -mean_t(A) * exp(mean_t(lr_min)); the token log-ratio lr is clipped to [-eps_low, eps_high] in
+        # log space, on the side the sign of A selects: lr_min = sign(A) * min(sign(A) * lr, sign(A) * lr_c).
+        # Means divide by max(sum_t m, 1) (verl: sum_t m + 1e-8, the same for non-empty rows); the mean log-ratio
+        # gets the uniform +-20 clamp.
+        sign = A.expand(B, T).sign()  # [B, T]
+        lr_c = log_ratio.clamp(-eps_low, eps_high)  # [B, T]
+        lr_min = sign * torch.min(sign * log_ratio, sign * lr_c)  # [B, T]
+        ratio = ((lr_min * m).sum(-1, keepdim=True) / n.clamp(min=1.0)).clamp(-LOG_CLAMP, LOG_CLAMP).exp()  # [B, 1]
+        A_seq = (A.expand(B, T) * m).sum(-1, keepdim=True) / n.clamp(min=1.0)  # [B, 1]
+        per_token_loss = -A_seq * ratio  # [B, 1]
+        ratio_logged = ratio
 
+    m_eff = m  # the kept tokens, for the entropy bonus
     if top_entropy_quantile < 1.0:
         # Keep only tokens whose entropy is >= the (1 - q)-quantile of the valid tokens' entropies.
         ent = entropy.detach()
@@ -180,41 +258,72 @@ def grpo_loss(
         else:
             entropy_mask = torch.zeros(B, T, dtype=torch.bool)
         per_token_loss = per_token_loss * entropy_mask
+        m_eff = m * entropy_mask  # [B, T]
 
     if is_w is not None and loss_type != "vespo":
         per_token_loss = per_token_loss * is_w  # vLLM importance-sampling correction
     if kl is not None:
         per_token_loss = per_token_loss + beta * kl
+    if token_weights is not None:
+        per_token_loss = per_token_loss * token_weights.double()  # [B, T]
+    if sequence_weights is not None:
+        per_token_loss = per_token_loss * sequence_weights.double().unsqueeze(-1)  # [B, T] or [B, 1]
     # per_token_loss is [B, T], or [B, 1] when nothing above broadcast it; it broadcasts against m [B, T].
 
-    masked_sum = per_token_loss * m  # [B, T]
-    if loss_type in ("grpo", "sapo"):
-        loss = (masked_sum.sum(-1) / m.sum(-1).clamp(min=1.0)).mean()  # mean_b (sum_t L m / sum_t m)
-    elif loss_type == "bnpo":
-        loss = masked_sum.sum() / m.sum().clamp(min=1.0)  # sum L m / sum m
-    elif loss_type == "dr_grpo":
-        loss = masked_sum.sum() / (B * max_completion_length)  # sum L m / (B * T_max)
-    elif loss_type == "luspo":
-        loss = masked_sum.sum(-1).mean()  # mean_b sum_t L m
-    else:  # dapo, cispo, vespo: sum L m / max(N, 1), N = num_items_in_batch or sum m
-        n_items = m.sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch, dtype=F64)
-        loss = masked_sum.sum() / n_items.clamp(min=1.0)
+    # loss = sum_i seq_losses_i, seq_losses_i = (sum_t L m) / Z_i with Z_i the normaliser's share for sequence i.
+    row = (per_token_loss * m).sum(-1)  # [B]   sum_t L m
+    n_seq = n.squeeze(-1)  # [B]
+    n_items = m.sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch, dtype=F64)
+    n_seqs = (n_seq > 0).sum().to(F64)  # S: the non-empty sequences
+    if num_sequences_in_batch is not None:
+        n_seqs = torch.as_tensor(num_sequences_in_batch, dtype=F64)
+    if loss_agg_mode is None and loss_type in SEQUENCE_MEAN_TYPES:
+        seq_losses = row / n_seq.clamp(min=1.0) / B  # mean_b (sum_t L m / sum_t m)
+    elif loss_agg_mode is None and loss_type == "bnpo":
+        seq_losses = row / m.sum().clamp(min=1.0)  # sum L m / sum m
+    elif loss_agg_mode is None and loss_type == "dr_grpo":
+        seq_losses = row / (B * max_completion_length)  # sum L m / (B * T_max)
+    elif loss_agg_mode is None and loss_type == "luspo":
+        seq_losses = row / B  # mean_b sum_t L m
+    elif loss_agg_mode in (None, "token-mean"):  # and dapo, cispo, vespo, gpg: sum L m / max(N, 1)
+        seq_losses = row / n_items.clamp(min=1.0)
+    elif loss_agg_mode == "token-sum":
+        seq_losses = row  # sum L m
+    elif loss_agg_mode == "seq-mean-token-sum":
+        seq_losses = row / n_seqs.clamp(min=1.0)  # sum_i (sum_t L m) / max(S, 1)
+    elif loss_agg_mode == "seq-mean-token-mean":
+        seq_losses = row / n_seq.clamp(min=1.0) / n_seqs.clamp(min=1.0)  # sum_i (sum_t L m / sum_t m) / max(S, 1)
+    else:  # seq-mean-token-sum-norm
+        seq_losses = row / (T if loss_scale_factor is None else loss_scale_factor)  # sum L m / factor
+    loss = seq_losses.sum()
+    if entropy_coef != 0.0:
+        # Entropy bonus: minus coef times the mean entropy of the kept tokens; its gradient reaches the logits.
+        loss = loss - entropy_coef * (entropy * m_eff).sum() / m_eff.sum().clamp(min=1.0)
 
-    metrics = {"entropy": _global_mean(entropy, m), "ratio/mean": _global_mean(coef_1, m)}
+    metrics = {"entropy": _global_mean(entropy, m), "ratio/mean": _global_mean(ratio_logged, m)}
     if kl is not None:
         metrics["kl"] = _global_mean(kl, m)
-    if loss_type == "cispo":
+    if loss_type == "cispo" and cispo_two_sided:
+        low = coef_1 < 1.0 - eps_low
+        high = coef_1 > 1.0 + eps_high
+    elif loss_type == "cispo":
         high = (coef_1 > eps_high) & (A > 0)
-        metrics["clip_ratio/low_mean"] = torch.zeros((), dtype=F64)
-        metrics["clip_ratio/high_mean"] = _global_mean(high, m)
-        metrics["clip_ratio/region_mean"] = _global_mean(high, m)
-        metrics["cispo_clip_ratio"] = _global_mean(high, m)
+        low = torch.zeros_like(high)
+    elif loss_type == "gpg":
+        low = high = torch.zeros(B, T, dtype=torch.bool)
+    elif loss_type == "gmpo":
+        clipped = log_ratio != log_ratio.clamp(-eps_low, eps_high)  # [B, T]
+        low, high = clipped & (A < 0), clipped & (A > 0)
     else:
         low = (ratio_for_clip < 1.0 - eps_low) & (A < 0)
         high = (ratio_for_clip > 1.0 + eps_high) & (A > 0)
-        metrics["clip_ratio/low_mean"] = _global_mean(low, m)
-        metrics["clip_ratio/high_mean"] = _global_mean(high, m)
-        metrics["clip_ratio/region_mean"] = _global_mean(low | high, m)
+    metrics["clip_ratio/low_mean"] = _global_mean(low, m)
+    metrics["clip_ratio/high_mean"] = _global_mean(high, m)
+    metrics["clip_ratio/region_mean"] = _global_mean(low | high, m)
+    if loss_type == "cispo":
+        metrics["cispo_clip_ratio"] = metrics["clip_ratio/region_mean"]
+    if dual_clipped is not None:
+        metrics["clip_ratio/dual_mean"] = _global_mean(dual_clipped, m)
     if phi is not None:
         metrics["vespo/phi_seq_mean"] = _global_mean(phi, m)
-    return loss, metrics
+    return (loss, metrics, seq_losses) if return_sequence_losses else (loss, metrics)

@@ -1,11 +1,11 @@
 """Name -> component registries: configs select components by name, users add their own with a decorator.
 
-    ADVANTAGES = Registry("advantage estimator")
+ADVANTAGES = Registry("advantage estimator")
 
-    @ADVANTAGES.register("rloo", paper="arXiv:2402.14740")
-    def rloo(rewards, group_ids): ...
+@ADVANTAGES.register("rloo", paper="arXiv:2402.14740")
+def rloo(rewards, group_ids): ...
 
-    ADVANTAGES.get("rloo")      # the function; an unknown name is a ValueError listing the valid ones
+ADVANTAGES.get("rloo")      # the function; an unknown name is a ValueError listing the valid ones
 """
 
 from __future__ import annotations

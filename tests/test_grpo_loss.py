@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import grpo_kernels as gk
+from grpo_kernels.options import TOKEN_LEVEL_ONLY_TYPES
 from tests.cases import CASE_IDS, CASES, Case
 from tests.conftest import BACKENDS, DEVICE, DTYPES, assert_close
 from tests.helpers import loss_inputs, ours_and_oracle
@@ -27,9 +28,12 @@ def assert_matches(ours, oracle, dtype, expect_kl: bool) -> None:
         assert_close(value, ref_metrics[name], dtype, name)
 
 
-# vespo forms its own sequence weight: LossOptions refuses it at importance_sampling_level="sequence" (test_checks)
+# vespo, gspo_token and tic_grpo form their own sequence weight: LossOptions refuses them at the sequence level
 TYPE_LEVELS = [
-    (t, level) for t in gk.LOSS_TYPES for level in ("token", "sequence") if (t, level) != ("vespo", "sequence")
+    (t, level)
+    for t in gk.LOSS_TYPES
+    for level in ("token", "sequence")
+    if t not in TOKEN_LEVEL_ONLY_TYPES or level == "token"
 ]
 
 
@@ -49,7 +53,7 @@ def test_loss_types(backend, dtype, loss_type, level, launches):
         **type_options(loss_type, case.T),
     )
     assert_matches(ours, oracle, dtype, expect_kl=True)
-    fused = backend == "triton" and level == "token" and loss_type != "vespo"  # one pass: the loss in the epilogue
+    fused = backend == "triton" and level == "token" and gk.POLICY_LOSSES[loss_type].epilogue is not None
     assert launches == ({backend: 2, "fused_epilogue": 1} if fused else {backend: 2})
 
 

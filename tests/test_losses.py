@@ -31,7 +31,7 @@ import grpo_kernels as gk
 from grpo_kernels.losses.aggregate import NORMALISERS
 from grpo_kernels.losses.loss import compute_loss
 from grpo_kernels.losses.terms import build_terms
-from grpo_kernels.options import LossOptions
+from grpo_kernels.options import TOKEN_LEVEL_ONLY_TYPES, LossOptions
 
 F64 = torch.float64
 MASK = [[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]]
@@ -71,7 +71,7 @@ def run(
         tensor(is_ratio),
         options,
     )
-    out = compute_loss(terms, options)
+    out, _ = compute_loss(terms, options)
     out.loss.backward()
     return out.loss.item(), {k: v.item() for k, v in out.metrics.items()}, logp.grad.flatten().tolist()
 
@@ -314,6 +314,10 @@ GRADCHECK_OPTIONS = {
     "sapo": {},
     "luspo": {},
     "vespo": {},
+    "gpg": {},
+    "gspo_token": {},
+    "gmpo": {},
+    "tic_grpo": {},
 }
 DETACHED_WEIGHT_TYPES = ("cispo", "vespo")
 
@@ -355,9 +359,9 @@ def loss_fn(inputs: dict, on_policy: bool = False, **options):
 @pytest.mark.parametrize("loss_type", gk.LOSS_TYPES)
 def test_gradcheck(loss_type, level):
     """Full grpo_loss (vocab pass + algebra) in float64: the analytic dL/dlogits matches finite differences."""
-    if level == "sequence" and loss_type == "vespo":  # vespo forms its own sequence weight from token ratios
+    if level == "sequence" and loss_type in TOKEN_LEVEL_ONLY_TYPES:  # they form their own sequence weight
         with pytest.raises(ValueError, match="importance_sampling_level"):
-            LossOptions(loss_type="vespo", importance_sampling_level="sequence")
+            LossOptions(loss_type=loss_type, importance_sampling_level="sequence")
         return
     inputs = gradcheck_inputs()
     options = dict(GRADCHECK_OPTIONS[loss_type], loss_type=loss_type, importance_sampling_level=level)
@@ -398,7 +402,8 @@ def test_detached_weight_gradient():
 
 
 def test_registry():
-    """Every registered loss type names a known normaliser and a paper; the registry is exactly LOSS_TYPES."""
+    """Every registered loss type names a known normaliser and a paper; the registry is exactly LOSS_TYPES, and
+    TRL's types keep TRL's normalisers."""
     assert set(gk.POLICY_LOSSES) == set(gk.LOSS_TYPES)
     assert len(gk.LOSS_TYPES) == len(set(gk.LOSS_TYPES))
     for name, spec in gk.POLICY_LOSSES.items():
@@ -417,4 +422,4 @@ def test_registry():
         "vespo": "item_mean",
         "luspo": "sequence_sum_mean",
     }
-    assert {name: spec.normaliser for name, spec in gk.POLICY_LOSSES.items()} == trl
+    assert {name: gk.POLICY_LOSSES[name].normaliser for name in trl} == trl

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import grpo_kernels as gk
+from grpo_kernels.options import TRL_LOSS_TYPES
 from tests.cases import Case
 from tests.conftest import BACKENDS, DEVICE, assert_close  # ahead of liger_kernel, which imports triton
 from tests.helpers import loss_inputs
@@ -114,7 +115,7 @@ def make_options(loss_type: str, **overrides) -> gk.LossOptions:
 
 LOSS_TYPE_LEVELS = [
     pytest.param(loss_type, level, id=f"{loss_type}-{level}")
-    for loss_type in gk.LOSS_TYPES
+    for loss_type in TRL_LOSS_TYPES  # the types Liger 0.8.5 implements too
     if loss_type != "luspo"
     for level in ("token", "sequence")
     if level == "token" or loss_type in CLIPPED

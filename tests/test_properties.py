@@ -9,7 +9,13 @@ from hypothesis import strategies as st
 
 import grpo_kernels as gk
 from grpo_kernels import reference
-from grpo_kernels.options import CLIP_LOSS_TYPES, IMPORTANCE_SAMPLING_LEVELS
+from grpo_kernels.options import (
+    CLIPPED_SURROGATE_TYPES,
+    IMPORTANCE_SAMPLING_LEVELS,
+    KL_ESTIMATORS,
+    LOSS_AGG_MODES,
+    TOKEN_LEVEL_ONLY_TYPES,
+)
 from tests.conftest import DEVICE, DTYPES, RTOL, assert_close
 from tests.helpers import oracle_logits
 
@@ -34,7 +40,8 @@ def cases(draw, backend: str, extreme: bool = False) -> dict:
     epsilon_low = draw(st.floats(0.0, 0.4))
     # cispo's epsilon_high is an absolute cap on the IS weight, the others' a width above 1
     epsilon_high = draw(st.floats(0.5, 5.0) if loss_type == "cispo" else st.none() | st.floats(0.0, 0.5))
-    level = "token" if loss_type == "vespo" else draw(st.sampled_from(IMPORTANCE_SAMPLING_LEVELS))  # vespo: token only
+    token_only = loss_type in TOKEN_LEVEL_ONLY_TYPES  # they form their own sequence weight
+    level = "token" if token_only else draw(st.sampled_from(IMPORTANCE_SAMPLING_LEVELS))
     options = {
         "loss_type": loss_type,
         "epsilon_low": epsilon_low,
@@ -46,8 +53,15 @@ def cases(draw, backend: str, extreme: bool = False) -> dict:
     }
     if options["beta"]:
         options["use_bias_correction_kl"] = draw(st.booleans())
-    if loss_type in CLIP_LOSS_TYPES and draw(st.booleans()):
+        options["kl_estimator"] = draw(st.sampled_from(KL_ESTIMATORS))
+    if loss_type in CLIPPED_SURROGATE_TYPES and draw(st.booleans()):
         options["delta"] = 1.0 + (epsilon_low if epsilon_high is None else epsilon_high) + draw(st.floats(0.01, 1.0))
+    if loss_type in CLIPPED_SURROGATE_TYPES and draw(st.booleans()):
+        options["clip_ratio_c"] = draw(st.floats(1.05, 4.0))
+    if loss_type == "cispo":
+        options["cispo_two_sided"] = draw(st.booleans())
+    options["entropy_coef"] = draw(st.sampled_from((0.0, 0.1)))
+    options["loss_agg_mode"] = draw(st.none() | st.sampled_from(LOSS_AGG_MODES))
     if loss_type == "dr_grpo":
         options["max_completion_length"] = T + draw(st.integers(0, 3))
     if loss_type in ("dapo", "cispo", "vespo"):

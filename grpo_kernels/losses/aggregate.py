@@ -42,10 +42,49 @@ def sequence_sum_mean(mask: Tensor, options: LossOptions) -> Tensor:
     return mask / mask.shape[0]  # [B, T]
 
 
+def _sequences(mask: Tensor, options: LossOptions) -> Tensor:
+    """`num_sequences_in_batch`, or this batch's count of sequences with at least one kept token, at least 1."""
+    if options.num_sequences_in_batch is None:
+        return (mask.sum(-1) > 0).sum().to(mask.dtype).clamp(min=1.0)
+    return torch.as_tensor(options.num_sequences_in_batch).to(mask.device, mask.dtype).clamp(min=1.0)
+
+
+def token_sum(mask: Tensor, options: LossOptions) -> Tensor:
+    """Z = 1: the plain masked token sum (verl `token-sum`)."""
+    return mask  # [B, T]
+
+
+def seq_mean_token_sum(mask: Tensor, options: LossOptions) -> Tensor:
+    """Z = S: token sums averaged over the S non-empty sequences (verl `seq-mean-token-sum`)."""
+    return mask / _sequences(mask, options)  # [B, T]
+
+
+def seq_mean_token_mean(mask: Tensor, options: LossOptions) -> Tensor:
+    """Z = S · |o_b|: token means averaged over the S non-empty sequences (verl `seq-mean-token-mean`)."""
+    return mask / (mask.sum(-1, keepdim=True).clamp(min=1.0) * _sequences(mask, options))  # [B, T]
+
+
+def seq_mean_token_sum_norm(mask: Tensor, options: LossOptions) -> Tensor:
+    """Z = `loss_scale_factor` (default T): Dr.GRPO's constant normaliser (verl `seq-mean-token-sum-norm`)."""
+    factor = mask.shape[-1] if options.loss_scale_factor is None else options.loss_scale_factor
+    return mask / factor  # [B, T]
+
+
 NORMALISERS: dict[str, Normaliser] = {
     "sequence_mean": sequence_mean,
     "token_mean": token_mean,
     "item_mean": item_mean,
     "constant_length": constant_length,
     "sequence_sum_mean": sequence_sum_mean,
+    # verl's loss_agg_mode names, which override a loss type's own normaliser
+    "token-mean": item_mean,
+    "token-sum": token_sum,
+    "seq-mean-token-sum": seq_mean_token_sum,
+    "seq-mean-token-mean": seq_mean_token_mean,
+    "seq-mean-token-sum-norm": seq_mean_token_sum_norm,
 }
+
+
+def token_weights_for(mask: Tensor, normaliser: str, options: LossOptions) -> Tensor:
+    """ω [B, T] of the loss: `loss_agg_mode` when set, else the loss type's own `normaliser`."""
+    return NORMALISERS[options.loss_agg_mode or normaliser](mask, options)

@@ -1,4 +1,5 @@
-"""compute_loss: per-token policy term -> entropy selection -> IS weight -> KL -> normaliser, and the metrics."""
+"""compute_loss: per-token policy term -> entropy selection -> IS weight -> KL -> weights -> normaliser, plus the
+entropy bonus and the metrics. TRL's order of operations; every step a few lines."""
 
 from __future__ import annotations
 
@@ -7,10 +8,10 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from grpo_kernels.losses.aggregate import NORMALISERS
+from grpo_kernels.losses.aggregate import token_weights_for
 from grpo_kernels.losses.entropy import high_entropy_mask
 from grpo_kernels.losses.kl import kl_penalty
-from grpo_kernels.losses.policy import POLICY_LOSSES, vespo_weights
+from grpo_kernels.losses.policy import POLICY_LOSSES, clipped_surrogate, vespo_weights
 from grpo_kernels.losses.terms import TokenTerms
 from grpo_kernels.options import LossOptions
 
@@ -22,18 +23,28 @@ class GRPOLossOutput(NamedTuple):
     metrics: dict[str, Tensor]
 
 
-def compute_loss(terms: TokenTerms, options: LossOptions) -> GRPOLossOutput:
-    """The loss of `options.loss_type` on `terms`, with TRL's order of operations and normalisation."""
+def compute_loss(terms: TokenTerms, options: LossOptions) -> tuple[GRPOLossOutput, Tensor]:
+    """The loss of `options.loss_type` on `terms`, and each sequence's share of it (before the entropy bonus), [B].
+
+    The shares sum to the loss without `entropy_coef`; they are what DARO's and λ-GRPO's weights need.
+    """
     spec = POLICY_LOSSES[options.loss_type]
     per_token = spec.term(terms, options)  # [B, T] or [B, 1]
+    kept = terms.mask  # [B, T], the tokens the policy term and the entropy bonus act on
     if options.top_entropy_quantile < 1.0:
-        per_token = per_token * high_entropy_mask(terms.entropy, terms.mask, options.top_entropy_quantile)
+        kept = high_entropy_mask(terms.entropy.detach(), terms.mask, options.top_entropy_quantile)  # [B, T]
+        per_token = per_token * kept
     if terms.is_ratio is not None and not spec.absorbs_is_ratio:
         per_token = per_token * terms.is_ratio
     if options.beta != 0.0:
         per_token = per_token + options.beta * kl_penalty(terms, options)  # [B, T]
-    weights = NORMALISERS[spec.normaliser](terms.mask, options)  # [B, T]
-    return GRPOLossOutput((per_token * weights).sum(), loss_metrics(terms, options))
+    if terms.weights is not None:
+        per_token = per_token * terms.weights  # [B, T]
+    sequence_losses = (per_token * token_weights_for(terms.mask, spec.normaliser, options)).sum(-1)  # [B]
+    loss = sequence_losses.sum()
+    if options.entropy_coef != 0.0:  # TRL: L − coef·mean entropy of the kept tokens, whatever the normaliser
+        loss = loss - options.entropy_coef * (terms.entropy * kept).sum() / kept.sum().clamp(min=1.0)
+    return GRPOLossOutput(loss, loss_metrics(terms, options)), sequence_losses
 
 
 def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
@@ -48,20 +59,25 @@ def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
 def loss_metrics(terms: TokenTerms, options: LossOptions) -> dict[str, Tensor]:
     """TRL's logged quantities (clip fractions, kl, entropy) plus `ratio/mean`, detached 0-dim tensors."""
     spec = POLICY_LOSSES[options.loss_type]
-    low, high = spec.clip_flags(terms, options)
+    ratio = spec.ratio(terms, options)
+    low, high = spec.clip_flags(terms, options, ratio)
     mean = lambda x: _masked_mean(x.to(terms.mask.dtype), terms.mask)  # noqa: E731
     metrics = {
         "clip_ratio/low_mean": mean(low),
         "clip_ratio/high_mean": mean(high),
         "clip_ratio/region_mean": mean(low | high),
-        "ratio/mean": mean(terms.ratio),
+        "ratio/mean": mean(ratio),
     }
+    if options.clip_ratio_c is not None:  # where the dual clip's −A·c floor is the loss
+        adv = terms.advantages
+        unfloored = clipped_surrogate(terms, options, ratio, dual_clip=False)
+        metrics["clip_ratio/dual_mean"] = mean((adv < 0) & (unfloored > -adv * options.clip_ratio_c))
     if options.beta != 0.0:
         metrics["kl"] = mean(kl_penalty(terms, options))
     if terms.entropy is not None:
         metrics["entropy"] = mean(terms.entropy)
     if options.loss_type == "cispo":
-        metrics["cispo_clip_ratio"] = metrics["clip_ratio/high_mean"]
+        metrics["cispo_clip_ratio"] = metrics["clip_ratio/region_mean"]
     if options.loss_type == "vespo":
         metrics["vespo/phi_seq_mean"] = mean(vespo_weights(terms, options))
     return {name: value.detach() for name, value in metrics.items()}

@@ -13,19 +13,31 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from grpo_kernels.losses.terms import TokenTerms
+from grpo_kernels.losses.terms import LOG_RATIO_CLAMP, TokenTerms
 from grpo_kernels.options import LossOptions
 
 PolicyTerm = Callable[[TokenTerms, LossOptions], Tensor]
-ClipFlags = Callable[[TokenTerms, LossOptions], tuple[Tensor, Tensor]]
+RatioFn = Callable[[TokenTerms, LossOptions], Tensor]
+ClipFlags = Callable[[TokenTerms, LossOptions, Tensor], tuple[Tensor, Tensor]]
 
 
-def trust_region_flags(terms: TokenTerms, options: LossOptions) -> tuple[Tensor, Tensor]:
+def token_ratio(terms: TokenTerms, options: LossOptions) -> Tensor:
+    """The importance ratio at `importance_sampling_level`, [B, T] or [B, 1]."""
+    return terms.ratio
+
+
+def trust_region_flags(terms: TokenTerms, options: LossOptions, ratio: Tensor) -> tuple[Tensor, Tensor]:
     """(low, high): where the ratio (after any `delta` cap) leaves [1 − ε_low, 1 + ε_high] against A's sign."""
-    ratio = terms.ratio if options.delta is None else terms.ratio.clamp(max=options.delta)
+    ratio = ratio if options.delta is None else ratio.clamp(max=options.delta)
     low = (ratio < 1 - options.epsilon_low) & (terms.advantages < 0)
     high = (ratio > 1 + options.clip_high) & (terms.advantages > 0)
     return low, high
+
+
+def no_clip_flags(terms: TokenTerms, options: LossOptions, ratio: Tensor) -> tuple[Tensor, Tensor]:
+    """For terms that never clip: all False."""
+    never = torch.zeros_like(terms.mask, dtype=torch.bool)
+    return never, never
 
 
 @dataclass(frozen=True)
@@ -36,6 +48,7 @@ class PolicyLoss:
     term: PolicyTerm
     normaliser: str
     paper: str
+    ratio: RatioFn = token_ratio  # the importance ratio the term uses (for the metrics)
     clip_flags: ClipFlags = trust_region_flags
     absorbs_is_ratio: bool = False  # the term uses `is_ratio` itself instead of being multiplied by it
     epilogue: str | None = None  # the fused Triton epilogue computing this term at token level (None: two-phase)
@@ -54,13 +67,20 @@ def policy_loss(name: str, *, normaliser: str, paper: str, **fields) -> Callable
     return register
 
 
-def clipped_surrogate(terms: TokenTerms, options: LossOptions) -> Tensor:
-    """PPO clip: −min(ρA, clip(ρ, 1 − ε_low, 1 + ε_high)A); with `delta`, the unclipped ρ is capped at δ."""
-    ratio = terms.ratio  # [B, T] or [B, 1]
+def clipped_surrogate(
+    terms: TokenTerms, options: LossOptions, ratio: Tensor | None = None, dual_clip: bool = True
+) -> Tensor:
+    """PPO clip −min(ρA, clip(ρ, 1 − ε_low, 1 + ε_high)A); `delta` caps the unclipped ρ (INTELLECT-2); with
+    `clip_ratio_c`, tokens with A < 0 are capped at −A·c (dual-clip, arXiv:1912.09729, verl semantics)."""
+    ratio = terms.ratio if ratio is None else ratio  # [B, T] or [B, 1]
+    adv = terms.advantages
     clipped = ratio.clamp(1 - options.epsilon_low, 1 + options.clip_high)
     if options.delta is not None:
         ratio = ratio.clamp(max=options.delta)
-    return -torch.min(ratio * terms.advantages, clipped * terms.advantages)
+    loss = -torch.min(ratio * adv, clipped * adv)
+    if dual_clip and options.clip_ratio_c is not None:
+        loss = torch.where(adv < 0, torch.min(loss, -adv * options.clip_ratio_c), loss)
+    return loss
 
 
 @policy_loss("grpo", normaliser="sequence_mean", paper="DeepSeekMath, arXiv:2402.03300", epilogue="clip")
@@ -93,8 +113,10 @@ def luspo(terms: TokenTerms, options: LossOptions) -> Tensor:
     return clipped_surrogate(terms, options)
 
 
-def _cispo_flags(terms: TokenTerms, options: LossOptions) -> tuple[Tensor, Tensor]:
-    high = (terms.ratio > options.clip_high) & (terms.advantages > 0)
+def _cispo_flags(terms: TokenTerms, options: LossOptions, ratio: Tensor) -> tuple[Tensor, Tensor]:
+    if options.cispo_two_sided:  # the weight is clipped whatever the advantage's sign
+        return ratio < 1 - options.epsilon_low, ratio > 1 + options.clip_high
+    high = (ratio > options.clip_high) & (terms.advantages > 0)
     return torch.zeros_like(high), high
 
 
@@ -102,9 +124,13 @@ def _cispo_flags(terms: TokenTerms, options: LossOptions) -> tuple[Tensor, Tenso
     "cispo", normaliser="item_mean", paper="MiniMax-M1, arXiv:2506.13585", clip_flags=_cispo_flags, epilogue="cispo"
 )
 def cispo(terms: TokenTerms, options: LossOptions) -> Tensor:
-    """REINFORCE with a capped, stop-gradient IS weight: −sg(min(ρ, ε_high))·A·logp (TRL: ε_high is the cap)."""
-    weight = terms.ratio.clamp(max=options.clip_high).detach()  # [B, T] or [B, 1]
-    return -weight * terms.advantages * terms.logp
+    """REINFORCE with a capped, stop-gradient IS weight: −sg(w)·A·logp, w = min(ρ, ε_high) (TRL: ε_high is the
+    cap) or, with `cispo_two_sided`, w = clip(ρ, 1 − ε_low, 1 + ε_high) (the paper's and verl's form)."""
+    if options.cispo_two_sided:
+        weight = terms.ratio.clamp(1 - options.epsilon_low, 1 + options.clip_high)  # [B, T] or [B, 1]
+    else:
+        weight = terms.ratio.clamp(max=options.clip_high)  # [B, T] or [B, 1]
+    return -weight.detach() * terms.advantages * terms.logp
 
 
 @policy_loss("sapo", normaliser="sequence_mean", paper="SAPO, arXiv:2511.20347", epilogue="sapo")
@@ -140,3 +166,71 @@ def vespo_weights(terms: TokenTerms, options: LossOptions) -> Tensor:
 def vespo(terms: TokenTerms, options: LossOptions) -> Tensor:
     """REINFORCE weighted by the detached gamma weight of the sequence ratio: −φ(w)·A·logp."""
     return -vespo_weights(terms, options) * terms.advantages * terms.logp
+
+
+@policy_loss("gpg", normaliser="item_mean", paper="GPG, arXiv:2504.02546", clip_flags=no_clip_flags, epilogue="gpg")
+def gpg(terms: TokenTerms, options: LossOptions) -> Tensor:
+    """Plain policy gradient −A·logp: no ratio, no clip (GPG eq. 5); its α = B/B_valid goes into A."""
+    return -terms.advantages * terms.logp
+
+
+def _masked_sequence_mean(x: Tensor, mask: Tensor) -> Tensor:
+    return (x * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)  # [B, 1]
+
+
+def gspo_token_ratio(terms: TokenTerms, options: LossOptions) -> Tensor:
+    """s_{i,t} = sg(s_i)·π/sg(π): the value of GSPO's sequence ratio with a per-token gradient, [B, T]."""
+    log_s = _masked_sequence_mean(terms.token_log_ratio, terms.mask).detach()  # [B, 1]
+    log_s_t = log_s + terms.logp - terms.logp.detach()  # [B, T]
+    return log_s_t.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+
+
+@policy_loss(
+    "gspo_token", normaliser="sequence_mean", paper="GSPO-token, arXiv:2507.18071 eq. 13", ratio=gspo_token_ratio
+)
+def gspo_token(terms: TokenTerms, options: LossOptions) -> Tensor:
+    """Clipped surrogate on GSPO-token's ratio sg(s_i)·π/sg(π), which admits per-token advantages."""
+    return clipped_surrogate(terms, options, gspo_token_ratio(terms, options))
+
+
+def trajectory_ratio(terms: TokenTerms, options: LossOptions) -> Tensor:
+    """w_i = π_θ(o_i)/π_old(o_i) = exp(Σ_t (logp − old)), in log space and clamped to ±20, [B, 1]."""
+    log_w = (terms.token_log_ratio * terms.mask).sum(-1, keepdim=True)  # [B, 1]
+    return log_w.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+
+
+@policy_loss("tic_grpo", normaliser="sequence_mean", paper="TIC-GRPO, arXiv:2508.02833", ratio=trajectory_ratio)
+def tic_grpo(terms: TokenTerms, options: LossOptions) -> Tensor:
+    """Clipped surrogate on the trajectory ratio w_i (not length-normalised, unlike GSPO). Clip widths are the
+    usual ones; the paper's are unverified (spec §18)."""
+    return clipped_surrogate(terms, options, trajectory_ratio(terms, options))
+
+
+def _gmpo_log_ratios(terms: TokenTerms, options: LossOptions) -> tuple[Tensor, Tensor, Tensor]:
+    """(lr, lr clipped to [−ε_low, ε_high] in log space, lr_min the sign(A)-pessimistic of the two), [B, T]."""
+    lr = terms.token_log_ratio  # [B, T]
+    sign = torch.sign(terms.advantages).expand_as(lr)  # [B, T]
+    lr_clipped = lr.clamp(-options.epsilon_low, options.clip_high)  # [B, T]
+    return lr, lr_clipped, sign * torch.min(sign * lr, sign * lr_clipped)
+
+
+def gmpo_ratio(terms: TokenTerms, options: LossOptions) -> Tensor:
+    """GMPO's geometric-mean ratio exp(mean_t lr_min), clamped to ±20 in log space, [B, 1]."""
+    lr_min = _gmpo_log_ratios(terms, options)[2]  # [B, T]
+    return _masked_sequence_mean(lr_min, terms.mask).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+
+
+def _gmpo_flags(terms: TokenTerms, options: LossOptions, ratio: Tensor) -> tuple[Tensor, Tensor]:
+    lr, lr_clipped, _ = _gmpo_log_ratios(terms, options)
+    clipped = lr != lr_clipped  # [B, T]
+    return clipped & (terms.advantages < 0), clipped & (terms.advantages > 0)
+
+
+@policy_loss(
+    "gmpo", normaliser="sequence_mean", paper="GMPO, arXiv:2507.20673", ratio=gmpo_ratio, clip_flags=_gmpo_flags
+)
+def gmpo(terms: TokenTerms, options: LossOptions) -> Tensor:
+    """Geometric-mean policy optimisation: −Ā_i·exp(mean_t lr_min) per sequence, token log-ratios clipped in
+    log space to [−ε_low, ε_high] on the side A's sign makes pessimistic (verl `geo_mean`), [B, 1]."""
+    advantage = _masked_sequence_mean(terms.advantages.expand_as(terms.mask), terms.mask)  # [B, 1]
+    return -advantage * gmpo_ratio(terms, options)

@@ -9,6 +9,8 @@ from torch import Tensor
 
 from grpo_kernels.options import LossOptions
 
+LOG_RATIO_CLAMP = 20.0  # |log importance weight| cap: exp stays finite, as in verl
+
 
 @dataclass(frozen=True)
 class TokenTerms:
@@ -19,9 +21,10 @@ class TokenTerms:
     ref_logp: Tensor | None  # [B, T] log π_ref(token)
     advantages: Tensor  # [B, 1] or [B, T]
     mask: Tensor  # [B, T] float, 1 = token counts
-    entropy: Tensor | None  # [B, T] full-vocabulary entropy, when computed
+    entropy: Tensor | None  # [B, T] full-vocabulary entropy, when computed (differentiable: the entropy bonus)
     is_ratio: Tensor | None  # [B, 1] or [B, T] rollout importance weight (vLLM IS correction)
-    log_ratio: Tensor  # [B, T] (token level) or [B, 1] (sequence level): log importance weight
+    weights: Tensor | None  # [B, T] token_weights × sequence_weights, multiplying each token's whole loss
+    log_ratio: Tensor  # [B, T] (token level) or [B, 1] (sequence level): log importance weight, in ±LOG_RATIO_CLAMP
     ratio: Tensor  # exp(log_ratio), same shape
 
     @property
@@ -39,11 +42,15 @@ def build_terms(
     entropy: Tensor | None,
     is_ratio: Tensor | None,
     options: LossOptions,
+    token_weights: Tensor | None = None,
+    sequence_weights: Tensor | None = None,
 ) -> TokenTerms:
     """Promote shapes ([B] -> [B, 1]) and dtypes (to logp's), and form the importance ratio at its level.
 
     Padding never reaches the loss, not even as inf or NaN: where the mask is 0, old and ref log-probs are
-    taken equal to logp (log-ratio 0, KL 0), and per-token advantages and IS weights to 0 and 1.
+    taken equal to logp (log-ratio 0, KL 0), per-token advantages and weights to 0 and IS weights to 1.
+    The log importance weight is clamped to ±LOG_RATIO_CLAMP (as verl does) so that exp never overflows: this
+    acts only where the ratio would pass e^20 ≈ 4.9e8 or fall under e^-20, and its gradient is 0 there.
     """
     dtype = logp.dtype
     keep = mask.bool()  # [B, T]
@@ -56,19 +63,25 @@ def build_terms(
     ref_logp = None if ref_logp is None else at_padding(ref_logp, logp.detach())  # [B, T]
     advantages = at_padding(per_sequence_or_token(advantages), 0.0)  # [B, 1] or [B, T]
     is_ratio = None if is_ratio is None else at_padding(per_sequence_or_token(is_ratio), 1.0)  # [B, 1] or [B, T]
+    weights = None
+    if token_weights is not None or sequence_weights is not None:
+        weights = torch.ones_like(mask) if token_weights is None else at_padding(token_weights, 0.0)  # [B, T]
+        weights = weights if sequence_weights is None else weights * sequence_weights.to(dtype)[:, None]  # [B, T]
     token_log_ratio = logp - old_logp  # [B, T]
     if options.importance_sampling_level == "sequence":  # GSPO: masked mean of the log-ratio per sequence
         log_ratio = (token_log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)  # [B, 1]
     else:
         log_ratio = token_log_ratio  # [B, T]
+    log_ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     return TokenTerms(
         logp=logp,
         old_logp=old_logp,
         ref_logp=ref_logp,
         advantages=advantages,
         mask=mask,
-        entropy=None if entropy is None else entropy.detach(),
+        entropy=entropy,
         is_ratio=is_ratio,
+        weights=weights,
         log_ratio=log_ratio,
         ratio=log_ratio.exp(),
     )

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from grpo_kernels.options import LossOptions
 from grpo_kernels.vocab import backends, token_logprobs_torch
 
 
@@ -22,16 +23,35 @@ class VocabPassOptions:
 
 @dataclass(frozen=True)
 class TokenEpilogue:
-    """A token-level loss for the fused forward: the policy kind (clip, cispo, sapo) and its hyperparameters."""
+    """A token-level loss for the fused forward: the policy kind (clip, cispo, sapo, gpg) and its hyperparameters."""
 
     kind: str
     eps_low: float
     eps_high: float
     delta: float | None
+    clip_ratio_c: float | None
+    cispo_two_sided: bool
     beta: float
+    kl_estimator: str
+    bias_correction: bool
     tau_pos: float
     tau_neg: float
-    bias_correction: bool
+
+    @classmethod
+    def from_options(cls, kind: str, options: LossOptions) -> TokenEpilogue:
+        return cls(
+            kind,
+            options.epsilon_low,
+            options.clip_high,
+            options.delta,
+            options.clip_ratio_c,
+            options.cispo_two_sided,
+            options.beta,
+            options.kl_estimator,
+            options.use_bias_correction_kl,
+            options.sapo_temperature_pos,
+            options.sapo_temperature_neg,
+        )
 
 
 def _kernels(backend: str):

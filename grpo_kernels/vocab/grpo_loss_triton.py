@@ -13,7 +13,9 @@ from torch import Tensor
 
 from grpo_kernels.vocab.token_logprobs_triton import block_v_for, num_warps_for, row_logprob_stats
 
-EPILOGUES = {"clip": 0, "cispo": 1, "sapo": 2}  # PolicyLoss.epilogue -> the kernel's POLICY constant
+EPILOGUES = {"clip": 0, "cispo": 1, "sapo": 2, "gpg": 3}  # PolicyLoss.epilogue -> the kernel's POLICY constant
+KL_KINDS = {"k1": 0, "k2": 1, "k3": 2, "low_var_kl": 3}
+LOG_RATIO_CLAMP = tl.constexpr(20.0)  # as losses/terms.py
 
 
 @triton.jit
@@ -56,13 +58,17 @@ def _grpo_loss_fwd_kernel(
     eps_low,
     eps_high,
     delta,
+    clip_ratio_c,
     beta,
     tau_pos,
     tau_neg,
     POLICY: tl.constexpr,
     HAS_OLD: tl.constexpr,
     HAS_DELTA: tl.constexpr,
+    HAS_DUAL_CLIP: tl.constexpr,
+    CISPO_TWO_SIDED: tl.constexpr,
     HAS_KL: tl.constexpr,
+    KL_KIND: tl.constexpr,
     BIAS_CORRECTION: tl.constexpr,
     HAS_IS: tl.constexpr,
     WITH_ENTROPY: tl.constexpr,
@@ -81,41 +87,66 @@ def _grpo_loss_fwd_kernel(
         target = tl.load(targets_ptr + row)
         logp, lse, entropy = row_logprob_stats(row_ptr, target, V, inv_temperature, WITH_ENTROPY, BLOCK_V)
         adv = tl.load(adv_ptr + b * adv_stride_b + t * adv_stride_t)
-        ratio = tl.full((), 1.0, tl.float32)  # on-policy: exp(logp − sg(logp)) = 1, d ratio / d logp = ratio
+        # ρ = exp(clamp(logp − old, ±20)); d ρ / d logp = ρ inside the clamp, 0 outside (on-policy: ρ = 1)
+        ratio = tl.full((), 1.0, tl.float32)
+        d_ratio = ratio
         if HAS_OLD:
-            ratio = tl.exp(logp - tl.load(old_ptr + row))
+            log_ratio = logp - tl.load(old_ptr + row)
+            ratio = tl.exp(tl.minimum(tl.maximum(log_ratio, -LOG_RATIO_CLAMP), LOG_RATIO_CLAMP))
+            d_ratio = tl.where(tl.abs(log_ratio) <= LOG_RATIO_CLAMP, ratio, 0.0)
         if POLICY == 0:  # clip: −min(r₁A, clip(ρ)A), r₁ = min(ρ, δ); torch.min splits the gradient on ties
             clipped = tl.minimum(tl.maximum(ratio, 1.0 - eps_low), 1.0 + eps_high)
             capped = ratio
-            d_capped = ratio
+            d_capped = d_ratio
             if HAS_DELTA:
                 capped = tl.minimum(ratio, delta)
-                d_capped = tl.where(ratio <= delta, ratio, 0.0)
-            d_clipped = tl.where((ratio >= 1.0 - eps_low) & (ratio <= 1.0 + eps_high), ratio, 0.0)
+                d_capped = tl.where(ratio <= delta, d_ratio, 0.0)
+            d_clipped = tl.where((ratio >= 1.0 - eps_low) & (ratio <= 1.0 + eps_high), d_ratio, 0.0)
             s1 = capped * adv
             s2 = clipped * adv
             loss = -tl.minimum(s1, s2)
             d_min = tl.where(s1 < s2, d_capped, tl.where(s2 < s1, d_clipped, 0.5 * (d_capped + d_clipped)))
             dlogp = -adv * d_min
-        elif POLICY == 1:  # cispo: −sg(min(ρ, ε_high))·A·logp
-            weight = tl.minimum(ratio, eps_high)
+            if HAS_DUAL_CLIP:  # A < 0: min(loss, −A·c), whose floor carries no gradient
+                floored = (adv < 0) & (loss > -adv * clip_ratio_c)
+                loss = tl.where(floored, -adv * clip_ratio_c, loss)
+                dlogp = tl.where(floored, 0.0, dlogp)
+        elif POLICY == 1:  # cispo: −sg(w)·A·logp, w = min(ρ, ε_high) or clip(ρ, 1 − ε_low, 1 + ε_high)
+            if CISPO_TWO_SIDED:
+                weight = tl.minimum(tl.maximum(ratio, 1.0 - eps_low), 1.0 + eps_high)
+            else:
+                weight = tl.minimum(ratio, eps_high)
             loss = -weight * adv * logp
             dlogp = -weight * adv
-        else:  # sapo: −σ(τ(ρ − 1))·4/τ·A
+        elif POLICY == 2:  # sapo: −σ(τ(ρ − 1))·4/τ·A
             tau = tl.where(adv > 0, tau_pos, tau_neg)
             gate = tl.sigmoid(tau * (ratio - 1.0))
             loss = -gate * 4.0 / tau * adv
-            dlogp = -adv * 4.0 * gate * (1.0 - gate) * ratio
+            dlogp = -adv * 4.0 * gate * (1.0 - gate) * d_ratio
+        else:  # gpg: −A·logp
+            loss = -adv * logp
+            dlogp = -adv
         if HAS_IS:
             is_weight = tl.load(is_ptr + b * is_stride_b + t * is_stride_t)
             loss = loss * is_weight
             dlogp = dlogp * is_weight
-        if HAS_KL:  # β·k3, k3 = expm1(d) − d, d = ref − logp; d k3 / d logp = −expm1(d) = −(k3 + d)
+        if HAS_KL:  # β·KL estimator of d = ref − logp (losses/kl.py)
             d = tl.load(ref_ptr + row) - logp
-            kl = _k3(d)
-            d_kl = -(kl + d)
-            if BIAS_CORRECTION:  # k3·ρ (ρ not detached)
-                d_kl = d_kl * ratio + kl * ratio
+            if KL_KIND == 0:  # k1 = −d
+                kl = -d
+                d_kl = tl.full((), 1.0, tl.float32)
+            elif KL_KIND == 1:  # k2 = d²/2
+                kl = 0.5 * d * d
+                d_kl = -d
+            else:  # k3 = expm1(d) − d with d clamped to ±20; d k3 / d logp = −expm1(d) = −(k3 + d)
+                d_c = tl.minimum(tl.maximum(d, -LOG_RATIO_CLAMP), LOG_RATIO_CLAMP)
+                kl = _k3(d_c)
+                d_kl = tl.where(tl.abs(d) <= LOG_RATIO_CLAMP, -(kl + d_c), 0.0)
+                if KL_KIND == 3:  # low_var_kl: k3 clamped to ±10
+                    d_kl = tl.where(tl.abs(kl) <= 10.0, d_kl, 0.0)
+                    kl = tl.minimum(tl.maximum(kl, -10.0), 10.0)
+            if BIAS_CORRECTION:  # KL·ρ (ρ not detached)
+                d_kl = d_kl * ratio + kl * d_ratio
                 kl = kl * ratio
             loss += beta * kl
             dlogp += beta * d_kl
@@ -179,13 +210,17 @@ def grpo_loss_fwd(
         epilogue.eps_low,
         epilogue.eps_high,
         1.0 if epilogue.delta is None else epilogue.delta,
+        1.0 if epilogue.clip_ratio_c is None else epilogue.clip_ratio_c,
         epilogue.beta,
         epilogue.tau_pos,
         epilogue.tau_neg,
         POLICY=EPILOGUES[epilogue.kind],
         HAS_OLD=old_logp is not None,
         HAS_DELTA=epilogue.delta is not None,
+        HAS_DUAL_CLIP=epilogue.clip_ratio_c is not None,
+        CISPO_TWO_SIDED=epilogue.cispo_two_sided,
         HAS_KL=epilogue.beta != 0.0,
+        KL_KIND=KL_KINDS[epilogue.kl_estimator],
         BIAS_CORRECTION=epilogue.bias_correction,
         HAS_IS=is_ratio is not None,
         WITH_ENTROPY=with_entropy,

@@ -1,0 +1,150 @@
+"""The options beyond TRL against the float64 oracle: KL estimators, dual-clip, two-sided CISPO, entropy bonus,
+verl's aggregation modes, token/sequence weights (and their gradients), per-sequence losses, packed input, and
+extreme log-ratios. Every backend × dtype; loss, metrics and every gradient."""
+
+import pytest
+import torch
+
+import grpo_kernels as gk
+from grpo_kernels import reference
+from grpo_kernels.options import CLIPPED_SURROGATE_TYPES, LOSS_AGG_MODES
+from tests.cases import Case
+from tests.conftest import BACKENDS, DEVICE, assert_close
+from tests.helpers import loss_inputs, oracle_logits
+
+DTYPES = (torch.float32, torch.bfloat16)
+CASE = Case("ragged_vocab")
+TYPES = ("grpo", "dapo", "cispo", "sapo", "vespo", "gpg", "gspo_token", "gmpo", "tic_grpo")
+
+OPTION_SETS = {
+    "k1": dict(kl_estimator="k1"),
+    "k2": dict(kl_estimator="k2", use_bias_correction_kl=True),
+    "low_var_kl": dict(kl_estimator="low_var_kl"),
+    "dual_clip": dict(clip_ratio_c=1.1),  # below 1 + ε: the floor binds on many A < 0 tokens
+    "cispo_two_sided": dict(cispo_two_sided=True, epsilon_high=0.28),
+    "entropy_bonus": dict(entropy_coef=0.3),
+    "entropy_bonus_top_quantile": dict(entropy_coef=0.3, top_entropy_quantile=0.5),
+    **{f"agg_{mode}": dict(loss_agg_mode=mode) for mode in LOSS_AGG_MODES},
+    "agg_counts": dict(loss_agg_mode="seq-mean-token-sum", num_sequences_in_batch=7.0),
+    "agg_scale_factor": dict(loss_agg_mode="seq-mean-token-sum-norm", loss_scale_factor=11.0),
+    "token_weights": dict(token_weights=True),
+    "sequence_weights": dict(sequence_weights=True),
+}
+ONLY_FOR = {"dual_clip": CLIPPED_SURROGATE_TYPES, "cispo_two_sided": ("cispo",)}
+TYPE_OPTIONS = [(t, o) for t in TYPES for o in OPTION_SETS if t in ONLY_FOR.get(o, TYPES)]
+
+
+def _weights(shape, seed: int, requires_grad: bool) -> torch.Tensor:
+    w = 0.5 + torch.rand(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return w.to(DEVICE, torch.float32).requires_grad_(requires_grad)
+
+
+def run_both(inputs: dict, backend: str, weights_grad: bool = True, **options):
+    """Our grpo_loss and the oracle on the same inputs: loss, metrics, sequence losses and every gradient."""
+    B, T = inputs["mask"].shape
+    weights = {}
+    if options.pop("token_weights", False):
+        weights["token_weights"] = _weights((B, T), 1, weights_grad)
+    if options.pop("sequence_weights", False):
+        weights["sequence_weights"] = _weights((B,), 2, weights_grad)
+    args = {k: inputs[k] for k in ("targets", "advantages", "old_logp", "ref_logp", "mask")}
+    ref_logits = oracle_logits(inputs["logits"])
+    ref_weights = {k: v.detach().double().cpu().requires_grad_() for k, v in weights.items()}
+    seq = gk.grpo_loss(
+        inputs["logits"], **args, **weights, backend=backend, inplace=False, return_sequence_losses=True, **options
+    )[1]  # the two-phase path: it has the shares
+    logits = inputs["logits"].detach().requires_grad_()
+    out = gk.grpo_loss(logits, **args, **weights, backend=backend, with_entropy=True, **options)  # fused if it can
+    out.loss.backward()
+    cpu = {k: v.cpu() for k, v in args.items()}
+    ref_loss, ref_metrics, ref_seq = reference.grpo_loss(
+        ref_logits, **cpu, **ref_weights, return_sequence_losses=True, **options
+    )
+    ref_loss.backward()
+    grads = {"logits": (logits.grad, ref_logits.grad)}
+    grads.update({k: (weights[k].grad, ref_weights[k].grad) for k in weights if weights_grad})
+    return (out, seq), (ref_loss, ref_metrics, ref_seq), grads
+
+
+@pytest.mark.parametrize("loss_type,option_set", TYPE_OPTIONS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_option_matches_reference(backend, dtype, loss_type, option_set):
+    options = dict(OPTION_SETS[option_set], loss_type=loss_type, beta=0.04)
+    inputs = loss_inputs(CASE, dtype, DEVICE, seed=5)
+    (out, seq), (ref_loss, ref_metrics, ref_seq), grads = run_both(inputs, backend, **options)
+    assert_close(out.loss, ref_loss, dtype, "loss")
+    assert_close(seq, ref_seq, dtype, "sequence losses")
+    for name, (ours, expected) in grads.items():
+        assert ours is not None, f"no gradient for {name}"
+        assert_close(ours, expected, dtype, f"grad {name}")
+    for name, value in out.metrics.items():
+        assert_close(value, ref_metrics[name], dtype, name)
+    if options.get("clip_ratio_c"):
+        assert "clip_ratio/dual_mean" in out.metrics
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fixed_weights_stay_on_the_fused_path(backend, launches):
+    """Weights that need no gradient fold into the epilogue's per-token weight (Triton: one fused pass)."""
+    inputs = loss_inputs(CASE, torch.float32, DEVICE, seed=5)
+    (out, _), (ref_loss, _, _), grads = run_both(
+        inputs, backend, weights_grad=False, loss_type="dapo", token_weights=True, sequence_weights=True, beta=0.04
+    )
+    assert_close(out.loss, ref_loss, torch.float32, "loss")
+    assert_close(*grads["logits"], torch.float32, "grad logits")
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "gspo_token", "tic_grpo", "gmpo", "vespo"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_packed_equals_padded(backend, loss_type):
+    """The same tokens packed with cu_seqlens (padding never enters the vocabulary pass) give the same loss,
+    metrics and logits gradient as the padded layout; sequence-level variants reduce per segment."""
+    inputs = loss_inputs(Case("masked_row", B=4, T=6), torch.float32, DEVICE, seed=9)
+    lengths = torch.tensor([6, 2, 4, 3])
+    present = torch.arange(6)[None] < lengths[:, None]  # [B, T] the tokens that exist
+    mask = inputs["mask"] & present.to(DEVICE)
+    inputs["logits"][~mask] = 0.0
+    options = dict(loss_type=loss_type, beta=0.04, entropy_coef=0.1)
+    padded = inputs["logits"].detach().clone().requires_grad_()
+    args = [inputs[k] for k in ("targets", "advantages", "old_logp", "ref_logp")]
+    out = gk.grpo_loss(padded, *args, mask, backend=backend, **options)
+    out.loss.backward()
+    packed = inputs["logits"][present].detach().clone().requires_grad_()
+    cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.int32), lengths.cumsum(0).int()]).to(DEVICE)
+    targets, advantages, old, ref = args
+    out_packed = gk.grpo_loss(
+        packed,
+        targets[present],
+        advantages,
+        old[present],
+        ref[present],
+        mask[present],
+        cu_seqlens=cu_seqlens,
+        backend=backend,
+        **options,
+    )
+    out_packed.loss.backward()
+    assert_close(out_packed.loss, out.loss, torch.float32, "loss")
+    assert_close(packed.grad, padded.grad[present], torch.float32, "grad logits")
+    assert set(out_packed.metrics) == set(out.metrics)
+    for name, value in out.metrics.items():
+        assert_close(out_packed.metrics[name], value, torch.float32, name)
+
+
+@pytest.mark.parametrize("loss_type", TYPES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_extreme_log_ratios_stay_finite(backend, loss_type):
+    """|logp − old| and |ref − logp| up to 100: values, metrics and gradients stay finite (the ±20 clamps)."""
+    inputs = loss_inputs(CASE, torch.float32, DEVICE, seed=13)
+    g = torch.Generator().manual_seed(13)
+    sign = torch.where(torch.rand(CASE.B, CASE.T, generator=g) > 0.5, 1.0, -1.0).to(DEVICE)
+    inputs["old_logp"] = inputs["old_logp"] + 100.0 * sign
+    inputs["ref_logp"] = inputs["ref_logp"] - 100.0 * sign
+    logits = inputs["logits"].detach().requires_grad_()
+    args = [inputs[k] for k in ("targets", "advantages", "old_logp", "ref_logp", "mask")]
+    out = gk.grpo_loss(logits, *args, loss_type=loss_type, beta=0.04, use_bias_correction_kl=True, backend=backend)
+    out.loss.backward()
+    assert torch.isfinite(out.loss)
+    assert all(torch.isfinite(v) for v in out.metrics.values()), out.metrics
+    assert torch.isfinite(logits.grad).all()
