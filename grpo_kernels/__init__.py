@@ -1,19 +1,27 @@
 """grpo-kernels: fused vocabulary-pass kernels and the GRPO loss family, with TRL's argument names."""
 
+from grpo_kernels.advantages import ADVANTAGES
 from grpo_kernels.api import grpo_loss, token_logprobs
 from grpo_kernels.losses.loss import GRPOLossOutput
 from grpo_kernels.losses.policy import POLICY_LOSSES
 from grpo_kernels.modules import GRPOLoss
 from grpo_kernels.options import LOSS_TYPES, LossOptions
+from grpo_kernels.regularizers import REGULARIZERS
+from grpo_kernels.rewards import REWARDS
+from grpo_kernels.sampling import SAMPLERS
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ADVANTAGES",
     "GRPOLoss",
     "GRPOLossOutput",
     "LOSS_TYPES",
     "LossOptions",
     "POLICY_LOSSES",
+    "REGULARIZERS",
+    "REWARDS",
+    "SAMPLERS",
     "__version__",
     "grpo_loss",
     "token_logprobs",
