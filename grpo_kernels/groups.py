@@ -13,7 +13,7 @@ from collections.abc import Hashable, Sequence
 import torch
 from torch import Tensor
 
-from grpo_kernels.sequence_checks import check_length, check_shape, is_integer
+from grpo_kernels.checks import check_length, check_shape, is_integer
 
 
 def group_index(group_ids: Tensor | Sequence[Hashable], size: int) -> Tensor:

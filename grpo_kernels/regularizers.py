@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from grpo_kernels.checks import check_bool, check_float, check_shape, checked_floats
 from grpo_kernels.groups import group_deviation, group_max, group_members, group_sum
 from grpo_kernels.registry import Registry
 from grpo_kernels.sampling import checked_batch
-from grpo_kernels.sequence_checks import check_bool, check_float, check_shape, checked_floats
 
 REGULARIZERS = Registry("regularizer")
 

@@ -14,6 +14,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from grpo_kernels.checks import check_bool, check_ids, checked_floats
 from grpo_kernels.groups import (
     group_deviation,
     group_first,
@@ -25,7 +26,6 @@ from grpo_kernels.groups import (
     group_varies,
 )
 from grpo_kernels.registry import Registry
-from grpo_kernels.sequence_checks import check_bool, check_ids, checked_floats
 
 SAMPLERS = Registry("sampler")
 

@@ -13,8 +13,8 @@ import torch
 from torch import Tensor
 
 from grpo_kernels.advantages import ADVANTAGES
+from grpo_kernels.checks import check_ids, check_rewards, checked_floats
 from grpo_kernels.groups import group_deviation, group_index, group_varies, group_zscore, subgroup_index
-from grpo_kernels.sequence_checks import check_ids, check_rewards, checked_floats
 
 
 def batch_moments(values: Tensor, weights: Tensor | None = None) -> tuple[Tensor, Tensor]:

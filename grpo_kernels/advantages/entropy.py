@@ -15,8 +15,8 @@ import torch
 from torch import Tensor
 
 from grpo_kernels.advantages import ADVANTAGES
+from grpo_kernels.checks import check_finite, check_rewards, check_shape, checked_flags
 from grpo_kernels.groups import group_index, group_sum, group_zscore, subgroup_index
-from grpo_kernels.sequence_checks import check_finite, check_rewards, check_shape, checked_flags
 
 
 def shaped_rewards(

@@ -8,8 +8,8 @@ import torch
 from torch import Tensor
 
 from grpo_kernels.advantages import ADVANTAGES
+from grpo_kernels.checks import check_rewards
 from grpo_kernels.groups import group_first, group_index, group_rank
-from grpo_kernels.sequence_checks import check_rewards
 
 INITIAL_MEAN = 0.0  # x_0 of the official code
 INITIAL_VAR = 1.0  # P_0 of the official code

@@ -9,8 +9,8 @@ import torch
 from torch import Tensor
 
 from grpo_kernels.advantages import ADVANTAGES
+from grpo_kernels.checks import check_rewards
 from grpo_kernels.groups import group_index, group_members
-from grpo_kernels.sequence_checks import check_rewards
 
 
 def dilated_scales(size: int, num_scales: int, min_scale: int) -> list[int]:

@@ -6,8 +6,8 @@ import torch
 from torch import Tensor
 
 from grpo_kernels.advantages import ADVANTAGES
+from grpo_kernels.checks import check_rewards, checked_flags, checked_floats
 from grpo_kernels.groups import group_deviation, group_index, group_mean, group_zscore
-from grpo_kernels.sequence_checks import check_rewards, checked_flags, checked_floats
 
 
 @ADVANTAGES.register("grpo_lead", paper="arXiv:2504.09696")

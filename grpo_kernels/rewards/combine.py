@@ -7,8 +7,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from grpo_kernels.checks import check_finite, check_texts
 from grpo_kernels.rewards import REWARDS
-from grpo_kernels.sequence_checks import check_finite, check_texts
 
 TextReward = Callable[..., Tensor]  # fn(completions: list[str], **kwargs) -> Tensor [B]
 

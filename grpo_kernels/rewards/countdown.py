@@ -12,9 +12,9 @@ from fractions import Fraction
 import torch
 from torch import Tensor
 
+from grpo_kernels.checks import check_length, check_texts, checked_floats
 from grpo_kernels.rewards import REWARDS
 from grpo_kernels.rewards.extraction import answer_tag
-from grpo_kernels.sequence_checks import check_length, check_texts, checked_floats
 
 TOLERANCE = 1e-6
 _OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}

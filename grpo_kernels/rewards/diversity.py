@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from grpo_kernels.checks import check_finite, check_texts, checked_floats
 from grpo_kernels.groups import group_index
 from grpo_kernels.rewards import REWARDS
-from grpo_kernels.sequence_checks import check_finite, check_texts, checked_floats
 
 Embedder = Callable[[list[str]], Tensor]
 

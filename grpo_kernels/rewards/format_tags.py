@@ -7,8 +7,8 @@ import re
 import torch
 from torch import Tensor
 
+from grpo_kernels.checks import check_texts
 from grpo_kernels.rewards import REWARDS
-from grpo_kernels.sequence_checks import check_texts
 
 _TAG = r"</?(?:think|answer)>"
 _BODY = rf"(?:(?!{_TAG}).)*"  # any text, newlines included, that opens or closes no tag

@@ -8,9 +8,9 @@ from collections.abc import Collection, Hashable, Sequence
 import torch
 from torch import Tensor
 
+from grpo_kernels.checks import check_length, check_texts
 from grpo_kernels.groups import group_index
 from grpo_kernels.rewards import REWARDS
-from grpo_kernels.sequence_checks import check_length, check_texts
 
 
 @REWARDS.register("gapo_frequency", paper="GAPO, arXiv:2511.12596")

@@ -7,9 +7,9 @@ from decimal import Decimal, InvalidOperation
 import torch
 from torch import Tensor
 
+from grpo_kernels.checks import check_length, check_texts
 from grpo_kernels.rewards import REWARDS
 from grpo_kernels.rewards.extraction import answer_tag, last_number
-from grpo_kernels.sequence_checks import check_length, check_texts
 
 
 def gsm8k_target(answer: str, name: str = "answer") -> Decimal:

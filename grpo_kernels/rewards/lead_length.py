@@ -7,9 +7,9 @@ from collections.abc import Hashable, Sequence
 import torch
 from torch import Tensor
 
+from grpo_kernels.checks import checked_flags, checked_floats
 from grpo_kernels.groups import group_index, group_sum
 from grpo_kernels.rewards import REWARDS
-from grpo_kernels.sequence_checks import checked_flags, checked_floats
 
 
 @REWARDS.register("grpo_lead_length", paper="GRPO-LEAD, arXiv:2504.09696")

@@ -7,9 +7,9 @@ import threading
 import torch
 from torch import Tensor
 
+from grpo_kernels.checks import check_length, check_texts
 from grpo_kernels.rewards import REWARDS
 from grpo_kernels.rewards.extraction import answer_tag, last_boxed
-from grpo_kernels.sequence_checks import check_length, check_texts
 
 TIMEOUT_SECONDS = 5  # math-verify's own default for parse and verify
 

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from grpo_kernels.checks import checked_floats
 from grpo_kernels.rewards import REWARDS
-from grpo_kernels.sequence_checks import checked_floats
 
 
 @REWARDS.register("dapo_overlong", paper="DAPO, arXiv:2503.14476")

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from grpo_kernels.checks import checked_flags, checked_floats
 from grpo_kernels.rewards import REWARDS
-from grpo_kernels.sequence_checks import checked_flags, checked_floats
 
 
 @REWARDS.register("p_grpo_posterior", paper="Posterior-GRPO, arXiv:2508.05170")

@@ -7,9 +7,9 @@ from collections.abc import Hashable, Sequence
 import torch
 from torch import Tensor
 
+from grpo_kernels.checks import checked_flags, checked_floats
 from grpo_kernels.groups import group_index, group_size
 from grpo_kernels.rewards import REWARDS
-from grpo_kernels.sequence_checks import checked_flags, checked_floats
 
 RANK_MODES = ("weight", "supplement", "reward")
 

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from grpo_kernels.checks import checked_flags, checked_floats
 from grpo_kernels.rewards import REWARDS
-from grpo_kernels.sequence_checks import checked_flags, checked_floats
 
 
 @REWARDS.register("spo_trajectory", paper="SPO / SGPO, arXiv:2505.11595")

@@ -7,9 +7,9 @@ from collections.abc import Hashable, Sequence
 import torch
 from torch import Tensor
 
+from grpo_kernels.checks import check_finite, check_shape, checked_floats
 from grpo_kernels.groups import group_index, group_rank, group_size
 from grpo_kernels.rewards import REWARDS
-from grpo_kernels.sequence_checks import check_finite, check_shape, checked_floats
 
 
 def _sequence_logp(old_logp: Tensor | Sequence[float], mask: Tensor | None) -> Tensor:
