@@ -1,7 +1,7 @@
 """grpo-kernels: fused vocabulary-pass kernels and the GRPO loss family, with TRL's argument names."""
 
 from grpo_kernels.advantages import ADVANTAGES
-from grpo_kernels.api import grpo_loss, token_logprobs
+from grpo_kernels.api import fused_linear_grpo_loss, fused_linear_token_logprobs, grpo_loss, token_logprobs
 from grpo_kernels.losses.loss import GRPOLossOutput
 from grpo_kernels.losses.policy import POLICY_LOSSES
 from grpo_kernels.modules import GRPOLoss
@@ -23,6 +23,8 @@ __all__ = [
     "REWARDS",
     "SAMPLERS",
     "__version__",
+    "fused_linear_grpo_loss",
+    "fused_linear_token_logprobs",
     "grpo_loss",
     "token_logprobs",
 ]

@@ -6,28 +6,17 @@ import torch
 from torch import Tensor
 
 from grpo_kernels import checks
+from grpo_kernels.loss_inputs import LossInputs
 from grpo_kernels.losses.aggregate import token_weights_for
-from grpo_kernels.losses.loss import GRPOLossOutput, compute_loss, loss_metrics
+from grpo_kernels.losses.loss import GRPOLossOutput, compute_loss, loss_metrics, per_token_loss
 from grpo_kernels.losses.policy import POLICY_LOSSES
 from grpo_kernels.losses.terms import build_terms, per_sequence_or_token
 from grpo_kernels.options import LossOptions
-from grpo_kernels.packing import PackedLayout
 from grpo_kernels.vocab.backends import resolve_backend
 from grpo_kernels.vocab.function import TokenEpilogue, VocabPassOptions, fused_token_loss, vocab_pass
+from grpo_kernels.vocab.fused_linear import FusedLinearOptions, fused_linear_logprobs, fused_linear_token_loss
 
-
-def _prepare(logits: Tensor, targets: Tensor, mask: Tensor | None, backend: str) -> tuple[str, Tensor, Tensor, Tensor]:
-    """Resolve the backend and check logits/targets/mask; returns (backend, logits, targets, bool mask)."""
-    checks.check_tensor("logits", logits)
-    backend = resolve_backend(backend, logits.device)
-    checks.check_logits(logits, backend)
-    B, T, V = logits.shape
-    if mask is None:
-        mask = torch.ones((B, T), dtype=torch.bool, device=logits.device)
-    checks.check_mask(mask, B, T, logits.device)
-    mask = mask.bool()
-    checks.check_targets(targets, mask, V, logits.device)
-    return backend, logits, targets.long(), mask
+LossResult = GRPOLossOutput | tuple[GRPOLossOutput, Tensor]
 
 
 def token_logprobs(
@@ -48,17 +37,46 @@ def token_logprobs(
     logits' own buffer (no [N, V] allocation), so the logits' values are gone afterwards.
     """
     checks.check_temperature(temperature)
-    packed = isinstance(logits, Tensor) and logits.dim() == 2
-    if packed:
-        logits = logits.unsqueeze(0)
-        targets = targets.unsqueeze(0) if isinstance(targets, Tensor) else targets
-        mask = mask.unsqueeze(0) if isinstance(mask, Tensor) else mask
-    backend, logits, targets, mask = _prepare(logits, targets, mask, backend)
-    opts = VocabPassOptions(backend, temperature, with_entropy, inplace)
-    logp, entropy = vocab_pass(logits, targets, mask, opts)
-    if packed:
-        logp = logp.squeeze(0)
-        entropy = None if entropy is None else entropy.squeeze(0)
+    checks.check_tensor("logits", logits)
+    squeeze = logits.dim() == 2
+    rows, targets, mask = _rows(logits, targets, mask)
+    backend = resolve_backend(backend, logits.device)
+    checks.check_logits(rows, backend)
+    mask = _checked_mask(mask, rows, targets)
+    logp, entropy = vocab_pass(rows, targets, mask, VocabPassOptions(backend, temperature, with_entropy, inplace))
+    if squeeze:
+        logp, entropy = logp[0], None if entropy is None else entropy[0]
+    return (logp, entropy) if with_entropy else logp
+
+
+def fused_linear_token_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    *,
+    bias: Tensor | None = None,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    mask: Tensor | None = None,
+    chunk_size: int | None = None,
+    backend: str = "auto",
+) -> Tensor | tuple[Tensor, Tensor]:
+    """`token_logprobs(hidden @ weight.T + bias, targets)` without the `[N, V]` logits: chunks of rows go
+    through the lm_head GEMM and the vocabulary pass one at a time. hidden `[B, T, H]` or `[N, H]`, weight
+    `[V, H]`, bias `[V]`; differentiable w.r.t. hidden, weight and bias. Masked rows are gathered out first."""
+    checks.check_temperature(temperature)
+    checks.check_tensor("hidden", hidden)
+    squeeze = hidden.dim() == 2
+    rows, targets, mask = _rows(hidden, targets, mask, name="hidden")
+    backend = resolve_backend(backend, hidden.device)
+    checks.check_linear(rows, weight, bias, backend)
+    mask = _checked_mask(mask, rows, targets, vocab=weight.shape[0])
+    kept = mask.nonzero(as_tuple=True)
+    opts = FusedLinearOptions(backend, temperature, with_entropy, chunk_size)
+    logp_kept, entropy_kept = fused_linear_logprobs(rows[kept], weight, bias, targets[kept], opts)
+    logp, entropy = _scatter(logp_kept, kept, mask), _scatter(entropy_kept, kept, mask)
+    if squeeze:
+        logp, entropy = logp[0], None if entropy is None else entropy[0]
     return (logp, entropy) if with_entropy else logp
 
 
@@ -80,7 +98,7 @@ def grpo_loss(
     backend: str = "auto",
     options: LossOptions | None = None,
     **loss_options,
-) -> GRPOLossOutput | tuple[GRPOLossOutput, Tensor]:
+) -> LossResult:
     """GRPO-family loss on logits `[B, T, V]`, with TRL's argument names and semantics.
 
     targets `[B, T]` (logits[b, t] predicts targets[b, t]), advantages `[B]` or `[B, T]`, old_logp / ref_logp
@@ -96,122 +114,214 @@ def grpo_loss(
     Packed layout: with `cu_seqlens` (int `[S + 1]`), logits are `[N, V]`, per-token tensors `[N]`, advantages
     and is_ratio `[S]` or `[N]`, sequence_weights `[S]`; padding never enters the vocabulary pass.
     """
+    options = _options(options, loss_options)
+    checks.check_tensor("logits", logits)
+    backend = resolve_backend(backend, logits.device)
+    checks.check_logits(_layout_view("logits", logits, cu_seqlens), backend)
+    inputs = LossInputs.check(
+        tuple(logits.shape[:-1]),
+        logits.shape[-1],
+        logits.device,
+        targets,
+        advantages,
+        old_logp,
+        ref_logp,
+        mask,
+        is_ratio,
+        token_weights,
+        sequence_weights,
+        cu_seqlens,
+        options,
+    )
+    rows = logits if inputs.layout is None else logits[None]  # [R, C, V]
+    opts = VocabPassOptions(backend, options.temperature, _needs_entropy(options, with_entropy), inplace)
+    in_kernel = _token_level(options, inputs) and options.top_entropy_quantile == 1.0 and options.entropy_coef == 0.0
+    if backend == "triton" and inputs.layout is None and in_kernel and not return_sequence_losses:
+        return _fused_grpo_loss(rows, inputs, opts, options)
+    logp, entropy = vocab_pass(rows, inputs.targets, inputs.mask, opts)  # [R, C] each
+    return _loss(inputs.terms(logp, entropy, options), options, return_sequence_losses)
+
+
+def fused_linear_grpo_loss(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    advantages: Tensor,
+    old_logp: Tensor | None = None,
+    ref_logp: Tensor | None = None,
+    mask: Tensor | None = None,
+    *,
+    bias: Tensor | None = None,
+    chunk_size: int | None = None,
+    is_ratio: Tensor | None = None,
+    token_weights: Tensor | None = None,
+    sequence_weights: Tensor | None = None,
+    cu_seqlens: Tensor | None = None,
+    return_sequence_losses: bool = False,
+    with_entropy: bool = False,
+    backend: str = "auto",
+    options: LossOptions | None = None,
+    **loss_options,
+) -> LossResult:
+    """`grpo_loss(hidden @ weight.T + bias, ...)` without the `[N, V]` logits; gradients for hidden, weight, bias.
+
+    hidden `[B, T, H]` (packed: `[N, H]` with `cu_seqlens`), weight `[V, H]` (an lm_head's `.weight`), bias `[V]`;
+    every other argument as in `grpo_loss`. Masked tokens are gathered out before the first GEMM. Token-level losses
+    form their gradients in the forward (3 GEMMs per chunk of rows in all); sequence-level ones, per-sequence
+    outputs and weights that need a gradient recompute each chunk's logits in the backward (4 GEMMs).
+    """
+    options = _options(options, loss_options)
+    checks.check_tensor("hidden", hidden)
+    backend = resolve_backend(backend, hidden.device)
+    checks.check_linear(_layout_view("hidden", hidden, cu_seqlens), weight, bias, backend)
+    inputs = LossInputs.check(
+        tuple(hidden.shape[:-1]),
+        weight.shape[0],
+        hidden.device,
+        targets,
+        advantages,
+        old_logp,
+        ref_logp,
+        mask,
+        is_ratio,
+        token_weights,
+        sequence_weights,
+        cu_seqlens,
+        options,
+    )
+    rows = hidden if inputs.layout is None else hidden[None]  # [R, C, H]
+    kept = inputs.kept_rows()
+    opts = FusedLinearOptions(backend, options.temperature, _needs_entropy(options, with_entropy), chunk_size)
+    if _token_level(options, inputs) and options.top_entropy_quantile == 1.0 and not return_sequence_losses:
+        chunk_loss = _chunk_loss(inputs, kept, options)
+        loss, logp, entropy = fused_linear_token_loss(rows[kept], weight, bias, inputs.targets[kept], opts, chunk_loss)
+        terms = inputs.terms(_scatter(logp, kept, inputs.mask), _scatter(entropy, kept, inputs.mask), options)
+        return GRPOLossOutput(loss, loss_metrics(terms, options))
+    logp, entropy = fused_linear_logprobs(rows[kept], weight, bias, inputs.targets[kept], opts)  # [M] each
+    terms = inputs.terms(_scatter(logp, kept, inputs.mask), _scatter(entropy, kept, inputs.mask), options)
+    return _loss(terms, options, return_sequence_losses)
+
+
+def _options(options: LossOptions | None, loss_options: dict) -> LossOptions:
     if options is None:
-        options = LossOptions.from_kwargs(**loss_options)
-    elif loss_options:
+        return LossOptions.from_kwargs(**loss_options)
+    if loss_options:
         raise TypeError(
             f"pass loss options either as options=LossOptions(...) or as keywords, not both: {loss_options}"
         )
-    if cu_seqlens is not None:
-        layout, args = _unpack(
-            logits, targets, advantages, old_logp, ref_logp, mask, is_ratio, token_weights, sequence_weights, cu_seqlens
-        )
-        return _packed_grpo_loss(layout, *args, return_sequence_losses, with_entropy, inplace, backend, options)
-    backend, logits, targets, mask = _prepare(logits, targets, mask, backend)
-    B, T, _ = logits.shape
-    checks.check_loss_inputs(B, T, logits.device, advantages, old_logp, ref_logp, is_ratio, options)
-    checks.check_per_token_float("token_weights", token_weights, B, T, logits.device)
-    checks.check_per_sequence_float("sequence_weights", sequence_weights, B, logits.device)
-    need_entropy = with_entropy or options.top_entropy_quantile < 1.0 or options.entropy_coef != 0.0
-    opts = VocabPassOptions(backend, options.temperature, need_entropy, inplace)
-    weights = (token_weights, sequence_weights)
-    if backend == "triton" and _fusable(options, weights) and not return_sequence_losses:
-        return _fused_grpo_loss(logits, targets, advantages, old_logp, ref_logp, mask, is_ratio, weights, opts, options)
-    logp, entropy = vocab_pass(logits, targets, mask, opts)  # [B, T] each
-    terms = build_terms(logp, old_logp, ref_logp, advantages, mask, entropy, is_ratio, options, *weights)
+    return options
+
+
+def _layout_view(name: str, x: Tensor, cu_seqlens: Tensor | None) -> Tensor:
+    """x as [R, C, ·] rows: itself when padded; packed [N, ·] (with cu_seqlens) as [1, N, ·]."""
+    if cu_seqlens is None:
+        return x
+    if x.dim() != 2:
+        raise ValueError(f"with cu_seqlens, {name} must be packed [N, ·], got {list(x.shape)}")
+    return x[None]
+
+
+def _needs_entropy(options: LossOptions, with_entropy: bool) -> bool:
+    return with_entropy or options.top_entropy_quantile < 1.0 or options.entropy_coef != 0.0
+
+
+def _rows(x: Tensor, targets: Tensor, mask: Tensor | None, name: str = "logits"):
+    """[N, ·] inputs as one row of N tokens: [1, N, ·], targets and mask [1, N]."""
+    if x.dim() == 2:
+        return x[None], checks.check_tensor("targets", targets)[None], None if mask is None else mask[None]
+    if x.dim() != 3:
+        raise ValueError(f"{name} must be [B, T, ·] or [N, ·], got {list(x.shape)}")
+    return x, targets, mask
+
+
+def _checked_mask(mask: Tensor | None, rows: Tensor, targets: Tensor, vocab: int | None = None) -> Tensor:
+    B, T = rows.shape[:2]
+    mask = torch.ones((B, T), dtype=torch.bool, device=rows.device) if mask is None else mask
+    checks.check_mask(mask, B, T, rows.device)
+    checks.check_targets(targets, mask.bool(), rows.shape[-1] if vocab is None else vocab, rows.device)
+    return mask.bool()
+
+
+def _scatter(values: Tensor | None, kept: tuple[Tensor, Tensor], mask: Tensor) -> Tensor | None:
+    """Kept-token values [M] back into rows [R, C] (0 elsewhere); differentiable."""
+    if values is None:
+        return None
+    return values.new_zeros(mask.shape).index_put(kept, values)
+
+
+def _loss(terms, options: LossOptions, return_sequence_losses: bool) -> LossResult:
     output, sequence_losses = compute_loss(terms, options)
     return (output, sequence_losses) if return_sequence_losses else output
 
 
-def _fusable(options: LossOptions, weights: tuple[Tensor | None, Tensor | None]) -> bool:
-    """Whether the Triton forward epilogue can form the whole loss: each token's loss depends on that token alone,
-    no gradient flows into the entropy or the weights."""
+def _token_level(options: LossOptions, inputs: LossInputs) -> bool:
+    """Whether a token's loss depends on that token alone (so it can be formed as soon as its log-prob is known)
+    and no gradient flows into the weights."""
+    weights = (inputs.token_weights, inputs.sequence_weights)
     return (
         POLICY_LOSSES[options.loss_type].epilogue is not None
         and options.importance_sampling_level == "token"
-        and options.top_entropy_quantile == 1.0
-        and options.entropy_coef == 0.0
         and not any(w is not None and w.requires_grad for w in weights)
     )
 
 
-def _fused_grpo_loss(
-    logits, targets, advantages, old_logp, ref_logp, mask, is_ratio, weights, opts, options
-) -> GRPOLossOutput:
+def _omega(inputs: LossInputs, options: LossOptions) -> Tensor:
+    """Each token's weight in the padded view: the normaliser's ω times any token / sequence weights, float32."""
+    omega = token_weights_for(inputs.padded_mask().float(), POLICY_LOSSES[options.loss_type].normaliser, options)
+    if inputs.token_weights is not None:
+        omega = omega * inputs.padded(inputs.token_weights).float()  # [B, T]
+    if inputs.sequence_weights is not None:
+        omega = omega * inputs.sequence_weights.float()[:, None]  # [B, T]
+    return omega
+
+
+def _fused_grpo_loss(rows: Tensor, inputs: LossInputs, opts: VocabPassOptions, options: LossOptions):
     """One Triton pass: each token's weighted loss and dL/dlogp come out of the forward kernel's epilogue."""
-    spec = POLICY_LOSSES[options.loss_type]
-    omega = token_weights_for(mask.float(), spec.normaliser, options)  # [B, T]
-    token_weights, sequence_weights = weights
-    if token_weights is not None:
-        omega = omega * token_weights.float()  # [B, T]
-    if sequence_weights is not None:
-        omega = omega * sequence_weights.float()[:, None]  # [B, T]
-    epilogue = TokenEpilogue.from_options(spec.epilogue, options)
-    adv, is_w = per_sequence_or_token(advantages), per_sequence_or_token(is_ratio)  # [B, 1] or [B, T]
-    loss, logp, entropy = fused_token_loss(logits, targets, mask, omega, adv, old_logp, ref_logp, is_w, opts, epilogue)
-    terms = build_terms(logp, old_logp, ref_logp, advantages, mask, entropy, is_ratio, options)  # for the metrics
+    epilogue = TokenEpilogue.from_options(POLICY_LOSSES[options.loss_type].epilogue, options)
+    adv, is_w = per_sequence_or_token(inputs.advantages), per_sequence_or_token(inputs.is_ratio)  # [B, 1] or [B, T]
+    loss, logp, entropy = fused_token_loss(
+        rows,
+        inputs.targets,
+        inputs.mask,
+        _omega(inputs, options),
+        adv,
+        inputs.old_logp,
+        inputs.ref_logp,
+        is_w,
+        opts,
+        epilogue,
+    )
+    terms = build_terms(
+        logp, inputs.old_logp, inputs.ref_logp, inputs.advantages, inputs.mask, entropy, inputs.is_ratio, options
+    )  # for the metrics
     return GRPOLossOutput(loss, loss_metrics(terms, options))
 
 
-def _unpack(
-    logits, targets, advantages, old_logp, ref_logp, mask, is_ratio, token_weights, sequence_weights, cu_seqlens
-):
-    """Check the packed inputs ([N, V] logits, [N] / [S] tensors) and index their sequences."""
-    checks.check_tensor("logits", logits)
-    if logits.dim() != 2:
-        raise ValueError(f"with cu_seqlens, logits must be packed [N, V], got {list(logits.shape)}")
-    layout = PackedLayout.from_cu_seqlens(cu_seqlens.to(logits.device), logits.shape[0])
-    N, S = logits.shape[0], layout.num_sequences
-    checks.check_packed("targets", targets, ((N,),), ("[N]",), logits.device, floating=False)
-    checks.check_packed("mask", mask, ((N,),), ("[N]",), logits.device, floating=False)
-    for name, x in (("old_logp", old_logp), ("ref_logp", ref_logp), ("token_weights", token_weights)):
-        checks.check_packed(name, x, ((N,),), ("[N]",), logits.device)
-    for name, x in (("advantages", advantages), ("is_ratio", is_ratio)):
-        checks.check_packed(name, x, ((S,), (N,)), ("[S]", "[N]"), logits.device)
-    checks.check_packed("sequence_weights", sequence_weights, ((S,),), ("[S]",), logits.device)
-    return layout, (logits, targets, advantages, old_logp, ref_logp, mask, is_ratio, token_weights, sequence_weights)
+def _chunk_loss(inputs: LossInputs, kept: tuple[Tensor, Tensor], options: LossOptions):
+    """A token-level loss as `(rows, logp, entropy) -> that chunk's share of the loss`, for the fused lm_head."""
+    omega = inputs.from_padded(_omega(inputs, options), kept)  # [M]
+    side = {
+        name: inputs.per_kept_token(getattr(inputs, name), kept)
+        for name in ("old_logp", "ref_logp", "advantages", "is_ratio")
+    }
+    num_kept = max(int(kept[0].numel()), 1)
 
+    def share(rows: slice, logp: Tensor, entropy: Tensor | None) -> Tensor:
+        pick = lambda x: None if x is None else x[rows][None]  # noqa: E731  [1, c]
+        terms = build_terms(
+            logp[None],
+            pick(side["old_logp"]),
+            pick(side["ref_logp"]),
+            pick(side["advantages"]),
+            torch.ones_like(logp, dtype=torch.bool)[None],
+            None if entropy is None else entropy[None],
+            pick(side["is_ratio"]),
+            options,
+            pick(omega),
+        )
+        loss = per_token_loss(terms, options).sum()
+        if options.entropy_coef != 0.0:
+            loss = loss - options.entropy_coef * entropy.sum() / num_kept
+        return loss
 
-def _packed_grpo_loss(
-    layout,
-    logits,
-    targets,
-    advantages,
-    old_logp,
-    ref_logp,
-    mask,
-    is_ratio,
-    token_weights,
-    sequence_weights,
-    return_sequence_losses,
-    with_entropy,
-    inplace,
-    backend,
-    options,
-):
-    """The vocabulary pass on the packed rows, then the loss algebra on their [S, T_max] view."""
-    backend, logits, targets, mask = _prepare(
-        logits[None], targets[None], None if mask is None else mask[None], backend
-    )
-    need_entropy = with_entropy or options.top_entropy_quantile < 1.0 or options.entropy_coef != 0.0
-    logp, entropy = vocab_pass(
-        logits, targets, mask, VocabPassOptions(backend, options.temperature, need_entropy, inplace)
-    )  # [1, N] each
-
-    def per_token(x: Tensor | None) -> Tensor | None:  # [N] -> [S, T_max]; [S] stays one value per sequence
-        return layout.pad(x) if x is not None and x.shape[0] == logp.shape[1] else x
-
-    terms = build_terms(
-        layout.pad(logp[0]),
-        layout.pad(old_logp),
-        layout.pad(ref_logp),
-        per_token(advantages),
-        layout.pad(mask[0], False),
-        None if entropy is None else layout.pad(entropy[0]),
-        per_token(is_ratio),
-        options,
-        layout.pad(token_weights),
-        sequence_weights,
-    )
-    output, sequence_losses = compute_loss(terms, options)
-    return (output, sequence_losses) if return_sequence_losses else output
+    return share

@@ -41,6 +41,27 @@ def check_logits(logits: Tensor, backend: str) -> None:
         raise TypeError(f"logits dtype must be one of {dtypes} for backend={backend!r}, got {logits.dtype}")
 
 
+def check_linear(hidden: Tensor, weight: Tensor, bias: Tensor | None, backend: str) -> None:
+    """hidden [B, T, H] and an lm_head weight [V, H] (bias [V]) of one float dtype, on one device."""
+    if hidden.dim() != 3:
+        raise ValueError(f"hidden must be [B, T, H] (or packed [N, H]), got {_shape(hidden.shape)}")
+    check_tensor("weight", weight)
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight must be [V, H] with H = {hidden.shape[-1]}, got {_shape(weight.shape)}")
+    dtypes = LOGITS_DTYPES[backend]
+    if hidden.dtype not in dtypes:
+        raise TypeError(f"hidden dtype must be one of {dtypes} for backend={backend!r}, got {hidden.dtype}")
+    for name, x in (("weight", weight), ("bias", bias)):
+        if x is None:
+            continue
+        if x.dtype != hidden.dtype:
+            raise TypeError(f"{name} dtype must match hidden's {hidden.dtype}, got {x.dtype}")
+        if x.device != hidden.device:
+            raise ValueError(f"{name} must be on {hidden.device} (the device of hidden), got {x.device}")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"bias must be [V] = [{weight.shape[0]}], got {_shape(bias.shape)}")
+
+
 def _check_like(name: str, x: Tensor, shapes: tuple[tuple[int, ...], ...], labels: tuple[str, ...], device) -> None:
     check_tensor(name, x)
     if tuple(x.shape) not in shapes:

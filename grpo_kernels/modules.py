@@ -4,48 +4,39 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from grpo_kernels.api import grpo_loss
-from grpo_kernels.losses.loss import GRPOLossOutput
+from grpo_kernels.api import LossResult, fused_linear_grpo_loss, grpo_loss
 from grpo_kernels.options import LossOptions
 
 
 class GRPOLoss(nn.Module):
-    """`GRPOLoss(loss_type="dapo", epsilon_high=0.28)(logits, targets, advantages, old_logp, ref_logp, mask)`.
+    """`GRPOLoss(loss_type="dapo", epsilon_high=0.28)` called as
 
-    Keyword arguments are `LossOptions` fields; `backend`, `inplace` and `with_entropy` as in `grpo_loss`.
+        loss_fn(logits, targets, advantages, old_logp, ref_logp, mask)            # logits [B, T, V]
+        loss_fn(hidden, weight, targets, advantages, old_logp, ref_logp, mask)    # fused lm_head, weight [V, H]
+
+    Keyword arguments of the constructor are `LossOptions` fields plus `backend`, `with_entropy`, `inplace`
+    (logits form) and `chunk_size` (fused form); those of the call are the per-batch tensors (`is_ratio`,
+    `token_weights`, `sequence_weights`, `bias`, `cu_seqlens`, ...).
     """
 
-    def __init__(self, *, backend: str = "auto", inplace: bool = True, with_entropy: bool = False, **loss_options):
+    def __init__(
+        self,
+        *,
+        backend: str = "auto",
+        inplace: bool = True,
+        with_entropy: bool = False,
+        chunk_size: int | None = None,
+        **loss_options,
+    ):
         super().__init__()
         self.options = LossOptions.from_kwargs(**loss_options)
-        self.backend = backend
-        self.inplace = inplace
-        self.with_entropy = with_entropy
+        self.backend, self.inplace, self.with_entropy, self.chunk_size = backend, inplace, with_entropy, chunk_size
 
-    def forward(
-        self,
-        logits: Tensor,
-        targets: Tensor,
-        advantages: Tensor,
-        old_logp: Tensor | None = None,
-        ref_logp: Tensor | None = None,
-        mask: Tensor | None = None,
-        *,
-        is_ratio: Tensor | None = None,
-    ) -> GRPOLossOutput:
-        return grpo_loss(
-            logits,
-            targets,
-            advantages,
-            old_logp,
-            ref_logp,
-            mask,
-            is_ratio=is_ratio,
-            with_entropy=self.with_entropy,
-            inplace=self.inplace,
-            backend=self.backend,
-            options=self.options,
-        )
+    def forward(self, hidden_or_logits: Tensor, *args: Tensor | None, **tensors: Tensor | bool | None) -> LossResult:
+        common = dict(backend=self.backend, with_entropy=self.with_entropy, options=self.options)
+        if args and isinstance(args[0], Tensor) and args[0].is_floating_point() and args[0].dim() == 2:
+            return fused_linear_grpo_loss(hidden_or_logits, *args, chunk_size=self.chunk_size, **common, **tensors)
+        return grpo_loss(hidden_or_logits, *args, inplace=self.inplace, **common, **tensors)
 
     def extra_repr(self) -> str:
         return f"{self.options}, backend={self.backend!r}"

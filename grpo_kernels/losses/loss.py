@@ -28,11 +28,24 @@ def compute_loss(terms: TokenTerms, options: LossOptions) -> tuple[GRPOLossOutpu
 
     The shares sum to the loss without `entropy_coef`; they are what DARO's and λ-GRPO's weights need.
     """
-    spec = POLICY_LOSSES[options.loss_type]
-    per_token = spec.term(terms, options)  # [B, T] or [B, 1]
     kept = terms.mask  # [B, T], the tokens the policy term and the entropy bonus act on
     if options.top_entropy_quantile < 1.0:
         kept = high_entropy_mask(terms.entropy.detach(), terms.mask, options.top_entropy_quantile)  # [B, T]
+    normaliser = POLICY_LOSSES[options.loss_type].normaliser
+    per_token = per_token_loss(terms, options, kept) * token_weights_for(terms.mask, normaliser, options)  # [B, T]
+    sequence_losses = per_token.sum(-1)  # [B]
+    loss = sequence_losses.sum()
+    if options.entropy_coef != 0.0:  # TRL: L − coef·mean entropy of the kept tokens, whatever the normaliser
+        loss = loss - options.entropy_coef * (terms.entropy * kept).sum() / kept.sum().clamp(min=1.0)
+    return GRPOLossOutput(loss, loss_metrics(terms, options)), sequence_losses
+
+
+def per_token_loss(terms: TokenTerms, options: LossOptions, kept: Tensor | None = None) -> Tensor:
+    """Each token's loss before the normaliser: policy term (on the `kept` tokens when the entropy quantile
+    selects) · IS weight + β·KL, times token/sequence weights; [B, T] or [B, 1]."""
+    spec = POLICY_LOSSES[options.loss_type]
+    per_token = spec.term(terms, options)  # [B, T] or [B, 1]
+    if options.top_entropy_quantile < 1.0:
         per_token = per_token * kept
     if terms.is_ratio is not None and not spec.absorbs_is_ratio:
         per_token = per_token * terms.is_ratio
@@ -40,11 +53,7 @@ def compute_loss(terms: TokenTerms, options: LossOptions) -> tuple[GRPOLossOutpu
         per_token = per_token + options.beta * kl_penalty(terms, options)  # [B, T]
     if terms.weights is not None:
         per_token = per_token * terms.weights  # [B, T]
-    sequence_losses = (per_token * token_weights_for(terms.mask, spec.normaliser, options)).sum(-1)  # [B]
-    loss = sequence_losses.sum()
-    if options.entropy_coef != 0.0:  # TRL: L − coef·mean entropy of the kept tokens, whatever the normaliser
-        loss = loss - options.entropy_coef * (terms.entropy * kept).sum() / kept.sum().clamp(min=1.0)
-    return GRPOLossOutput(loss, loss_metrics(terms, options)), sequence_losses
+    return per_token
 
 
 def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:

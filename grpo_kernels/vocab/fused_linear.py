@@ -1,0 +1,204 @@
+"""The vocabulary pass fused with the lm_head: hidden [M, H] and weight [V, H] in; the [M, V] logits only ever
+exist one chunk of rows at a time, so memory beyond the gradients is one chunk.
+
+Per chunk: one GEMM for the logits, the backend's vocabulary pass on them (in place), and in the backward the two
+gradient GEMMs (dH chunk, dW accumulated in float32 and cast once). Two Functions:
+- `_FusedLinearLogprobsFunction`: logp (and entropy) out, any loss on top; the backward recomputes each chunk's
+  logits (4 GEMMs in all).
+- `_FusedLinearTokenLossFunction`: for token-level losses the per-token dL/dlogp is known as soon as a chunk's
+  log-probs are, so the gradients are formed in the forward from the logits still in memory and the backward only
+  scales them: 3 GEMMs, the floor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from grpo_kernels.vocab import backends
+from grpo_kernels.vocab.function import _kernels
+
+CPU_CHUNK_BYTES = 1 << 28  # 256 MiB of logits per chunk on CPU
+
+
+@dataclass(frozen=True)
+class FusedLinearOptions:
+    backend: str
+    temperature: float = 1.0
+    with_entropy: bool = False
+    chunk_size: int | None = None  # rows per chunk; None: from V, H and free memory
+
+
+def chunk_rows(num_rows: int, vocab: int, hidden: int, device: torch.device, chunk_size: int | None) -> int:
+    """Rows per chunk: `chunk_size`, else what a logits chunk [rows, V] float32 takes of a memory budget
+    (a quarter of free CUDA memory, at most 1 GiB; 256 MiB on CPU), at least 1 and at most `num_rows`."""
+    if chunk_size is not None:
+        return max(1, min(chunk_size, num_rows))
+    budget = CPU_CHUNK_BYTES
+    if device.type == "cuda":
+        budget = min(torch.cuda.mem_get_info(device)[0] // 4, 1 << 30)
+    rows = budget // (4 * (vocab + hidden))
+    return max(1, min(rows, num_rows))
+
+
+def _chunks(num_rows: int, rows: int):
+    for start in range(0, num_rows, rows):
+        yield slice(start, min(start + rows, num_rows))
+
+
+def _logits(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """One chunk's logits [1, c, V] in the input dtype (the kernels compute in float32)."""
+    z = hidden @ weight.T if bias is None else torch.addmm(bias, hidden, weight.T)  # [c, V]
+    return z[None]
+
+
+class _GradientSink:
+    """Accumulates the gradients of hidden, weight and bias from each chunk's dL/dlogits (float32 for dW, db)."""
+
+    def __init__(self, hidden: Tensor, weight: Tensor, bias: Tensor | None, needs: tuple[bool, bool, bool]):
+        self.hidden = torch.empty_like(hidden) if needs[0] else None  # [M, H]
+        self.weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs[1] else None
+        self.bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if needs[2] else None
+
+    def add(self, rows: slice, grad_logits: Tensor, hidden: Tensor, weight: Tensor) -> None:
+        """grad_logits [c, V] of the rows' logits; hidden [c, H] the rows' inputs."""
+        if self.hidden is not None:
+            self.hidden[rows] = grad_logits @ weight
+        if self.weight is not None:
+            self.weight.addmm_(grad_logits.T.float(), hidden.float())
+        if self.bias is not None:
+            self.bias += grad_logits.float().sum(0)
+
+    def result(self, weight: Tensor, bias: Tensor | None, scale: Tensor | None = None):
+        grads = [self.hidden, self.weight, self.bias]
+        if scale is not None:
+            grads = [None if g is None else g * scale.to(g.dtype) for g in grads]
+        cast = lambda g, like: None if g is None else g.to(like.dtype)  # noqa: E731
+        return grads[0], cast(grads[1], weight), None if bias is None else cast(grads[2], bias)
+
+
+class _FusedLinearLogprobsFunction(torch.autograd.Function):
+    """(hidden [M, H], weight [V, H], bias [V] | None, targets [M]) -> logp [M], entropy [M] or empty."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, opts: FusedLinearOptions):
+        kernels = _kernels(opts.backend)
+        M, V = targets.shape[0], weight.shape[0]
+        rows = chunk_rows(M, V, weight.shape[1], hidden.device, opts.chunk_size)
+        ones = torch.ones((1, rows), dtype=torch.bool, device=hidden.device)
+        stats = [], [], []
+        for r in _chunks(M, rows):
+            backends.launches[opts.backend] += 1
+            z = _logits(hidden[r], weight, bias)  # [1, c, V]
+            chunk = kernels.token_logprobs_fwd(
+                z, targets[None, r], ones[:, : z.shape[1]], opts.temperature, opts.with_entropy
+            )
+            for acc, x in zip(stats, chunk, strict=True):
+                acc.append(x)
+        logp, lse = torch.cat(stats[0], 1)[0], torch.cat(stats[1], 1)[0]  # [M]
+        entropy = torch.cat(stats[2], 1)[0] if opts.with_entropy else logp.new_empty(0)  # [M]
+        if not opts.with_entropy:
+            ctx.mark_non_differentiable(entropy)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
+        ctx.opts, ctx.rows = opts, rows
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
+        opts, rows = ctx.opts, ctx.rows
+        kernels = _kernels(opts.backend)
+        if not opts.with_entropy:
+            grad_entropy = None
+        sink = _GradientSink(hidden, weight, bias, ctx.needs_input_grad[:3])
+        ones = torch.ones((1, rows), dtype=torch.bool, device=hidden.device)
+        for r in _chunks(targets.shape[0], rows):
+            backends.launches[opts.backend] += 1
+            z = _logits(hidden[r], weight, bias)  # [1, c, V], overwritten by its gradient
+            kernels.token_logprobs_bwd(
+                z,
+                targets[None, r],
+                ones[:, : z.shape[1]],
+                lse[None, r],
+                entropy[None, r] if grad_entropy is not None else None,
+                None if grad_logp is None else grad_logp[None, r],
+                None if grad_entropy is None else grad_entropy[None, r],
+                opts.temperature,
+                z,
+            )
+            sink.add(r, z[0], hidden[r], weight)
+        return (*sink.result(weight, bias), None, None)
+
+
+ChunkLoss = Callable[[slice, Tensor, Tensor | None], Tensor]
+
+
+class _FusedLinearTokenLossFunction(torch.autograd.Function):
+    """(hidden, weight, bias, targets) -> (loss, logp [M], entropy [M] or empty) for a token-level loss given as
+    `chunk_loss(rows, logp_rows, entropy_rows)` (its share of the loss, differentiable in logp and entropy)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, opts: FusedLinearOptions, chunk_loss: ChunkLoss):
+        kernels = _kernels(opts.backend)
+        M, V = targets.shape[0], weight.shape[0]
+        rows = chunk_rows(M, V, weight.shape[1], hidden.device, opts.chunk_size)
+        ones = torch.ones((1, rows), dtype=torch.bool, device=hidden.device)
+        sink = _GradientSink(hidden, weight, bias, ctx.needs_input_grad[:3])
+        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        logps, entropies = [], []
+        backends.launches["fused_linear_token_loss"] += 1
+        for r in _chunks(M, rows):
+            backends.launches[opts.backend] += 2
+            z = _logits(hidden[r], weight, bias)  # [1, c, V]
+            mask = ones[:, : z.shape[1]]
+            logp, lse, entropy = kernels.token_logprobs_fwd(
+                z, targets[None, r], mask, opts.temperature, opts.with_entropy
+            )
+            with torch.enable_grad():  # dL/dlogp (and dL/dH) of this chunk's share, on O(c) tensors
+                leaves = [logp[0].detach().requires_grad_()]
+                if opts.with_entropy:
+                    leaves.append(entropy[0].detach().requires_grad_())
+                share = chunk_loss(r, *leaves) if opts.with_entropy else chunk_loss(r, leaves[0], None)
+                grads = torch.autograd.grad(share, leaves, allow_unused=True)
+            loss += share.detach().float()
+            grad_logp = None if grads[0] is None else grads[0][None]  # [1, c]
+            grad_entropy = grads[1][None] if opts.with_entropy and grads[1] is not None else None  # [1, c]
+            kernels.token_logprobs_bwd(
+                z,
+                targets[None, r],
+                mask,
+                lse,
+                entropy if grad_entropy is not None else None,
+                grad_logp,
+                grad_entropy,
+                opts.temperature,
+                z,
+            )
+            sink.add(r, z[0], hidden[r], weight)
+            logps.append(logp[0])
+            entropies.append(entropy[0] if opts.with_entropy else logp.new_empty(0))
+        ctx.sink, ctx.weight_like = sink, (weight, bias)
+        logp, entropy = torch.cat(logps), torch.cat(entropies)
+        ctx.mark_non_differentiable(logp, entropy)
+        return loss, logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_logp, _grad_entropy):
+        weight, bias = ctx.weight_like
+        return (*ctx.sink.result(weight, bias, scale=grad_loss), None, None, None)
+
+
+def fused_linear_logprobs(hidden, weight, bias, targets, opts: FusedLinearOptions) -> tuple[Tensor, Tensor | None]:
+    """logp [M] and entropy [M] (None unless asked) of the kept rows; differentiable in hidden, weight, bias."""
+    logp, entropy = _FusedLinearLogprobsFunction.apply(hidden, weight, bias, targets, opts)
+    return logp, (entropy if opts.with_entropy else None)
+
+
+def fused_linear_token_loss(hidden, weight, bias, targets, opts: FusedLinearOptions, chunk_loss: ChunkLoss):
+    """(loss, detached logp [M], detached entropy [M] | None) of a token-level loss, gradients formed in forward."""
+    loss, logp, entropy = _FusedLinearTokenLossFunction.apply(hidden, weight, bias, targets, opts, chunk_loss)
+    return loss, logp, (entropy if opts.with_entropy else None)
