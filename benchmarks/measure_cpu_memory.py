@@ -1,12 +1,15 @@
 """Time and extra peak RSS of one forward + backward, each provider in a fresh process (CPU).
 
-`python -m benchmarks.measure_cpu_memory` prints one line per provider. The logits come out of `hidden @ W.T`,
-as an lm_head's do, so the in-place gradient flows into the matmul backward; the extra peak is measured after
-they exist.
+    python -m benchmarks.measure_cpu_memory             # the logits-level loss (logits from hidden @ W.T)
+    python -m benchmarks.measure_cpu_memory fused_linear  # the fused lm_head + loss, against Liger when installed
+
+The extra peak is measured after the inputs exist; the gradients' own size (grad_W + grad_hidden) is printed with
+the fused-linear case, as its floor.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import resource
 import subprocess
 import sys
@@ -14,37 +17,63 @@ import time
 
 import torch
 
-B, T, V, H = 4, 256, 151936, 64
+LOGITS_SHAPE = dict(B=4, T=256, V=151936, H=64)
+FUSED_SHAPE = dict(B=8, T=256, V=151936, H=896)  # 78% of the tokens valid
 
 
-def run(provider: str) -> None:
+def _inputs(B: int, T: int, V: int, H: int, keep: float):
+    torch.manual_seed(0)
+    hidden = torch.randn(B, T, H).requires_grad_()
+    weight = (torch.randn(V, H) / H**0.5).requires_grad_()
+    targets = torch.randint(0, V, (B, T))
+    mask = torch.rand(B, T) < keep
+    adv = torch.randn(B)
+    old = torch.randn(B, T) - 12
+    return hidden, weight, targets, mask, adv, old, old + 0.1
+
+
+def _step(case: str, provider: str, hidden, weight, targets, mask, adv, old, ref):
     import grpo_kernels as gk
     from benchmarks.baselines import naive_grpo_loss
 
-    torch.manual_seed(0)
-    hidden = torch.randn(B, T, H, requires_grad=True)
-    weight = (torch.randn(V, H) / 8).requires_grad_()
-    targets = torch.randint(0, V, (B, T))
-    mask = torch.rand(B, T) > 0.1
-    adv = torch.randn(B)
-    old = torch.randn(B, T) - 12
-    ref = old + 0.1
-    logits = hidden @ weight.T  # [B, T, V]
+    options = dict(loss_type="dapo", epsilon_high=0.28, beta=0.04)
+    if provider == "naive":
+        return naive_grpo_loss(hidden @ weight.T, targets, adv, old, ref, mask)
+    if provider == "liger":
+        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+        loss_fn = LigerFusedLinearGRPOLoss(beta=0.04, compiled=False, epsilon_high=0.28, loss_type="dapo")
+        return loss_fn(hidden, weight, targets, mask.int(), adv, ref_per_token_logps=ref, old_per_token_logps=old)[0]
+    if case == "fused_linear":
+        return gk.fused_linear_grpo_loss(hidden, weight, targets, adv, old, ref, mask, **options).loss
+    return gk.grpo_loss(hidden @ weight.T, targets, adv, old, ref, mask, **options).loss
+
+
+def run(case: str, provider: str) -> None:
+    shape = FUSED_SHAPE if case == "fused_linear" else LOGITS_SHAPE
+    inputs = _inputs(**shape, keep=0.78 if case == "fused_linear" else 0.9)
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     start = time.perf_counter()
-    if provider == "naive":
-        loss = naive_grpo_loss(logits, targets, adv, old, ref, mask)
-    else:
-        loss = gk.grpo_loss(logits, targets, adv, old, ref, mask, loss_type="dapo", epsilon_high=0.28, beta=0.04).loss
-    loss.backward()
+    _step(case, provider, *inputs).backward()
     seconds = time.perf_counter() - start
     extra = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 2**20  # ru_maxrss is in KiB on Linux
-    print(f"{provider}: {seconds:.2f} s, extra peak RSS {extra:.3f} GiB beyond {B * T * V * 4 / 2**30:.2f} GiB logits")
+    grads = sum(x.numel() for x in inputs[:2]) * 4 / 2**30
+    print(
+        f"{case} {shape} {provider}: {seconds:.2f} s, extra peak RSS {extra:.3f} GiB (grad_W + grad_hidden "
+        f"{grads:.3f} GiB)",
+        flush=True,
+    )
+
+
+def providers(case: str) -> list[str]:
+    peers = ["liger"] if case == "fused_linear" and importlib.util.find_spec("liger_kernel") else []
+    return ["naive", "grpo_kernels", *peers]
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1:
-        run(sys.argv[1])
+    case = sys.argv[1] if len(sys.argv) > 1 else "logits"
+    if len(sys.argv) > 2:
+        run(case, sys.argv[2])
     else:
-        for provider in ("naive", "grpo_kernels"):
-            subprocess.run([sys.executable, "-m", "benchmarks.measure_cpu_memory", provider], check=True)
+        for provider in providers(case):
+            subprocess.run([sys.executable, "-m", "benchmarks.measure_cpu_memory", case, provider], check=True)

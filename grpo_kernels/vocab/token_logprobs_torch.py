@@ -16,18 +16,40 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _row_chunks(mask: Tensor, vocab: int):
-    """Yield (b, t) index pairs of kept rows, a chunk at a time."""
-    b_idx, t_idx = mask.nonzero(as_tuple=True)
+def _row_chunks(logits: Tensor, mask: Tensor):
+    """Yield (index, rows) per chunk of kept rows: `index` selects them in [B, T] (a flat slice, or (b, t)
+    index tensors), `rows` [C, V] are their logits: a view when every row is kept and the layout allows it,
+    else a gathered copy."""
+    vocab = logits.shape[-1]
     step = max(1, CHUNK_ELEMENTS // vocab)
+    if logits.is_contiguous() and bool(mask.all()):
+        flat = logits.view(-1, vocab)  # [B·T, V]
+        for start in range(0, flat.shape[0], step):
+            yield slice(start, start + step), flat[start : start + step]
+        return
+    b_idx, t_idx = mask.nonzero(as_tuple=True)
     for start in range(0, b_idx.numel(), step):
-        yield b_idx[start : start + step], t_idx[start : start + step]
+        b, t = b_idx[start : start + step], t_idx[start : start + step]
+        yield (b, t), logits[b, t]
 
 
-def _scaled_rows(logits: Tensor, b: Tensor, t: Tensor, temperature: float) -> Tensor:
-    """The kept rows' logits / temperature in the compute dtype: one fresh [C, V] buffer, scaled in place."""
-    z = logits[b, t].to(compute_dtype(logits.dtype))  # [C, V]
-    return z.div_(temperature) if temperature != 1.0 else z
+def _at(x: Tensor, index) -> Tensor:
+    """x [B, T, ...] at a chunk's index: a view for a flat slice, gathered for (b, t)."""
+    return x.flatten(0, 1)[index] if isinstance(index, slice) else x[index]
+
+
+def _put(x: Tensor, index, values: Tensor) -> None:
+    """x [B, T, ...] at a chunk's index = values."""
+    if isinstance(index, slice):
+        x.flatten(0, 1)[index] = values
+    else:
+        x[index] = values
+
+
+def _scaled(rows: Tensor, temperature: float) -> Tensor:
+    """rows / temperature in the compute dtype, never modifying `rows` (a view of the caller's logits)."""
+    z = rows.to(compute_dtype(rows.dtype))
+    return z / temperature if temperature != 1.0 else z
 
 
 def token_logprobs_fwd(
@@ -41,13 +63,13 @@ def token_logprobs_fwd(
     logp = torch.zeros(mask.shape, dtype=dtype, device=logits.device)  # [B, T]
     lse = torch.zeros_like(logp)  # [B, T]
     entropy = torch.zeros_like(logp) if with_entropy else None  # [B, T]
-    for b, t in _row_chunks(mask, logits.shape[-1]):
-        z = _scaled_rows(logits, b, t, temperature)  # [C, V]
+    for index, rows in _row_chunks(logits, mask):
+        z = _scaled(rows, temperature)  # [C, V]
         row_lse = torch.logsumexp(z, dim=-1)  # [C]
-        lse[b, t] = row_lse
-        logp[b, t] = z.gather(1, targets[b, t, None]).squeeze(1) - row_lse
+        _put(lse, index, row_lse)
+        _put(logp, index, z.gather(1, _at(targets, index)[:, None]).squeeze(1) - row_lse)
         if entropy is not None:  # H = −Σ q log q, with 0 · log 0 = 0 for -inf logits
-            entropy[b, t] = torch.special.entr(z.sub_(row_lse[:, None]).exp_()).sum(-1)
+            _put(entropy, index, torch.special.entr((z - row_lse[:, None]).exp_()).sum(-1))
     return logp, lse, entropy
 
 
@@ -65,16 +87,26 @@ def token_logprobs_bwd(
     """Write dL/dlogits into `out` (which may be `logits` itself): per kept row
 
     g·(onehot − q)/T  +  g_H·(−q·(log q + H))/T,  q = softmax(logits/T);  masked rows get 0.
+    When `out` is the logits in float32 (or float64) and every row is kept, each chunk is rewritten in place.
     """
-    for b, t in _row_chunks(mask, logits.shape[-1]):
-        log_q = _scaled_rows(logits, b, t, temperature).sub_(lse[b, t, None])  # [C, V]
-        g = torch.zeros_like(lse[b, t]) if grad_logp is None else grad_logp[b, t].to(log_q.dtype)  # [C]
+    dtype = compute_dtype(logits.dtype)
+    in_place = out is logits and logits.dtype == dtype
+    for index, rows in _row_chunks(logits, mask):
+        own = in_place and isinstance(index, slice)  # rows is a view of `out`: compute in it
+        log_q = rows if own else rows.to(dtype, copy=True)  # [C, V]
+        if temperature != 1.0:
+            log_q.div_(temperature)
+        log_q.sub_(_at(lse, index)[:, None])
+        g = torch.zeros_like(_at(lse, index)) if grad_logp is None else _at(grad_logp, index).to(dtype)  # [C]
         if grad_entropy is None:
-            grad = log_q.exp_().mul_(-g[:, None])  # [C, V], reusing the buffer
+            grad = log_q.exp_().mul_(-g[:, None])  # [C, V], in the same buffer
         else:
             q = log_q.exp()  # [C, V]
-            shifted = torch.where(q > 0, log_q.add_(entropy[b, t, None]), 0.0)  # log q + H, 0 where q = 0
-            grad = shifted.mul_(q).mul_(-grad_entropy[b, t, None].to(q.dtype)).sub_(q.mul_(g[:, None]))
-        grad.scatter_add_(1, targets[b, t, None], g[:, None])
-        out[b, t] = (grad.div_(temperature) if temperature != 1.0 else grad).to(out.dtype)
+            log_q.add_(_at(entropy, index)[:, None]).mul_(q).masked_fill_(q == 0, 0.0)  # q·(log q + H)
+            grad = log_q.mul_(-_at(grad_entropy, index).to(dtype)[:, None]).sub_(q.mul_(g[:, None]))
+        grad.scatter_add_(1, _at(targets, index)[:, None], g[:, None])
+        if temperature != 1.0:
+            grad.div_(temperature)
+        if not own:
+            _put(out, index, grad.to(out.dtype))
     out[~mask] = 0
