@@ -3,14 +3,13 @@
     python -m benchmarks.measure_cpu_memory             # the logits-level loss (logits from hidden @ W.T)
     python -m benchmarks.measure_cpu_memory fused_linear  # the fused lm_head + loss, against Liger when installed
 
-The extra peak is measured after the inputs exist; the gradients' own size (grad_W + grad_hidden) is printed with
-the fused-linear case, as its floor.
+The extra peak is VmHWM after the step minus VmRSS before it (the peak reset in between; Linux).
+The gradients' own size (grad_W + grad_hidden), the fused-linear floor, is printed beside it.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import resource
 import subprocess
 import sys
 import time
@@ -49,14 +48,26 @@ def _step(case: str, provider: str, hidden, weight, targets, mask, adv, old, ref
     return gk.grpo_loss(hidden @ weight.T, targets, adv, old, ref, mask, **options).loss
 
 
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith(field + ":"))
+
+
+def _reset_peak_rss() -> int:
+    """Reset the peak RSS (VmHWM) to the current RSS, so that transients of the setup do not hide the run's."""
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")
+    return _status_kib("VmRSS")
+
+
 def run(case: str, provider: str) -> None:
     shape = FUSED_SHAPE if case == "fused_linear" else LOGITS_SHAPE
     inputs = _inputs(**shape, keep=0.78 if case == "fused_linear" else 0.9)
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    base = _reset_peak_rss()
     start = time.perf_counter()
     _step(case, provider, *inputs).backward()
     seconds = time.perf_counter() - start
-    extra = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 2**20  # ru_maxrss is in KiB on Linux
+    extra = (_status_kib("VmHWM") - base) / 2**20
     grads = sum(x.numel() for x in inputs[:2]) * 4 / 2**30
     print(
         f"{case} {shape} {provider}: {seconds:.2f} s, extra peak RSS {extra:.3f} GiB (grad_W + grad_hidden "
