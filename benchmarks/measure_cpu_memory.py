@@ -33,16 +33,13 @@ def _inputs(B: int, T: int, V: int, H: int, keep: float):
 
 def _step(case: str, provider: str, hidden, weight, targets, mask, adv, old, ref):
     import grpo_kernels as gk
-    from benchmarks.baselines import naive_grpo_loss
+    from benchmarks.baselines import liger_chunked_loss, naive_loss
 
     options = dict(loss_type="dapo", epsilon_high=0.28, beta=0.04)
     if provider == "naive":
-        return naive_grpo_loss(hidden @ weight.T, targets, adv, old, ref, mask)
+        return naive_loss(hidden @ weight.T, targets, adv, old, ref, mask, **options)
     if provider == "liger":
-        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
-
-        loss_fn = LigerFusedLinearGRPOLoss(beta=0.04, compiled=False, epsilon_high=0.28, loss_type="dapo")
-        return loss_fn(hidden, weight, targets, mask.int(), adv, ref_per_token_logps=ref, old_per_token_logps=old)[0]
+        return liger_chunked_loss(hidden, weight, targets, adv, old, ref, mask, **options)
     if case == "fused_linear":
         return gk.fused_linear_grpo_loss(hidden, weight, targets, adv, old, ref, mask, **options).loss
     return gk.grpo_loss(hidden @ weight.T, targets, adv, old, ref, mask, **options).loss

@@ -1,4 +1,4 @@
-"""Benchmark shapes: small on CPU, real vocabularies on GPU."""
+"""Benchmark sizes: `--bench-size smoke` (CI correctness run), `cpu` (deliberate CPU runs), `gpu` (real sizes)."""
 
 from __future__ import annotations
 
@@ -6,22 +6,46 @@ from dataclasses import dataclass
 
 import torch
 
+T = 256  # completion length; N = B·T tokens
+
 
 @dataclass(frozen=True)
 class Shape:
-    name: str
-    B: int
-    T: int
-    V: int
+    N: int  # tokens
+    V: int  # vocabulary
+    H: int  # hidden size (the fused-linear cases)
     dtype: torch.dtype
+    loss: str = "dapo"  # grpo, dapo, or gspo (grpo at importance_sampling_level="sequence")
+
+    @property
+    def B(self) -> int:
+        return max(1, self.N // T)
+
+    @property
+    def T(self) -> int:
+        return min(self.N, T)
+
+    @property
+    def name(self) -> str:
+        return f"{self.loss}-n{self.N}-v{self.V}-h{self.H}-{str(self.dtype).removeprefix('torch.')}"
+
+    def loss_options(self) -> dict:
+        if self.loss == "gspo":
+            return dict(loss_type="grpo", importance_sampling_level="sequence", beta=0.04)
+        return dict(loss_type=self.loss, epsilon_high=0.28, beta=0.04)
 
 
-CPU_SHAPES = (Shape("cpu_small", 4, 128, 32000, torch.float32),)
-GPU_SHAPES = (
-    Shape("gpu_qwen_8k", 16, 512, 151936, torch.bfloat16),
-    Shape("gpu_llama3_8k", 16, 512, 128256, torch.bfloat16),
-)
-
-
-def shapes_for(device: torch.device) -> tuple[Shape, ...]:
-    return GPU_SHAPES if device.type == "cuda" else CPU_SHAPES
+F32, BF16 = torch.float32, torch.bfloat16
+SIZES = {
+    "smoke": [Shape(64, 1000, 32, F32), Shape(64, 1000, 32, F32, "gspo")],
+    "cpu": [
+        *(Shape(n, v, 896, F32) for n in (512, 2048) for v in (32000, 151936)),
+        Shape(512, 151936, 896, F32, "grpo"),
+        Shape(512, 151936, 896, F32, "gspo"),
+    ],
+    "gpu": [
+        *(Shape(n, v, h, BF16) for n in (1024, 4096, 16384) for v in (32000, 128256, 151936) for h in (896, 4096)),
+        Shape(16384, 151936, 4096, BF16, "grpo"),
+        Shape(16384, 151936, 4096, BF16, "gspo"),
+    ],
+}
