@@ -136,7 +136,7 @@ def grpo_loss(
     rows = logits if inputs.layout is None else logits[None]  # [R, C, V]
     opts = VocabPassOptions(backend, options.temperature, _needs_entropy(options, with_entropy), inplace)
     in_kernel = _token_level(options, inputs) and options.top_entropy_quantile == 1.0 and options.entropy_coef == 0.0
-    if backend == "triton" and inputs.layout is None and in_kernel and not return_sequence_losses:
+    if backend in ("triton", "cuda") and inputs.layout is None and in_kernel and not return_sequence_losses:
         return _fused_grpo_loss(rows, inputs, opts, options)
     logp, entropy = vocab_pass(rows, inputs.targets, inputs.mask, opts)  # [R, C] each
     return _loss(inputs.terms(logp, entropy, options), options, return_sequence_losses)
@@ -276,7 +276,7 @@ def _omega(inputs: LossInputs, options: LossOptions) -> Tensor:
 
 
 def _fused_grpo_loss(rows: Tensor, inputs: LossInputs, opts: VocabPassOptions, options: LossOptions):
-    """One Triton pass: each token's weighted loss and dL/dlogp come out of the forward kernel's epilogue."""
+    """One kernel pass: each token's weighted loss and dL/dlogp come out of the forward kernel's epilogue."""
     epilogue = TokenEpilogue.from_options(POLICY_LOSSES[options.loss_type].epilogue, options)
     adv, is_w = per_sequence_or_token(inputs.advantages), per_sequence_or_token(inputs.is_ratio)  # [B, 1] or [B, T]
     loss, logp, entropy = fused_token_loss(

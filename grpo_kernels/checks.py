@@ -18,6 +18,7 @@ from grpo_kernels.options import LossOptions
 LOGITS_DTYPES = {
     "torch": (torch.bfloat16, torch.float16, torch.float32, torch.float64),
     "triton": (torch.bfloat16, torch.float16, torch.float32),
+    "cuda": (torch.bfloat16, torch.float16, torch.float32),
 }
 
 

@@ -1,5 +1,6 @@
 """Test setup: Triton runs under its CPU interpreter when no GPU is present; one tolerance table for all tests."""
 
+import importlib.util
 import os
 import sys
 
@@ -14,7 +15,9 @@ import pytest  # noqa: E402
 from grpo_kernels.vocab import backends  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-BACKENDS = ("torch", "triton")
+BACKENDS = ("torch", "triton") + (
+    ("cuda",) if torch.cuda.is_available() and importlib.util.find_spec("grpo_kernels._C") else ()
+)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # Relative tolerance by input dtype: max |actual − expected| <= RTOL · max(max |expected|, 1e-6 ... see assert_close)

@@ -79,7 +79,7 @@ BAD_OPTIONS = {
     "num_items": (dict(num_items_in_batch=0), ValueError, "num_items_in_batch"),
     "num_items_shape": (dict(num_items_in_batch=torch.ones(2)), ValueError, "num_items_in_batch"),
     "unknown_backend": (dict(backend="jax"), ValueError, "backend must be one of"),
-    "cuda_backend": (dict(backend="cuda"), RuntimeError, "grpo_kernels._C"),
+    "cuda_backend": (dict(backend="cuda"), RuntimeError, r"grpo_kernels\._C|needs CUDA tensors"),
 }
 
 

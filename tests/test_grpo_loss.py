@@ -53,7 +53,7 @@ def test_loss_types(backend, dtype, loss_type, level, launches):
         **type_options(loss_type, case.T),
     )
     assert_matches(ours, oracle, dtype, expect_kl=True)
-    fused = backend == "triton" and level == "token" and gk.POLICY_LOSSES[loss_type].epilogue is not None
+    fused = backend in ("triton", "cuda") and level == "token" and gk.POLICY_LOSSES[loss_type].epilogue is not None
     assert launches == ({backend: 2, "fused_epilogue": 1} if fused else {backend: 2})
 
 

@@ -8,6 +8,8 @@ from collections import Counter
 
 import torch
 
+from grpo_kernels.vocab import cuda
+
 BACKENDS = ("auto", "torch", "triton", "cuda")
 
 launches: Counter[str] = Counter()  # backend name (and "fused_epilogue") -> vocabulary passes launched
@@ -38,8 +40,7 @@ def resolve_backend(backend: str, device: torch.device) -> str:
         if not ok:
             raise RuntimeError(why)
     if backend == "cuda":
-        raise RuntimeError(
-            "backend='cuda' needs the compiled extension grpo_kernels._C, which this version does not ship yet; "
-            "use backend='triton' or 'torch'"
-        )
+        ok, why = cuda.cuda_usable(device)
+        if not ok:
+            raise RuntimeError(why)
     return backend

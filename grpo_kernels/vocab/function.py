@@ -61,7 +61,24 @@ def _kernels(backend: str):
         from grpo_kernels.vocab import token_logprobs_triton  # imported on first use: nothing runs at import
 
         return token_logprobs_triton
+    if backend == "cuda":
+        from grpo_kernels.vocab import cuda
+
+        return cuda
     raise ValueError(f"no vocabulary pass for backend {backend!r}")
+
+
+def _fused_kernels(backend: str):
+    """The module with `grpo_loss_fwd` (the vocabulary pass with the token-loss epilogue) for `backend`."""
+    if backend == "triton":
+        from grpo_kernels.vocab import grpo_loss_triton
+
+        return grpo_loss_triton
+    if backend == "cuda":
+        from grpo_kernels.vocab import cuda
+
+        return cuda
+    raise ValueError(f"no fused token-loss pass for backend {backend!r}")
 
 
 class _TokenLogprobsFunction(torch.autograd.Function):
@@ -69,7 +86,7 @@ class _TokenLogprobsFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: Tensor, targets: Tensor, mask: Tensor, opts: VocabPassOptions):
-        if opts.backend == "triton" and logits.stride(-1) != 1:
+        if opts.backend in ("triton", "cuda") and logits.stride(-1) != 1:
             logits = logits.contiguous()
         kernels = _kernels(opts.backend)
         backends.launches[opts.backend] += 1
@@ -130,11 +147,9 @@ class _FusedTokenLossFunction(torch.autograd.Function):
     def forward(ctx, logits, targets, mask, weights, advantages, old_logp, ref_logp, is_ratio, opts, epilogue):
         if logits.stride(-1) != 1:
             logits = logits.contiguous()
-        from grpo_kernels.vocab import grpo_loss_triton
-
         backends.launches[opts.backend] += 1
         backends.launches["fused_epilogue"] += 1
-        logp, lse, entropy, loss, dlogp = grpo_loss_triton.grpo_loss_fwd(
+        logp, lse, entropy, loss, dlogp = _fused_kernels(opts.backend).grpo_loss_fwd(
             logits,
             targets,
             mask,
@@ -178,7 +193,7 @@ def fused_token_loss(
     opts: VocabPassOptions,
     epilogue: TokenEpilogue,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Loss (0-dim) of a token-level variant in one Triton pass, plus detached logp and entropy [B, T] for metrics.
+    """Loss (0-dim) of a token-level variant in one kernel pass, plus detached logp and entropy [B, T] for metrics.
 
     weights [B, T] are the normaliser's per-token weights; advantages / is_ratio may be [B, 1] or [B, T].
     """
