@@ -1,0 +1,154 @@
+"""Metrics: one JSON line per step (always), a live progress bar, a summary table and a PNG of the curves.
+
+The progress bar uses `rich` when it is installed, else `tqdm`, else nothing; the plot needs `matplotlib` (skipped
+with a note otherwise). On resume the JSONL keeps the lines up to the checkpoint's step and appends after them.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+from pathlib import Path
+
+METRICS_FILE = "metrics.jsonl"
+PLOT_FILE = "metrics.png"
+LIVE = ("reward", "rewards/answer", "kl", "entropy")  # shown in the progress bar
+SUMMARY = ("reward", "rewards/answer", "rewards/closeness", "rewards/format", "eval/answer", "kl", "entropy")
+PLOTS = (("reward", "rewards/answer", "eval/answer"), ("kl",), ("entropy",), ("completion_length",))
+
+
+def read_metrics(output_dir: str | Path) -> list[dict]:
+    """The records of `<output_dir>/metrics.jsonl`; a last line cut short (a run killed while writing) is dropped."""
+    path = Path(output_dir) / METRICS_FILE
+    lines = path.read_text(encoding="utf-8").splitlines() if path.exists() else []
+    records = []
+    for i, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i != len(lines) - 1:
+                raise
+    return records
+
+
+class MetricsLogger:
+    """Writes `metrics.jsonl` under `output_dir`; with `progress`, a live bar of reward / accuracy / KL / entropy."""
+
+    def __init__(self, output_dir: str | Path, total_steps: int, start_step: int = 0, progress: bool = True) -> None:
+        self.output_dir = Path(output_dir)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.history = [m for m in read_metrics(self.output_dir) if m["step"] <= start_step]
+        self.path = self.output_dir / METRICS_FILE
+        self.path.write_text("".join(json.dumps(m) + "\n" for m in self.history), encoding="utf-8")
+        self.start_time = time.perf_counter()
+        self.start_step, self.total_steps = start_step, total_steps
+        self.bar = _Bar(total_steps, start_step) if progress else None
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        record = {"step": step, **metrics}
+        self.history.append(record)
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.bar is not None:
+            self.bar.update({k.split("/")[-1]: metrics[k] for k in LIVE if k in metrics})
+
+    def close(self, plot: bool = True) -> str:
+        """Stop the bar, print the summary table, write the plot; returns the table's text."""
+        if self.bar is not None:
+            self.bar.close()
+        wall = time.perf_counter() - self.start_time
+        table = summary_table(self.history, wall, self.total_steps - self.start_step)
+        print(table)
+        if plot:
+            print(plot_metrics(self.history, self.output_dir / PLOT_FILE))
+        return table
+
+
+def summary_table(history: list[dict], wall_seconds: float, steps_run: int) -> str:
+    """First, last and best value of the main metrics (best: the highest, for rewards and accuracies only), wall
+    time; rendered by rich when installed."""
+    rows = []
+    for name in SUMMARY:
+        values = [m[name] for m in history if name in m]
+        if values:
+            best = f"{max(values):.3f}" if "reward" in name or name.startswith("eval/") else ""
+            rows.append((name, f"{values[0]:.3f}", f"{values[-1]:.3f}", best))
+    caption = f"{steps_run} steps in {wall_seconds:.0f} s ({wall_seconds / max(steps_run, 1):.2f} s/step)"
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        lines = [f"{'metric':<20}{'first':>10}{'last':>10}{'best':>10}"] + [
+            f"{r[0]:<20}{r[1]:>10}{r[2]:>10}{r[3]:>10}" for r in rows
+        ]
+        return "\n".join([*lines, caption])
+    table = Table(title="GRPO run summary", caption=caption)
+    for column in ("metric", "first", "last", "best"):
+        table.add_column(column, justify="left" if column == "metric" else "right")
+    for row in rows:
+        table.add_row(*row)
+    text = io.StringIO()
+    Console(file=text, width=100).print(table)
+    return text.getvalue()
+
+
+def plot_metrics(history: list[dict], path: Path) -> str:
+    """PNG of the curves in PLOTS against the step; returns a line saying where it went (or why not)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "plot skipped: pip install matplotlib"
+    fig, axes = plt.subplots(1, len(PLOTS), figsize=(4 * len(PLOTS), 3.2))
+    for ax, names in zip(axes, PLOTS, strict=True):
+        for name in names:
+            points = [(m["step"], m[name]) for m in history if name in m]
+            if points:
+                ax.plot(*zip(*points, strict=True), label=name, marker="." if name.startswith("eval") else None)
+        ax.set_xlabel("step")
+        ax.set_title(" / ".join(names) if len(names) == 1 else "reward and accuracy")
+        if len(names) > 1:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return f"plot: {path}"
+
+
+class _Bar:
+    """A progress bar with live metric fields: rich's, else tqdm's."""
+
+    def __init__(self, total: int, done: int) -> None:
+        try:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+        except ImportError:
+            from tqdm import tqdm
+
+            self.rich, self.bar = None, tqdm(total=total, initial=done, desc="GRPO")
+            return
+        self.rich = Progress(
+            TextColumn("GRPO"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[live]}"),
+        )
+        self.rich.start()
+        self.bar = self.rich.add_task("train", total=total, completed=done, live="")
+
+    def update(self, live: dict[str, float]) -> None:
+        text = " ".join(f"{k}={v:.3f}" for k, v in live.items())
+        if self.rich is None:
+            self.bar.set_postfix_str(text, refresh=False)
+            self.bar.update(1)
+        else:
+            self.rich.update(self.bar, advance=1, live=text)
+
+    def close(self) -> None:
+        if self.rich is None:
+            self.bar.close()
+        else:
+            self.rich.stop()

@@ -1,0 +1,72 @@
+"""The policy and its tokenizer: a tiny Llama built from a config (no download), or any Hugging Face causal LM.
+
+The demo's tokenizer is character-level, built with the `tokenizers` library from the task's alphabet and wrapped
+in a `transformers` fast tokenizer (left padding, `<bos>` prepended), so `generate` and `policy_logprobs` see the
+same ids a real tokenizer would give.
+"""
+
+from __future__ import annotations
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+TINY = "tiny"  # TrainConfig.model value that builds the tiny Llama instead of loading one
+SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")  # ids 0..3
+
+
+def build_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
+    """One token per character of `alphabet` after the four special tokens; `<bos>` is prepended to every text."""
+    if len(set(alphabet)) != len(alphabet) or not alphabet:
+        raise ValueError(f"alphabet must be non-empty characters without repeats, got {alphabet!r}")
+    vocab = {token: i for i, token in enumerate((*SPECIAL_TOKENS, *alphabet))}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # every character alone
+    tokenizer.decoder = decoders.Fuse()  # no spaces between characters
+    tokenizer.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        pad_token="<pad>",
+        bos_token="<bos>",
+        eos_token="<eos>",
+        unk_token="<unk>",
+        padding_side="left",
+    )
+
+
+def build_tiny_llama(
+    tokenizer, hidden_size: int, num_layers: int, num_heads: int, max_length: int, init_std: float = 0.02
+) -> nn.Module:
+    """A randomly initialised Llama (RMSNorm, RoPE, SwiGLU, tied embeddings) sized for a CPU demo."""
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=4 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        max_position_embeddings=max_length,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=True,
+        initializer_range=init_std,
+    )
+    return LlamaForCausalLM(config)
+
+
+def load_policy(config, alphabet: str, max_prompt_length: int):
+    """(model, tokenizer): the tiny Llama when `config.model == "tiny"`, else `from_pretrained(config.model)`."""
+    if config.model == TINY:
+        tokenizer = build_tokenizer(alphabet)
+        max_length = max_prompt_length + config.max_completion_length
+        model = build_tiny_llama(tokenizer, config.hidden_size, config.num_layers, config.num_heads, max_length)
+        return model, tokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(config.model, padding_side="left")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(config.model, dtype=torch.float32)
+    return model, tokenizer

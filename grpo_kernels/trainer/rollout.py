@@ -1,0 +1,132 @@
+"""Rollout engines behind one small interface: prompts in, G sampled completions each with their log-probs out.
+
+A `Rollout` only has to return a `RolloutBatch`: token ids, masks and the sampling log-probs of the tokens it drew
+(what `is_ratio` corrects for when the sampler is not the trainer), and to take the policy's new weights after an
+optimizer step. `HFRollout` samples with `transformers`' `generate`; `VLLMRollout` (`vllm_rollout.py`) with a
+colocated `vllm.LLM`.
+Layout (TRL's): `input_ids = prompt ‖ completion`, prompts left-padded `[B, P]`, completions right-padded `[B, T]`;
+`completion_mask` covers each completion up to and including its first `<eos>`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor, nn
+
+
+@dataclass(frozen=True)
+class RolloutBatch:
+    """G completions of each of B / G prompts; row i answers prompt `group_ids[i]`."""
+
+    prompt_ids: Tensor  # [B, P] long, left-padded
+    prompt_mask: Tensor  # [B, P] bool
+    completion_ids: Tensor  # [B, T] long, right-padded with the pad id
+    completion_mask: Tensor  # [B, T] bool, up to and including the first <eos>
+    sampling_logp: Tensor  # [B, T] float32: log-prob of each drawn token under the sampler, 0 where masked
+    group_ids: Tensor  # [B] long: index of the prompt
+    completions: list[str]  # decoded completions, without the <eos> and what follows
+    truncated: Tensor  # [B] bool: no <eos> within max_completion_length
+
+    @property
+    def input_ids(self) -> Tensor:
+        return torch.cat([self.prompt_ids, self.completion_ids], dim=1)  # [B, P + T]
+
+    @property
+    def attention_mask(self) -> Tensor:
+        return torch.cat([self.prompt_mask, self.completion_mask], dim=1).long()  # [B, P + T]
+
+    def metrics(self) -> dict[str, float]:
+        lengths = self.completion_mask.sum(1).float()  # [B]
+        return {"completion_length": lengths.mean().item(), "truncated": self.truncated.float().mean().item()}
+
+
+class Rollout(Protocol):
+    """What the trainer needs from a sampler."""
+
+    def generate(self, prompts: Sequence[str], num_generations: int) -> RolloutBatch:
+        """`num_generations` sampled completions of each prompt, grouped: rows [i·G, (i+1)·G) answer prompts[i]."""
+        ...
+
+    def sync_weights(self) -> None:
+        """Make the next `generate` sample from the policy's current weights."""
+        ...
+
+
+def completion_mask(completion_ids: Tensor, eos_token_id: int) -> Tensor:
+    """[B, T] bool: each row up to and including its first `eos_token_id` (all of it when there is none)."""
+    is_eos = completion_ids == eos_token_id  # [B, T]
+    before = torch.cumsum(is_eos, dim=1) - is_eos.long()  # [B, T]: EOS tokens strictly before t
+    return before == 0
+
+
+def decode_completions(tokenizer, completion_ids: Tensor, mask: Tensor) -> tuple[list[str], Tensor]:
+    """Texts of the completions without their `<eos>` (special tokens before it are kept, so they show) and the
+    `truncated` flags [B] (no `<eos>` within the budget)."""
+    eos = tokenizer.eos_token_id
+    ended = ((completion_ids == eos) & mask).any(dim=1)  # [B]
+    texts = []
+    for ids, keep, has_eos in zip(completion_ids.tolist(), mask.tolist(), ended.tolist(), strict=True):
+        tokens = [t for t, k in zip(ids, keep, strict=True) if k]
+        texts.append(tokenizer.decode(tokens[:-1] if has_eos else tokens, skip_special_tokens=False))
+    return texts, ~ended
+
+
+def group_ids(num_prompts: int, num_generations: int, device: torch.device | str = "cpu") -> Tensor:
+    return torch.arange(num_prompts, device=device).repeat_interleave(num_generations)  # [B]
+
+
+class HFRollout:
+    """Sampling with `model.generate` (multinomial, `temperature`, no top-k / top-p), batched over all prompts.
+
+    The sampling log-probs are log_softmax of the processed scores `generate` sampled from (logits / temperature),
+    so they equal the trainer's teacher-forced `policy_logprobs(..., temperature=temperature)` up to float error:
+    the importance ratio between them is 1 (`tests/test_rollout.py` checks it).
+    """
+
+    def __init__(self, model: nn.Module, tokenizer, max_completion_length: int, temperature: float = 1.0) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_completion_length = max_completion_length
+        self.temperature = temperature
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[str], num_generations: int) -> RolloutBatch:
+        device = next(self.model.parameters()).device
+        encoded = self.tokenizer(list(prompts), return_tensors="pt", padding=True).to(device)
+        out = self.model.generate(
+            **encoded,
+            do_sample=True,
+            temperature=self.temperature,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=self.max_completion_length,
+            num_return_sequences=num_generations,
+            output_scores=True,
+            return_dict_in_generate=True,
+            pad_token_id=self.tokenizer.pad_token_id,
+            eos_token_id=self.tokenizer.eos_token_id,
+        )
+        prompt_ids = encoded["input_ids"].repeat_interleave(num_generations, dim=0)  # [B, P]
+        prompt_mask = encoded["attention_mask"].bool().repeat_interleave(num_generations, dim=0)  # [B, P]
+        completion_ids = out.sequences[:, prompt_ids.shape[1] :]  # [B, T]
+        mask = completion_mask(completion_ids, self.tokenizer.eos_token_id)  # [B, T]
+        scores = torch.stack(out.scores, dim=1).float()  # [B, T, V]: logits / temperature
+        logp = torch.log_softmax(scores, dim=-1).gather(-1, completion_ids[..., None]).squeeze(-1)  # [B, T]
+        texts, truncated = decode_completions(self.tokenizer, completion_ids, mask)
+        return RolloutBatch(
+            prompt_ids=prompt_ids,
+            prompt_mask=prompt_mask,
+            completion_ids=completion_ids,
+            completion_mask=mask,
+            sampling_logp=logp.masked_fill(~mask, 0.0),
+            group_ids=group_ids(len(prompts), num_generations, device),
+            completions=texts,
+            truncated=truncated,
+        )
+
+    def sync_weights(self) -> None:
+        """Nothing to do: `generate` runs on the policy module itself."""
