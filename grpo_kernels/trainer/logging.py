@@ -1,7 +1,8 @@
 """Metrics: one JSON line per step (always), a live progress bar, a summary table and a PNG of the curves.
 
-The progress bar uses `rich` when it is installed, else `tqdm`, else nothing; the plot needs `matplotlib` (skipped
-with a note otherwise). On resume the JSONL keeps the lines up to the checkpoint's step and appends after them.
+The progress bar and the table use `rich` when it is installed, else `tqdm` (a transformers dependency) and plain
+text; the plot needs `matplotlib` (skipped with a note otherwise). A run that does not resume starts a new JSONL;
+on resume the JSONL keeps the lines up to the checkpoint's step and appends after them.
 """
 
 from __future__ import annotations
