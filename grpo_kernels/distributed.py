@@ -55,3 +55,33 @@ def num_items_in_batch(masks: Tensor | Sequence[Tensor]) -> Tensor:
 def num_sequences_in_batch(masks: Tensor | Sequence[Tensor]) -> Tensor:
     """S_global / K: the `num_sequences_in_batch` of the seq-mean loss_agg_modes under data parallelism."""
     return global_sequence_count(masks) / _world_size()
+
+
+_PER_RANK_SCALE = ("item_mean", "token-mean", "seq-mean-token-sum", "seq-mean-token-mean")  # Z from num_*_in_batch
+_ROW_SCALE = ("sequence_mean", "constant_length", "sequence_sum_mean")  # Z ∝ the batch's rows B
+_TOKEN_SCALE = ("token_mean",)  # Z = the batch's kept tokens
+_NO_SCALE = ("token-sum", "seq-mean-token-sum-norm")  # Z independent of the batch
+
+
+def micro_batch_scale(normaliser: str, micro_mask: Tensor, step_masks: Sequence[Tensor]) -> Tensor:
+    """The factor a micro-batch's loss is multiplied by so that K ranks × M micro-batches (gradients summed over
+    micro-batches, averaged over ranks) make one process's update on the whole step batch.
+
+    `normaliser` is the loss's (`options.loss_agg_mode` or its loss type's, `aggregate.NORMALISERS`), `micro_mask`
+    [b, T] this micro-batch's, `step_masks` every micro-batch mask of the step on this rank. With Z the normaliser
+    of the whole step batch and z the micro-batch's, the factor is K · z / Z: 1 for the `num_items_in_batch` /
+    `num_sequences_in_batch` normalisers (already global, pass those), K · b / B_global for the per-row ones
+    (grpo, dr_grpo, luspo), K · n / N_global for BNPO's token mean, K for the batch-independent sums.
+    """
+    if normaliser in _PER_RANK_SCALE:
+        return torch.ones((), dtype=torch.float64)
+    world = _world_size()
+    if normaliser in _ROW_SCALE:
+        rows = torch.tensor(float(sum(m.shape[0] for m in step_masks)), dtype=torch.float64, device=micro_mask.device)
+        return world * micro_mask.shape[0] / _all_reduce_sum(rows).cpu()
+    if normaliser in _TOKEN_SCALE:
+        tokens = global_token_count(step_masks).clamp(min=1.0)
+        return world * micro_mask.to(torch.float64).sum().clamp(min=1.0).cpu() / tokens.cpu()  # 0-dim
+    if normaliser in _NO_SCALE:
+        return torch.full((), float(world), dtype=torch.float64)
+    raise ValueError(f"unknown normaliser {normaliser!r}")

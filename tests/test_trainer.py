@@ -100,7 +100,7 @@ def test_addition_task_rewards():
     assert all(int(p.text[0]) + int(p.text[2]) == int(p.answer) <= 9 for p in prompts)
     counts = torch.bincount(torch.tensor([int(p.answer) for p in prompts]), minlength=10).float()
     assert (counts / counts.mean() - 1).abs().max() < 0.2  # answers uniform over 0..9
-    assert len(task.all_prompts()) == 55
+    assert len(task.eval_prompts()) == 55
 
 
 def test_importance_sampling_ratio_modes():

@@ -40,23 +40,31 @@ class TrainConfig:
     seed: int = 0
     steps: int = 600  # optimizer steps of the outer loop (each: one rollout batch, num_iterations updates)
     resume: bool = False  # continue from the latest checkpoint in output_dir
-    checkpoint_every: int = 200  # steps between checkpoints; the last step is always saved; 0 = only the last
+    checkpoint_every: int = 200  # steps between checkpoints (step 0, the initial policy, too); 0 = only the last
     eval_every: int = 25  # steps between greedy evaluations on every prompt of the task; the last step always
-    device: str = "auto"  # "auto": cuda when available, else cpu
+    device: str = "auto"  # "auto": cuda when available (under torchrun: cuda:LOCAL_RANK), else cpu
+    parallel: str = "auto"  # under torchrun: "ddp" (auto) or "fsdp" (FSDP2); "none" for one process
+    report_to: str = "none"  # "tensorboard" or "wandb" besides the JSONL (needs the package)
     torch_threads: int | None = 1  # CPU threads of torch ops (None: torch's default); 1 is fastest for tiny models
     # policy
     model: str = "tiny"  # "tiny": a Llama built from the three sizes below; else a Hugging Face name or local path
     hidden_size: int = 64
     num_layers: int = 2
     num_heads: int = 4
-    # task
-    task: str = "addition"
-    max_sum: int = 9  # prompts a+b= with single digits and a + b <= max_sum (9: one-digit answers)
+    lora: bool = False  # train LoRA adapters (peft) instead of every weight
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_target_modules: str = "all-linear"  # peft's target_modules: a comma-separated list or "all-linear"
+    # data
+    dataset: str = "addition"  # "addition" (generated), "countdown" (generated), "gsm8k", or a path to a .jsonl
+    max_sum: int = 9  # addition: prompts a+b= with single digits and a + b <= max_sum (9: one-digit answers)
+    eval_size: int = 256  # at most this many held-out prompts per evaluation
     # rollout
     rollout: str = "hf"  # "hf" (transformers generate) or "vllm" (colocated vLLM; CUDA)
     prompts_per_step: int = 16
     num_generations: int = 16  # G completions per prompt (TRL's name)
-    max_completion_length: int = 3  # generation budget in tokens (TRL's name)
+    max_completion_length: int | None = None  # generation budget in tokens (TRL's name); None: the dataset's
+    # (addition 3, countdown 16, gsm8k 256, jsonl 64)
     vllm_gpu_memory_utilization: float = 0.3
     vllm_enable_sleep_mode: bool = True
     vllm_importance_sampling_correction: bool = True  # TRL's names and defaults from here on
@@ -69,6 +77,7 @@ class TrainConfig:
     advantage: str = "grpo"  # an ADVANTAGES name
     advantage_kwargs: dict[str, Any] = field(default_factory=dict)  # its hyperparameters
     num_iterations: int = 1  # μ: optimizer updates per rollout batch (TRL's name)
+    gradient_accumulation_steps: int = 1  # micro-batches per optimizer update on each rank (TRL's name)
     learning_rate: float = 1.0e-3
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0

@@ -34,23 +34,39 @@ def read_metrics(output_dir: str | Path) -> list[dict]:
 
 
 class MetricsLogger:
-    """Writes `metrics.jsonl` under `output_dir`; with `progress`, a live bar of reward / accuracy / KL / entropy."""
+    """Writes `metrics.jsonl` under `output_dir`; with `progress`, a live bar of reward / accuracy / KL / entropy;
+    with `report_to` ("tensorboard", "wandb"), the same records there. `write=False` (ranks other than 0 under
+    torchrun) keeps the history and writes nothing."""
 
-    def __init__(self, output_dir: str | Path, total_steps: int, start_step: int = 0, progress: bool = True) -> None:
+    def __init__(
+        self,
+        output_dir: str | Path,
+        total_steps: int,
+        start_step: int = 0,
+        progress: bool = True,
+        write: bool = True,
+        report_to: str = "none",
+        run_config: dict | None = None,
+    ) -> None:
         self.output_dir = Path(output_dir)
-        self.output_dir.mkdir(parents=True, exist_ok=True)
         self.history = [m for m in read_metrics(self.output_dir) if m["step"] <= start_step]
-        self.path = self.output_dir / METRICS_FILE
-        self.path.write_text("".join(json.dumps(m) + "\n" for m in self.history), encoding="utf-8")
+        self.path = self.output_dir / METRICS_FILE if write else None
+        if self.path is not None:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            self.path.write_text("".join(json.dumps(m) + "\n" for m in self.history), encoding="utf-8")
         self.start_time = time.perf_counter()
         self.start_step, self.total_steps = start_step, total_steps
-        self.bar = _Bar(total_steps, start_step) if progress else None
+        self.bar = _Bar(total_steps, start_step) if progress and write else None
+        self.tracker = tracker(report_to, self.output_dir, run_config or {}) if write else None
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": step, **metrics}
         self.history.append(record)
-        with self.path.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
+        if self.path is not None:
+            with self.path.open("a", encoding="utf-8") as f:
+                f.write(json.dumps(record) + "\n")
+        if self.tracker is not None:
+            self.tracker.log(step, metrics)
         if self.bar is not None:
             self.bar.update({k.split("/")[-1]: metrics[k] for k in LIVE if k in metrics})
 
@@ -58,8 +74,12 @@ class MetricsLogger:
         """Stop the bar, print the summary table, write the plot; returns the table's text."""
         if self.bar is not None:
             self.bar.close()
+        if self.tracker is not None:
+            self.tracker.close()
         wall = time.perf_counter() - self.start_time
         table = summary_table(self.history, wall, self.total_steps - self.start_step)
+        if self.path is None:
+            return table
         print(table)
         if plot:
             print(plot_metrics(self.history, self.output_dir / PLOT_FILE))
@@ -117,6 +137,51 @@ def plot_metrics(history: list[dict], path: Path) -> str:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return f"plot: {path}"
+
+
+REPORT_TO = ("none", "tensorboard", "wandb")
+
+
+def tracker(report_to: str, output_dir: Path, run_config: dict):
+    """The experiment tracker `report_to` names, or None for "none"; a clear error when its package is missing."""
+    if report_to not in REPORT_TO:
+        raise ValueError(f"report_to must be one of {REPORT_TO}, got {report_to!r}")
+    if report_to == "tensorboard":
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as error:
+            raise ImportError("report_to='tensorboard' needs tensorboard: pip install tensorboard") from error
+        return _TensorBoard(SummaryWriter(log_dir=str(output_dir / "tensorboard")))
+    if report_to == "wandb":
+        try:
+            import wandb
+        except ImportError as error:
+            raise ImportError("report_to='wandb' needs wandb: pip install 'grpo-kernels[wandb]'") from error
+        return _WandB(wandb.init(project="grpo-kernels", dir=str(output_dir), config=run_config))
+    return None
+
+
+class _TensorBoard:
+    def __init__(self, writer) -> None:
+        self.writer = writer
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        for name, value in metrics.items():
+            self.writer.add_scalar(name, value, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class _WandB:
+    def __init__(self, run) -> None:
+        self.run = run
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self.run.log(metrics, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
 
 
 class _Bar:

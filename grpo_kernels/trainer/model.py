@@ -22,7 +22,7 @@ def build_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
         raise ValueError(f"alphabet must be non-empty characters without repeats, got {alphabet!r}")
     vocab = {token: i for i, token in enumerate((*SPECIAL_TOKENS, *alphabet))}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # every character alone
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every character alone
     tokenizer.decoder = decoders.Fuse()  # no spaces between characters
     tokenizer.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
     return PreTrainedTokenizerFast(
@@ -70,3 +70,14 @@ def load_policy(config, alphabet: str, max_prompt_length: int):
         tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(config.model, dtype=torch.float32)
     return model, tokenizer
+
+
+def apply_lora(model: nn.Module, r: int, alpha: int, target_modules: str) -> nn.Module:
+    """`model` with LoRA adapters (peft) on `target_modules` ("all-linear", or a comma-separated list of module
+    names); only the adapters train. The lm_head stays frozen and fused: its weight needs no gradient."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as error:
+        raise ImportError("--lora needs peft: pip install 'grpo-kernels[peft]'") from error
+    targets = target_modules if target_modules == "all-linear" else [t.strip() for t in target_modules.split(",")]
+    return get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, task_type="CAUSAL_LM"))

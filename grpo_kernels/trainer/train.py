@@ -1,29 +1,208 @@
-"""The GRPO loop, top to bottom: prompts -> G rollouts -> rewards -> advantages -> old / reference log-probs
-(forward-only) -> μ fused-loss updates -> weight sync -> log -> eval -> checkpoint.
+"""GRPOTrainer: the GRPO loop, readable top to bottom in `training_step`: prompts -> G rollouts each -> rewards ->
+advantages -> old-policy and reference log-probs (fused, no grad) -> μ fused-loss updates -> weight sync -> metrics;
+`train` adds periodic evaluation and checkpoints.
 
-Each stage is one call into a sibling module; nothing here depends on the loss type or the advantage estimator,
-which are configuration (`TrainConfig.loss`, `TrainConfig.advantage`, or a `--preset`).
+Nothing here depends on the loss type or the advantage estimator, which are configuration (`TrainConfig.loss`,
+`TrainConfig.advantage`, or a `--preset`). Under torchrun each rank runs this same loop on its share of the prompts
+(`parallel.py`); the model, task and rollout engine can be passed in to train something other than the demo.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 
 import torch
+from torch import Tensor, nn
 
 from grpo_kernels.trainer import checkpoint
 from grpo_kernels.trainer.config import TrainConfig, advantage_function, loss_options
 from grpo_kernels.trainer.evaluate import evaluate
 from grpo_kernels.trainer.logging import MetricsLogger
-from grpo_kernels.trainer.model import TINY, load_policy
+from grpo_kernels.trainer.model import TINY, apply_lora, load_policy
+from grpo_kernels.trainer.parallel import (
+    gather_rows,
+    init_parallel,
+    local_rows,
+    mean_over_ranks,
+    unwrap,
+    wrap_policy,
+)
+from grpo_kernels.trainer.policy import PolicyModule, UpdateBatch
 from grpo_kernels.trainer.ref_model import build_ref_model, sync_ref_model
-from grpo_kernels.trainer.rollout import HFRollout, Rollout
+from grpo_kernels.trainer.rollout import HFRollout, Rollout, RolloutBatch
 from grpo_kernels.trainer.tasks import PromptStream, build_task
-from grpo_kernels.trainer.update import forward_logprobs, inner_updates, sampler_correction
+from grpo_kernels.trainer.update import inner_updates, sampler_correction
 
 
-def build_rollout(config: TrainConfig, model, tokenizer) -> Rollout:
+class GRPOTrainer:
+    """GRPO on a Hugging Face causal LM with the fused kernels; `GRPOTrainer(TrainConfig(...)).train()`.
+
+    `model` / `tokenizer` default to `config.model` (the tiny demo Llama, or a Hugging Face name or path), `task`
+    to `config.dataset`, `rollout` to `config.rollout` on the policy. `config.resume` continues from the latest
+    checkpoint in `config.output_dir`.
+    """
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        *,
+        model: nn.Module | None = None,
+        tokenizer=None,
+        task=None,
+        rollout: Rollout | None = None,
+    ) -> None:
+        self.parallel = init_parallel(config.parallel, config.device)
+        torch.manual_seed(config.seed)
+        random.seed(config.seed)
+        self.task = task if task is not None else build_task(config)
+        if config.max_completion_length is None:
+            config = dataclasses.replace(config, max_completion_length=self.task.max_completion_length)
+        self.config = config
+        self.options = loss_options(config)
+        self.advantage_fn = advantage_function(config)
+        if model is None:
+            model, tokenizer = load_policy(config, self.task.alphabet, self.task.max_prompt_length)
+        model = model.to(self.parallel.device)
+        self.ref_model = build_ref_model(model, self.options.beta)  # the initial weights, without adapters
+        if config.lora:
+            if self.parallel.mode == "fsdp":
+                raise ValueError("--lora with --parallel fsdp is not supported: use --parallel ddp")
+            model = apply_lora(model, config.lora_r, config.lora_alpha, config.lora_target_modules)
+        self.model, self.tokenizer = model, tokenizer
+        self.prompts = PromptStream(self.task, config.seed)
+        self.step = 0
+        latest = checkpoint.latest(config.output_dir) if config.resume else None
+        if latest is not None:  # weights before wrapping: FSDP2 shards what it is given
+            checkpoint.load_weights(latest, self.model, self.ref_model)
+        self.policy = wrap_policy(PolicyModule(self.model), self.parallel)
+        trainable = [p for p in self.policy.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate, weight_decay=config.weight_decay)
+        if latest is not None:
+            state = checkpoint.load_state(latest, self.policy, self.optimizer, self.parallel)
+            self.prompts.load_state_dict(state["data"])
+            self.step = state["step"]
+        elif self.parallel.world_size > 1:  # same initial weights on every rank, different samples
+            torch.manual_seed(config.seed + self.parallel.rank)
+        self.rollout = rollout if rollout is not None else build_rollout(config, unwrap(self.policy), tokenizer)
+
+    # ------------------------------------------------------------------------------------------------ the loop
+    def train(self) -> list[dict]:
+        """Run up to `config.steps` optimizer steps; returns every step's metrics (also in `metrics.jsonl`)."""
+        config = self.config
+        threads = torch.get_num_threads()
+        torch.set_num_threads(config.torch_threads or threads)
+        if self.parallel.is_main:
+            checkpoint.save_config(config.output_dir, config.to_dict())
+        logger = MetricsLogger(
+            config.output_dir,
+            config.steps,
+            self.step,
+            progress=config.progress,
+            write=self.parallel.is_main,
+            report_to=config.report_to,
+            run_config=config.to_dict(),
+        )
+        if self.step == 0 and config.checkpoint_every:  # the initial policy, for `grpo_kernels.evaluate --compare`
+            self.save_checkpoint()
+        while self.step < config.steps:
+            tic = time.perf_counter()
+            self.step += 1
+            metrics = self.training_step()
+            if self.step == config.steps or (config.eval_every and self.step % config.eval_every == 0):
+                metrics.update(evaluate(unwrap(self.policy), self.tokenizer, self.task, config.max_completion_length))
+            metrics["step_time"] = time.perf_counter() - tic
+            logger.log(self.step, metrics)
+            if self.step == config.steps or (config.checkpoint_every and self.step % config.checkpoint_every == 0):
+                self.save_checkpoint()
+        logger.close(plot=config.plot)
+        torch.set_num_threads(threads)
+        return logger.history
+
+    def training_step(self) -> dict[str, float]:
+        """One GRPO step on this rank's share of `prompts_per_step` prompts; returns the step's metrics."""
+        config, policy = self.config, unwrap(self.policy)
+        # ---- prompts (the same draw on every rank; each keeps its share) -> G rollouts each
+        prompts = self.prompts.next(config.prompts_per_step)[local_rows(config.prompts_per_step, self.parallel)]
+        batch = self.rollout.generate([p.text for p in prompts], config.num_generations)
+        # ---- rewards -> advantages (group-relative, over the global batch; `rewards` and `advantages` stay apart)
+        answers = [prompts[i].answer for i in batch.group_ids.tolist()]
+        scores = self.task.score(batch.completions, answers, batch.truncated)
+        advantages = self.advantages(scores.rewards, batch.group_ids.cpu(), len(prompts))  # [B] or [B, T]
+        # ---- old-policy and reference log-probs: forward only, fused lm_head
+        old_logp, _ = policy.logprobs(batch.input_ids, batch.attention_mask, batch.completion_mask, self.temperature)
+        ref_logp = self.reference_logprobs(batch)  # [B, T] or None
+        is_ratio = sampler_correction(old_logp, batch, config)  # [B, T], [B] or None: π_old / π_sampler
+        # ---- μ inner updates with the fused loss (normalisers of the global batch)
+        update = UpdateBatch(
+            batch.input_ids,
+            batch.attention_mask,
+            batch.completion_mask,
+            advantages.to(old_logp.device),
+            old_logp,
+            ref_logp,
+            is_ratio,
+        )
+        stats = inner_updates(
+            self.policy,
+            self.optimizer,
+            update,
+            self.options,
+            config.num_iterations,
+            config.max_grad_norm,
+            config.gradient_accumulation_steps,
+        )
+        # ---- weight sync (sampler and reference)
+        self.rollout.sync_weights()
+        sync_ref_model(self.ref_model, self.model, self.step, config)
+        # ---- metrics, averaged over ranks
+        metrics = {**scores.metrics(batch.group_ids), **batch.metrics(), **stats}
+        if is_ratio is not None:
+            metrics["sampling/importance_sampling_ratio/mean"] = is_ratio.mean().item()
+        return mean_over_ranks(metrics, self.parallel)
+
+    # ------------------------------------------------------------------------------------------- the stages
+    def advantages(self, rewards: Tensor, group_ids: Tensor, num_prompts: int) -> Tensor:
+        """The advantage estimator on the rewards of every rank (group and batch statistics are global); this
+        rank's rows of the result."""
+        offset = self.parallel.rank * num_prompts
+        all_rewards = gather_rows(rewards.to(self.parallel.device), self.parallel).cpu()  # [K·B]
+        all_groups = gather_rows((group_ids + offset).to(self.parallel.device), self.parallel).cpu()  # [K·B]
+        advantages = self.advantage_fn(all_rewards, all_groups, **self.config.advantage_kwargs)  # [K·B] or [K·B, T]
+        rows = len(rewards)
+        return advantages[self.parallel.rank * rows : (self.parallel.rank + 1) * rows]  # [B] or [B, T]
+
+    def reference_logprobs(self, batch: RolloutBatch) -> Tensor | None:
+        """log π_ref(completion) [B, T] (fused lm_head, no grad), or None without a reference model."""
+        if self.ref_model is None:
+            return None
+        logp, _ = PolicyModule(self.ref_model).logprobs(
+            batch.input_ids, batch.attention_mask, batch.completion_mask, self.temperature
+        )
+        return logp
+
+    @property
+    def temperature(self) -> float:
+        """The loss's temperature, which is also the sampler's."""
+        return self.options.temperature
+
+    def save_checkpoint(self) -> None:
+        checkpoint.save(
+            self.config.output_dir,
+            self.step,
+            self.policy,
+            self.tokenizer,
+            self.optimizer,
+            self.ref_model,
+            self.prompts.state_dict(),
+            self.config.to_dict(),
+            self.parallel,
+        )
+
+
+def build_rollout(config: TrainConfig, model: nn.Module, tokenizer) -> Rollout:
+    """The rollout engine `config.rollout` sampling from `model` (a `PolicyModule` or a Hugging Face model)."""
     temperature = loss_options(config).temperature  # the loss's temperature is the sampler's
     if config.rollout == "hf":
         return HFRollout(model, tokenizer, config.max_completion_length, temperature)
@@ -32,8 +211,10 @@ def build_rollout(config: TrainConfig, model, tokenizer) -> Rollout:
 
         if config.model == TINY:
             raise ValueError("--rollout vllm needs --model <Hugging Face directory or hub name>; 'tiny' has none")
+        if config.parallel == "fsdp" or config.lora:
+            raise ValueError("--rollout vllm is not supported with --parallel fsdp or --lora yet: use hf rollouts")
         return VLLMRollout(
-            model,
+            getattr(model, "model", model),
             tokenizer,
             config.model,
             max_completion_length=config.max_completion_length,
@@ -46,85 +227,5 @@ def build_rollout(config: TrainConfig, model, tokenizer) -> Rollout:
 
 
 def train(config: TrainConfig) -> list[dict]:
-    """Run `config.steps` GRPO steps (continuing from the latest checkpoint with `config.resume`); returns the
-    metrics of every step, also written to `<output_dir>/metrics.jsonl`."""
-    # ---- setup
-    threads = torch.get_num_threads()
-    torch.set_num_threads(config.torch_threads or threads)
-    torch.manual_seed(config.seed)
-    random.seed(config.seed)
-    options = loss_options(config)
-    task = build_task(config)
-    model, tokenizer = load_policy(config, task.alphabet, task.max_prompt_length)
-    model.to(_device(config.device))
-    ref_model = build_ref_model(model, options.beta)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
-    prompts = PromptStream(task, config.seed)
-    advantage_fn = advantage_function(config)
-    start = 0
-    if config.resume and (latest := checkpoint.latest(config.output_dir)) is not None:
-        state = checkpoint.load(latest, model, optimizer, ref_model)
-        prompts.load_state_dict(state["data"])
-        start = state["step"]
-    rollout = build_rollout(config, model, tokenizer)
-    checkpoint.save_config(config.output_dir, config.to_dict())
-    logger = MetricsLogger(config.output_dir, config.steps, start, config.progress)
-
-    for step in range(start + 1, config.steps + 1):
-        tic = time.perf_counter()
-        # ---- prompts -> G rollouts each
-        batch_prompts = prompts.next(config.prompts_per_step)
-        batch = rollout.generate([p.text for p in batch_prompts], config.num_generations)
-        # ---- rewards -> advantages (group-relative; `rewards` and `advantages` stay separate)
-        answers = [batch_prompts[i].answer for i in batch.group_ids.tolist()]
-        scores = task.score(batch.completions, answers, batch.truncated)
-        advantages = advantage_fn(scores.rewards, batch.group_ids.cpu(), **config.advantage_kwargs)  # [B] or [B, T]
-        # ---- old-policy and reference log-probs: forward only, fused lm_head
-        old_logp = forward_logprobs(model, batch, options.temperature)  # [B, T]
-        ref_logp = forward_logprobs(ref_model, batch, options.temperature)  # [B, T] or None
-        is_ratio = sampler_correction(old_logp, batch, config)  # [B, T], [B] or None: π_old / π_sampler
-        # ---- μ inner updates with the fused loss (global token count)
-        stats = inner_updates(
-            model,
-            optimizer,
-            batch,
-            advantages.to(old_logp.device),
-            old_logp,
-            ref_logp,
-            is_ratio,
-            options,
-            config.num_iterations,
-            config.max_grad_norm,
-        )
-        # ---- weight sync (sampler and reference)
-        rollout.sync_weights()
-        sync_ref_model(ref_model, model, step, config)
-        # ---- log
-        metrics = {**scores.metrics(batch.group_ids), **batch.metrics(), **stats}
-        if is_ratio is not None:
-            metrics["sampling/importance_sampling_ratio/mean"] = is_ratio.mean().item()
-        # ---- eval
-        if step == config.steps or (config.eval_every and step % config.eval_every == 0):
-            metrics.update(evaluate(model, tokenizer, task, config.max_completion_length))
-        metrics["step_time"] = time.perf_counter() - tic
-        logger.log(step, metrics)
-        # ---- checkpoint
-        if step == config.steps or (config.checkpoint_every and step % config.checkpoint_every == 0):
-            checkpoint.save(
-                config.output_dir,
-                step,
-                model,
-                tokenizer,
-                optimizer,
-                ref_model,
-                prompts.state_dict(),
-                config.to_dict(),
-            )
-
-    logger.close(plot=config.plot)
-    torch.set_num_threads(threads)
-    return logger.history
-
-
-def _device(name: str) -> torch.device:
-    return torch.device(("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name)
+    """`GRPOTrainer(config).train()`: the metrics of every step."""
+    return GRPOTrainer(config).train()

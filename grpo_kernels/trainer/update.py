@@ -1,7 +1,5 @@
-"""A training step's model work: forward-only log-probs (old policy, reference), then μ fused-loss updates.
-
-Every log-prob goes through the fused lm_head (`grpo_kernels.hf`): the `[B, T, V]` logits are never stored.
-"""
+"""A training step's update: the sampler's importance correction, then μ fused-loss optimizer steps, each
+accumulated over micro-batches with the normalisers of the whole (global) step batch."""
 
 from __future__ import annotations
 
@@ -12,23 +10,14 @@ from collections import defaultdict
 import torch
 from torch import Tensor, nn
 
-from grpo_kernels.api import fused_linear_grpo_loss
-from grpo_kernels.distributed import num_items_in_batch
-from grpo_kernels.hf import completion_hidden_states, lm_head, policy_logprobs
+from grpo_kernels.distributed import micro_batch_scale, num_items_in_batch, num_sequences_in_batch
+from grpo_kernels.losses.policy import POLICY_LOSSES
 from grpo_kernels.options import LossOptions
+from grpo_kernels.trainer.parallel import no_gradient_sync
+from grpo_kernels.trainer.policy import UpdateBatch
 from grpo_kernels.trainer.rollout import RolloutBatch
 
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
-
-
-@torch.no_grad()
-def forward_logprobs(model: nn.Module, batch: RolloutBatch, temperature: float) -> Tensor | None:
-    """log π(completion) [B, T] under `model` without gradients (0 where masked); None when model is None."""
-    if model is None:
-        return None
-    return policy_logprobs(
-        model, batch.input_ids, batch.attention_mask, batch.completion_mask, temperature=temperature
-    )  # [B, T]
 
 
 def importance_sampling_ratio(
@@ -72,46 +61,44 @@ def sampler_correction(old_logp: Tensor, batch: RolloutBatch, config) -> Tensor 
 
 
 def inner_updates(
-    model: nn.Module,
+    policy: nn.Module,
     optimizer: torch.optim.Optimizer,
-    batch: RolloutBatch,
-    advantages: Tensor,
-    old_logp: Tensor,
-    ref_logp: Tensor | None,
-    is_ratio: Tensor | None,
+    batch: UpdateBatch,
     options: LossOptions,
     num_iterations: int,
     max_grad_norm: float,
+    gradient_accumulation_steps: int = 1,
 ) -> dict[str, float]:
-    """μ = `num_iterations` optimizer steps on the same rollout batch with the fused lm_head + GRPO loss; the
-    metrics are averaged over them. The token normaliser is the global token count (`num_items_in_batch`), so
-    data-parallel ranks compute the same update as one process."""
-    model.train()
-    weight, bias = lm_head(model)
-    targets, mask = batch.completion_ids, batch.completion_mask  # [B, T] each
-    options = dataclasses.replace(options, num_items_in_batch=float(num_items_in_batch(mask)))
+    """μ = `num_iterations` optimizer steps on this rank's rollout batch with the fused lm_head + GRPO loss, each
+    accumulated over `gradient_accumulation_steps` micro-batches; the metrics are averaged over them.
+
+    `policy` is the `PolicyModule`, bare or under DDP / FSDP2. The normalisers are those of the whole step batch
+    (`num_items_in_batch`, `num_sequences_in_batch` all-reduced, `micro_batch_scale` for the rest), so K ranks × M
+    micro-batches make the same update as one process on the whole batch. `loss` is the step batch's loss; the
+    other metrics are token-weighted means over the micro-batches (averaged over ranks: the whole batch's means).
+    """
+    policy.train()
+    micro_batches = batch.split(gradient_accumulation_steps)
+    masks = [micro.completion_mask for micro in micro_batches]
+    options = dataclasses.replace(
+        options,
+        num_items_in_batch=float(num_items_in_batch(masks)),
+        num_sequences_in_batch=float(num_sequences_in_batch(masks)),
+    )
+    normaliser = options.loss_agg_mode or POLICY_LOSSES[options.loss_type].normaliser
+    scales = [float(micro_batch_scale(normaliser, mask, masks)) for mask in masks]
+    shares = [float(mask.sum()) / max(options.num_items_in_batch, 1.0) for mask in masks]  # token share × K
     totals: dict[str, float] = defaultdict(float)
     for _ in range(num_iterations):
-        hidden = completion_hidden_states(model, batch.input_ids, batch.attention_mask, targets.shape[1])  # [B, T, H]
-        out = fused_linear_grpo_loss(
-            hidden,
-            weight,
-            targets,
-            advantages,
-            old_logp,
-            ref_logp,
-            mask,
-            bias=bias,
-            is_ratio=is_ratio,
-            with_entropy=True,
-            options=options,
-        )
         optimizer.zero_grad(set_to_none=True)
-        out.loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        for i, (micro, scale, share) in enumerate(zip(micro_batches, scales, shares, strict=True)):
+            with no_gradient_sync(policy, sync=i == len(micro_batches) - 1):
+                loss, metrics = policy(micro, options)
+                (loss * scale).backward()
+            totals["loss"] += loss.item() * scale
+            for name, value in metrics.items():
+                totals[name] += float(value) * share
+        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), max_grad_norm)
         optimizer.step()
-        totals["loss"] += out.loss.item()
-        totals["grad_norm"] += grad_norm.item()
-        for name, value in out.metrics.items():
-            totals[name] += float(value)
+        totals["grad_norm"] += float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
     return {name: value / num_iterations for name, value in totals.items()}

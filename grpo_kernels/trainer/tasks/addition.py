@@ -1,10 +1,8 @@
-"""Generated tasks with verifiable answers: prompts, their answers, and the reward of a completion.
-
-`addition`: prompts `"a+b="` with single-digit operands and a + b <= `max_sum` (9 by default, so every answer is
-one digit: `"3+4="` -> `"7"`). The answer is drawn uniformly from 0..max_sum and then the operands, so no constant
-answer beats chance (with operands drawn uniformly, "9" would be right 10 % of the time: a trap a policy that has
-not yet learnt to read the prompt falls into). The reward is a weighted sum of three text rewards, combined by the
-`REWARDS` registry's `gdpo_multi` (which keeps the columns for the metrics):
+"""`addition`, the CPU demo's generated task: prompts `"a+b="` with single-digit operands and a + b <= `max_sum`
+(9 by default, so every answer is one digit: `"3+4="` -> `"7"`). The answer is drawn uniformly from 0..max_sum and
+then the operands, so no constant answer beats chance (with operands drawn uniformly, "9" would be right 10 % of the
+time: a trap a policy that has not yet learnt to read the prompt falls into). The reward is a weighted sum of three
+text rewards, combined by the `REWARDS` registry's `gdpo_multi` (which keeps the columns for the metrics):
 
     r = 0.7 · answer + 0.2 · closeness + 0.1 · format,   r ∈ [0, 1]
 
@@ -19,43 +17,15 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from grpo_kernels.checks import check_texts
-from grpo_kernels.groups import group_index, group_varies
 from grpo_kernels.rewards import REWARDS
+from grpo_kernels.trainer.tasks.records import Prompt, RewardBatch
 
 _NUMBER = re.compile(r"\d+")
-
-
-@dataclass(frozen=True)
-class Prompt:
-    """One prompt and the answer a verifier accepts."""
-
-    text: str
-    answer: str
-
-
-@dataclass(frozen=True)
-class RewardBatch:
-    """Per-completion rewards [B] (the weighted sum) and the reward columns [B, K] they came from."""
-
-    rewards: Tensor  # [B]
-    columns: Tensor  # [B, K]
-    names: tuple[str, ...]
-
-    def metrics(self, group_ids: Tensor | None = None) -> dict[str, float]:
-        """Means of the reward and of each column; with `group_ids` [B] also the fraction of completions whose group
-        has all-equal rewards (`frac_reward_zero_std`: they get zero advantages, no learning signal)."""
-        out = {"reward": self.rewards.mean().item(), "reward_std": self.rewards.std().item()}
-        out.update({f"rewards/{name}": self.columns[:, k].mean().item() for k, name in enumerate(self.names)})
-        if group_ids is not None:
-            index = group_index(group_ids.cpu(), len(self.rewards))  # [B]
-            out["frac_reward_zero_std"] = 1.0 - group_varies(self.rewards, index).float().mean().item()
-        return out
 
 
 def exact_answer(completions: list[str], answers: Sequence[str], **kwargs) -> Tensor:
@@ -87,6 +57,7 @@ class AdditionTask:
     name = "addition"
     reward_names = ("answer", "closeness", "format")
     reward_weights = (0.7, 0.2, 0.1)
+    max_completion_length = 3  # the generation budget when the config sets none: a digit or two and <eos>
 
     def __init__(self, max_sum: int = 9) -> None:
         if not 0 <= max_sum <= 18:
@@ -110,37 +81,11 @@ class AdditionTask:
         a = low + (torch.rand(n, generator=generator) * (high - low + 1)).long().clamp(max=high - low)  # [n]
         return [Prompt(f"{x}+{y - x}=", str(y)) for x, y in zip(a.tolist(), total.tolist(), strict=True)]
 
-    def all_prompts(self) -> list[Prompt]:
-        """Every prompt of the task (55 for max_sum = 9), for evaluation."""
+    def eval_prompts(self) -> list[Prompt]:
+        """Every prompt of the task (55 for max_sum = 9): too few to hold some out, so training sees them too."""
         pairs = [(x, y) for x in range(10) for y in range(10) if x + y <= self.max_sum]
         return [Prompt(f"{x}+{y}=", str(x + y)) for x, y in pairs]
 
     def score(self, completions: list[str], answers: Sequence[str], truncated: Tensor) -> RewardBatch:
         columns = self.reward_fn(completions, answers=answers, truncated=truncated)  # [B, K]
         return RewardBatch(columns @ self.reward_fn.weights, columns, self.reward_names)
-
-
-TASKS = {AdditionTask.name: AdditionTask}
-
-
-def build_task(config) -> AdditionTask:
-    if config.task not in TASKS:
-        raise ValueError(f"task must be one of {sorted(TASKS)}, got {config.task!r}")
-    return TASKS[config.task](max_sum=config.max_sum)
-
-
-class PromptStream:
-    """The task's prompts, drawn by a generator of their own: its state is the data position in a checkpoint."""
-
-    def __init__(self, task: AdditionTask, seed: int) -> None:
-        self.task = task
-        self.generator = torch.Generator().manual_seed(seed)
-
-    def next(self, n: int) -> list[Prompt]:
-        return self.task.sample(n, self.generator)
-
-    def state_dict(self) -> dict:
-        return {"generator": self.generator.get_state()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.generator.set_state(state["generator"])

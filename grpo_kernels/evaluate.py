@@ -1,0 +1,147 @@
+"""`python -m grpo_kernels.evaluate --model A [--compare B]`: accuracy and reward of greedy decoding on a task's
+held-out prompts, for one policy or two (typically a run's initial and final checkpoints) and their difference.
+
+A model is a trainer checkpoint (`<output_dir>/checkpoints/step_000600/`: a Hugging Face model directory with its
+tokenizer) or any Hugging Face model name or directory. The settings (`dataset`, `max_sum`, `eval_size`,
+`max_completion_length`) are, highest first: the flags, the `config.yaml` of the run a checkpoint came from (A's
+run, else B's), `TrainConfig`'s defaults. Prints a table (rich when installed) of both models' `eval/*` metrics
+(`answer` is the accuracy) and B − A; `--output results.json` writes the same as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import yaml
+
+from grpo_kernels.trainer.checkpoint import CHECKPOINTS
+from grpo_kernels.trainer.config import TrainConfig
+from grpo_kernels.trainer.evaluate import EVAL_BATCH_SIZE, evaluate
+from grpo_kernels.trainer.tasks import build_task
+
+SETTINGS = ("dataset", "max_sum", "eval_size", "max_completion_length")  # TrainConfig fields the evaluation uses
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m grpo_kernels.evaluate", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="checkpoint directory or Hugging Face model (A)")
+    parser.add_argument("--compare", help="a second model (B), e.g. the final checkpoint; the table shows B − A")
+    parser.add_argument("--dataset", help="addition, countdown, gsm8k or a .jsonl path (default: the run's)")
+    parser.add_argument("--max-sum", "--max_sum", dest="max_sum", type=int, help="addition's largest sum")
+    parser.add_argument("--eval-size", "--eval_size", dest="eval_size", type=int, help="held-out prompts at most")
+    parser.add_argument(
+        "--max-completion-length",
+        "--max_completion_length",
+        dest="max_completion_length",
+        type=int,
+        help="generation budget in tokens (default: the run's)",
+    )
+    parser.add_argument("--batch-size", "--batch_size", dest="batch_size", type=int, default=EVAL_BATCH_SIZE)
+    parser.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda, ...")
+    parser.add_argument("--output", help="write the results as JSON to this file")
+    return parser
+
+
+def run_settings(model: str) -> dict:
+    """The evaluation settings in the `config.yaml` of the run whose checkpoint `model` is, else {}."""
+    path = Path(model)
+    config_file = path.parent.parent / "config.yaml"
+    if not (path.is_dir() and path.parent.name == CHECKPOINTS and config_file.is_file()):
+        return {}
+    config = yaml.safe_load(config_file.read_text(encoding="utf-8")) or {}
+    return {key: config[key] for key in SETTINGS if config.get(key) is not None}
+
+
+def resolve_settings(args: argparse.Namespace) -> dict:
+    """Flags over the run's config.yaml (A's, else B's) over TrainConfig's defaults."""
+    defaults = TrainConfig()
+    settings = {key: getattr(defaults, key) for key in SETTINGS if getattr(defaults, key, None) is not None}
+    for model in (args.compare, args.model):  # A's run last, so it wins
+        if model is not None:
+            settings.update(run_settings(model))
+    settings.update({key: getattr(args, key) for key in SETTINGS if getattr(args, key) is not None})
+    return settings
+
+
+def load_model(name: str, device: torch.device):
+    """(model, tokenizer) from a Hugging Face directory or hub name, float32, left padding."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(name, padding_side="left")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32).to(device)
+    return model, tokenizer
+
+
+def compare(metrics: dict[str, float], baseline: dict[str, float]) -> dict[str, float]:
+    """`metrics − baseline` for every metric both have."""
+    return {name: metrics[name] - baseline[name] for name in metrics if name in baseline}
+
+
+def table(results: dict) -> tuple[str, list[str], list[list[str]]]:
+    """(title, header, rows): one row per metric (accuracy, reward, the other columns), one column per model, B − A."""
+    columns = [("A", results["model"]["metrics"], "{:.3f}")]
+    if "compare" in results:
+        columns += [("B", results["compare"]["metrics"], "{:.3f}"), ("B − A", results["difference"], "{:+.3f}")]
+    header = ["metric"] + [label for label, _, _ in columns]
+    rows = [
+        ["accuracy (answer)" if name == "answer" else name] + [fmt.format(values[name]) for _, values, fmt in columns]
+        for name in sorted(results["model"]["metrics"], key=lambda name: (name != "answer", name != "reward"))
+    ]
+    title = f"{results['settings']['dataset']}, {results['num_prompts']} held-out prompts, greedy"
+    return title, header, rows
+
+
+def print_table(results: dict) -> None:
+    """The results table (rich when installed, else plain text) between a title and which model is A and B."""
+    title, header, rows = table(results)
+    legend = "\n".join(
+        f"{role} = {results[key]['name']}" for role, key in (("A", "model"), ("B", "compare")) if key in results
+    )
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        widths = [max(len(row[k]) for row in [header, *rows]) for k in range(len(header))]
+        lines = [
+            "  ".join([row[0].ljust(widths[0]), *(cell.rjust(w) for cell, w in zip(row[1:], widths[1:], strict=True))])
+            for row in [header, *rows]
+        ]
+        print("\n".join([title, *lines, legend]))
+        return
+    rich_table = Table(*header)
+    for row in rows:
+        rich_table.add_row(*row)
+    Console().print(title, rich_table, legend, soft_wrap=True, markup=False, highlight=False)  # paths as written
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    """Evaluate `--model` (and `--compare`); print the table, write `--output`; returns the results."""
+    args = build_parser().parse_args(argv)
+    settings = resolve_settings(args)
+    task = build_task(argparse.Namespace(**settings))  # a bad dataset fails here, before any model is loaded
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    results: dict = {"settings": settings, "num_prompts": len(task.eval_prompts())}
+    for role, name in (("model", args.model), ("compare", args.compare)):
+        if name is None:
+            continue
+        model, tokenizer = load_model(name, device)
+        budget = settings.get("max_completion_length") or task.max_completion_length
+        metrics = evaluate(model, tokenizer, task, budget, args.batch_size)
+        results[role] = {"name": name, "metrics": {key.removeprefix("eval/"): v for key, v in metrics.items()}}
+        del model  # free A before B is loaded
+    if args.compare is not None:
+        results["difference"] = compare(results["compare"]["metrics"], results["model"]["metrics"])
+    print_table(results)
+    if args.output is not None:
+        Path(args.output).write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,194 @@
+"""A preset's sampler in the training loop: which rollouts of a step reach the update, and how many rounds it takes.
+
+A round is one `Rollout.generate` call on fresh prompts (or, for XRPO, on chosen ones) with the task's scores. The
+samplers of `grpo_kernels.sampling` decide on each round's step rewards; the rows they keep are merged into one
+batch (prompts re-padded on the left, completions on the right), and dropped rows are simply not in it, so the
+loss normalisers count the kept rows, as the papers do. Every sampler returns the step's batch, optional sequence
+weights (GPG's α) and its metrics (`sampling/...`: groups generated and kept, rounds).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from grpo_kernels.sampling import DAPOBatchFiller, gpg_valid, xrpo_allocate
+from grpo_kernels.trainer.rollout import RolloutBatch
+from grpo_kernels.trainer.tasks import Prompt, RewardBatch
+
+MAX_NUM_GEN_BATCHES = 10  # DAPO: generation rounds before giving up on filling a batch (verl's recipe/dapo value)
+GPG_MAX_ROUNDS = 20  # GPG: resampling rounds before giving up (AMAP-ML/GPG's `max_gen`)
+
+
+class Round(NamedTuple):
+    """Rollouts with the task's scores; `batch.group_ids` [B] index `prompts`."""
+
+    prompts: list[Prompt]
+    batch: RolloutBatch
+    scores: RewardBatch
+
+    @property
+    def answers(self) -> list[str]:
+        return [self.prompts[i].answer for i in self.batch.group_ids.tolist()]
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.batch.group_ids.unique())
+
+
+class Collected(NamedTuple):
+    """What a sampler hands on: the step's rollouts, optional sequence weights [B] and its metrics."""
+
+    round: Round
+    sequence_weights: Tensor | None
+    metrics: dict[str, float]
+
+
+class Source(Protocol):
+    """Rounds for a sampler: fresh prompts, their rollouts and scores, and the step rewards of a round."""
+
+    num_generations: int
+
+    def draw(self) -> list[Prompt]: ...
+
+    def generate(self, prompts: list[Prompt], num_generations: int) -> Round: ...
+
+    def rewards(self, round: Round) -> Tensor: ...
+
+
+Sampler = Callable[[Source], Collected]
+
+
+def single_round(source: Source) -> Collected:
+    """No sampler: G rollouts of each prompt, all of them trained on."""
+    return Collected(source.generate(source.draw(), source.num_generations), None, {})
+
+
+class DynamicSampling:
+    """DAPO dynamic sampling (`dapo_dynamic`, arXiv:2503.14476 §3.2): drop the groups whose step rewards are all
+    equal and generate more rounds until `target_groups` prompts are kept (`DAPOBatchFiller`, verl's semantics: the
+    filling round keeps the groups it needs; after `max_num_gen_batches` rounds it is a ValueError). The filter reads
+    the step reward (verl's `seq_final_reward`); DAPO's `acc` is the same when the reward is the binary verifier."""
+
+    def __init__(self, target_groups: int, max_num_gen_batches: int = MAX_NUM_GEN_BATCHES) -> None:
+        self.filler = DAPOBatchFiller(target_groups, max_num_gen_batches)
+
+    def __call__(self, source: Source) -> Collected:
+        kept, generated = [], 0
+        while True:
+            round = source.generate(source.draw(), source.num_generations)
+            generated += round.num_groups
+            verdict = self.filler.add(source.rewards(round), round.batch.group_ids.cpu())
+            kept.append(select(round, verdict.keep))
+            if not verdict.generate_more:
+                break
+        metrics = {"sampling/groups_generated": generated, "sampling/groups_kept": verdict.num_kept}
+        return Collected(concat(kept), None, {**metrics, "sampling/rounds": len(kept)})
+
+
+class GPGResampling:
+    """GPG's resampling (`gpg_valid`, arXiv:2504.02546): rounds until the groups with unequal rewards hold at least
+    `min_inverse_alpha` of a round's B rows; the batch is those valid rows (chronological) then the last round's
+    other rows, cut to B, and every sequence weighs α = B / B_valid (AMAP-ML/GPG's loop, ≤ 20 rounds)."""
+
+    def __init__(self, min_inverse_alpha: float = 0.5, max_rounds: int = GPG_MAX_ROUNDS) -> None:
+        self.min_inverse_alpha, self.max_rounds = min_inverse_alpha, max_rounds
+
+    def __call__(self, source: Source) -> Collected:
+        rounds, rewards = [], []
+        while True:
+            rounds.append(source.generate(source.draw(), source.num_generations))
+            rewards.append(source.rewards(rounds[-1]))
+            merged = concat(rounds)
+            size = len(rewards[0])
+            verdict = gpg_valid(torch.cat(rewards), merged.batch.group_ids.cpu(), size, self.min_inverse_alpha)
+            if not verdict.generate_more:
+                break
+            if len(rounds) == self.max_rounds:
+                raise ValueError(
+                    f"gpg_valid: {self.max_rounds} rounds found {verdict.num_valid} rows in groups with unequal "
+                    f"rewards, fewer than min_inverse_alpha={self.min_inverse_alpha} of {size}; the data may be too "
+                    "hard or too easy"
+                )
+        last = torch.arange(len(verdict.valid)) >= len(verdict.valid) - size  # [R·B] the last round's rows
+        order = torch.cat([verdict.valid.nonzero(), (last & ~verdict.valid).nonzero()]).squeeze(1)[:size]  # [B]
+        batch = select(merged, order)
+        weights = torch.full((size,), verdict.alpha)  # [B]
+        metrics = {"sampling/rounds": len(rounds), "sampling/gpg_alpha": verdict.alpha}
+        return Collected(batch, weights, {**metrics, "sampling/groups_generated": merged.num_groups})
+
+
+class XRPOAllocation:
+    """XRPO's rollout allocation (`xrpo_allocate`, arXiv:2510.06672): the step's P·G rollouts are spent as half of
+    them uniformly (at least 2 per prompt), then the rest one at a time to the prompts whose Student-t half-width
+    shrinks most, plus an exploration bonus; groups end up of different sizes. The trainer's reading of the
+    paper's rounds: one allocation round. In-context seeding of zero-reward prompts is not done, only counted."""
+
+    def __init__(self, alpha: float = 0.05, exploration: float = 1.0) -> None:
+        self.alpha, self.exploration = alpha, exploration
+
+    def __call__(self, source: Source) -> Collected:
+        prompts = source.draw()
+        first = min(source.num_generations, max(2, source.num_generations // 2))
+        round = source.generate(prompts, first)
+        budget = len(prompts) * (source.num_generations - first)
+        plan = xrpo_allocate(source.rewards(round), round.batch.group_ids.cpu(), budget, self.alpha, self.exploration)
+        metrics = {"sampling/xrpo_needs_seeding": plan.needs_seeding.float().mean().item()}
+        if budget == 0:
+            return Collected(round, None, metrics)
+        owners = plan.prompt_ids.repeat_interleave(plan.extra)  # [budget] the prompt of each extra rollout
+        extra = source.generate([prompts[i] for i in owners.tolist()], 1)
+        regrouped = RolloutBatch(**{**vars(extra.batch), "group_ids": owners.to(extra.batch.group_ids.device)})
+        merged = concat([round, Round(prompts, regrouped, extra.scores)], shared_prompts=True)
+        return Collected(merged, None, {**metrics, "sampling/xrpo_max_group": int(plan.extra.max()) + first})
+
+
+# ------------------------------------------------------------------------------------------------ rows of rounds
+def select(round: Round, rows: Tensor) -> Round:
+    """The round's rows `rows` ([B] bool, or indices), in that order."""
+    rows = rows.nonzero().squeeze(1) if rows.dtype == torch.bool else rows  # [b]
+    batch = round.batch
+    fields = {
+        name: value[rows.to(value.device)] if isinstance(value, Tensor) else [value[i] for i in rows.tolist()]
+        for name, value in vars(batch).items()
+    }
+    scores = RewardBatch(round.scores.rewards[rows], round.scores.columns[rows], round.scores.names)
+    return Round(round.prompts, RolloutBatch(**fields), scores)
+
+
+def concat(rounds: list[Round], shared_prompts: bool = False) -> Round:
+    """The rounds' rows in order, prompts left-padded and completions right-padded to the widest; each round's group
+    ids are offset past the previous rounds' prompts unless the rounds index the same `prompts` (`shared_prompts`)."""
+    if len(rounds) == 1:
+        return rounds[0]
+    batches = [r.batch for r in rounds]
+    width = max(b.prompt_ids.shape[1] for b in batches)
+    length = max(b.completion_ids.shape[1] for b in batches)
+    offsets = [0] * len(rounds) if shared_prompts else [sum(len(r.prompts) for r in rounds[:i]) for i in range(len(rounds))]
+    batch = RolloutBatch(
+        prompt_ids=torch.cat([_pad(b.prompt_ids, width, left=True) for b in batches]),  # [B, P]
+        prompt_mask=torch.cat([_pad(b.prompt_mask, width, left=True) for b in batches]),  # [B, P]
+        completion_ids=torch.cat([_pad(b.completion_ids, length) for b in batches]),  # [B, T]
+        completion_mask=torch.cat([_pad(b.completion_mask, length) for b in batches]),  # [B, T]
+        sampling_logp=torch.cat([_pad(b.sampling_logp, length) for b in batches]),  # [B, T]
+        group_ids=torch.cat([b.group_ids + offset for b, offset in zip(batches, offsets, strict=True)]),  # [B]
+        completions=[text for b in batches for text in b.completions],
+        truncated=torch.cat([b.truncated for b in batches]),  # [B]
+    )
+    scores = RewardBatch(
+        torch.cat([r.scores.rewards for r in rounds]),  # [B]
+        torch.cat([r.scores.columns for r in rounds]),  # [B, K]
+        rounds[0].scores.names,
+    )
+    prompts = rounds[0].prompts if shared_prompts else [p for r in rounds for p in r.prompts]
+    return Round(prompts, batch, scores)
+
+
+def _pad(x: Tensor, width: int, left: bool = False) -> Tensor:
+    """`x` [B, w] padded with zeros (False) to [B, width]; the masks say which entries are real."""
+    extra = width - x.shape[1]
+    return F.pad(x, (extra, 0) if left else (0, extra))  # [B, width]

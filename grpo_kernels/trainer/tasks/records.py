@@ -1,0 +1,88 @@
+"""What a task hands the trainer: prompts with their answers, scored completions, and a resumable prompt stream."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from grpo_kernels.groups import group_index, group_varies
+
+EVAL_SIZE = 256  # held-out prompts evaluated when no size is given (TrainConfig.eval_size's default)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt and the answer a verifier accepts (for some tasks: what the verifier needs, e.g. JSON)."""
+
+    text: str
+    answer: str
+
+
+@dataclass(frozen=True)
+class RewardBatch:
+    """Per-completion rewards [B] (the weighted sum) and the reward columns [B, K] they came from."""
+
+    rewards: Tensor  # [B]
+    columns: Tensor  # [B, K]
+    names: tuple[str, ...]
+
+    def metrics(self, group_ids: Tensor | None = None) -> dict[str, float]:
+        """Means of the reward and of each column; with `group_ids` [B] also the fraction of completions whose group
+        has all-equal rewards (`frac_reward_zero_std`: they get zero advantages, no learning signal)."""
+        out = {"reward": self.rewards.mean().item(), "reward_std": self.rewards.std().item()}
+        out.update({f"rewards/{name}": self.columns[:, k].mean().item() for k, name in enumerate(self.names)})
+        if group_ids is not None:
+            index = group_index(group_ids.cpu(), len(self.rewards))  # [B]
+            out["frac_reward_zero_std"] = 1.0 - group_varies(self.rewards, index).float().mean().item()
+        return out
+
+
+class Task(Protocol):
+    """The trainer's view of a task. `reward_names[0]` is `"answer"`: 1.0/0.0 exact correctness (the accuracy)."""
+
+    name: str
+    reward_names: tuple[str, ...]
+    max_completion_length: int  # the generation budget in tokens when the trainer's config sets none
+
+    @property
+    def alphabet(self) -> str:
+        """Every character the prompts and answers use (the tiny demo tokenizer's vocabulary)."""
+        ...
+
+    @property
+    def max_prompt_length(self) -> int:
+        """The longest prompt in tiny-tokenizer tokens, `<bos>` included."""
+        ...
+
+    def sample(self, n: int, generator: torch.Generator) -> list[Prompt]:
+        """n training prompts drawn with `generator` (its state is the data position)."""
+        ...
+
+    def eval_prompts(self) -> list[Prompt]:
+        """Held-out prompts, the same at every call, disjoint from what `sample` draws where the task allows."""
+        ...
+
+    def score(self, completions: list[str], answers: Sequence[str], truncated: Tensor) -> RewardBatch:
+        """Rewards of completions [B] given their prompts' answers and `truncated` [B] (no `<eos>`)."""
+        ...
+
+
+class PromptStream:
+    """The task's prompts, drawn by a generator of their own: its state is the data position in a checkpoint."""
+
+    def __init__(self, task: Task, seed: int) -> None:
+        self.task = task
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def next(self, n: int) -> list[Prompt]:
+        return self.task.sample(n, self.generator)
+
+    def state_dict(self) -> dict:
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generator.set_state(state["generator"])
