@@ -3,8 +3,9 @@
 The command line is generated from the fields: `--output-dir runs/x` (or `--output_dir`), `--steps 100`,
 `--resume` / `--no-resume`; the loss options are `LossOptions`' own fields, flat (`--loss-type dapo`, `--beta 0.04`,
 `--epsilon-high 0.28`). `None` is written `none`. Precedence, lowest first: the defaults, a paper preset (`--preset
-dapo`: its loss options and advantage estimator; the rewards stay the task's), a YAML file (`--config file.yaml`:
-TrainConfig fields as keys, loss options under `loss:`), then the flags.
+dapo`: its loss options and advantage estimator here; its rewards, with `math_answer` standing for the task's
+reward, its sampler and its regularizers are built by the trainer, `components.py`), a YAML file (`--config
+file.yaml`: TrainConfig fields as keys, loss options under `loss:`), then the flags.
 The default preset is `grpo` (DeepSeekMath: ε = 0.2, β = 0.04 with the k3 estimator against a frozen reference,
 group z-score advantages), so the demo shows a KL; `--preset none` starts from `LossOptions()` (TRL's defaults).
 `TrainConfig.max_completion_length` is the generation budget and, unless `loss.max_completion_length` is set, also
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +26,7 @@ import yaml
 from grpo_kernels import presets
 from grpo_kernels.advantages import ADVANTAGES
 from grpo_kernels.options import LossOptions
+from grpo_kernels.trainer.components import ADVANTAGE_INPUTS, missing_advantage_inputs
 
 PER_STEP_LOSS_OPTIONS = ("num_items_in_batch", "num_sequences_in_batch")  # set by the trainer at each step
 DEFAULT_PRESET = "grpo"
@@ -72,8 +73,9 @@ class TrainConfig:
     vllm_importance_sampling_clip_max: float | None = 3.0
     vllm_importance_sampling_clip_min: float | None = None
     # algorithm
-    preset: str | None = DEFAULT_PRESET  # paper preset (configs/papers/<name>.yaml) or preset YAML the loss came from
-    # (the command line and `apply_preset` apply it; setting this field alone changes nothing)
+    preset: str | None = DEFAULT_PRESET  # paper preset (configs/papers/<name>.yaml) or preset YAML: the trainer
+    # builds its rewards, sampler and regularizers; its loss options and advantage come in through `apply_preset`
+    # (the command line's `--preset` calls it; setting this field alone does not change `loss` or `advantage`)
     advantage: str = "grpo"  # an ADVANTAGES name
     advantage_kwargs: dict[str, Any] = field(default_factory=dict)  # its hyperparameters
     num_iterations: int = 1  # μ: optimizer updates per rollout batch (TRL's name)
@@ -106,21 +108,19 @@ def loss_options(config: TrainConfig) -> LossOptions:
 
 
 def advantage_function(config: TrainConfig) -> Callable[..., Any]:
-    """The ADVANTAGES estimator `config.advantage`, called as fn(rewards [B], group_ids [B], **advantage_kwargs).
+    """The ADVANTAGES estimator `config.advantage`, called as fn(rewards, group_ids, **inputs, **advantage_kwargs).
 
-    Estimators that need other per-step inputs (lengths, correctness, entropy, strata, a reward matrix, ...) are
-    a ValueError here, before any work: this trainer supplies rewards and group ids only.
+    The trainer passes the per-step inputs the estimator names (`components.ADVANTAGE_INPUTS`: correctness, lengths,
+    mean_logp, entropy, mask; GDPO's reward matrix). One that needs another (Stratified-GRPO's `strata`, PVPO's
+    `reference_value`) and does not get it from `advantage_kwargs` is a ValueError here, before any work.
     """
     fn = ADVANTAGES.get(config.advantage)
-    required = [
-        name
-        for name, p in list(inspect.signature(fn).parameters.items())[2:]
-        if p.default is inspect.Parameter.empty and name not in config.advantage_kwargs
-    ]
-    if required:
+    missing = missing_advantage_inputs(fn, config.advantage_kwargs)
+    if missing:
+        preset = f" (preset {config.preset!r})" if config.preset is not None else ""
         raise ValueError(
-            f"advantage {config.advantage!r} needs per-step inputs {required} that the trainer does not supply yet; "
-            "use an estimator of rewards and group ids (grpo, dr_grpo, rloo, reinforce_pp, ...)"
+            f"advantage {config.advantage!r}{preset} needs per-step inputs {missing} that the trainer cannot produce "
+            f"(it supplies rewards, group_ids and {list(ADVANTAGE_INPUTS)})"
         )
     return fn
 
@@ -143,8 +143,9 @@ def from_dict(data: Mapping[str, Any], base: TrainConfig | None = None, where: s
 
 
 def apply_preset(config: TrainConfig, name: str | None) -> TrainConfig:
-    """The config with a paper preset's loss options and advantage estimator (its rewards are the task's);
-    `None`: LossOptions' defaults and the `grpo` advantage with its defaults."""
+    """The config with a paper preset's loss options and advantage estimator, and `preset` naming it: the trainer
+    builds the preset's rewards, sampler and regularizers from that name (`components.PresetComponents`).
+    `None`: LossOptions' defaults, the `grpo` advantage with its defaults, and the task's reward alone."""
     if name is None:
         return dataclasses.replace(config, preset=None, loss=LossOptions(), advantage="grpo", advantage_kwargs={})
     preset = presets.load(name)

@@ -116,10 +116,12 @@ class GPGResampling:
                 )
         last = torch.arange(len(verdict.valid)) >= len(verdict.valid) - size  # [R·B] the last round's rows
         order = torch.cat([verdict.valid.nonzero(), (last & ~verdict.valid).nonzero()]).squeeze(1)[:size]  # [B]
-        batch = select(merged, order)
+        kept = select(merged, order)
         weights = torch.full((size,), verdict.alpha)  # [B]
-        metrics = {"sampling/rounds": len(rounds), "sampling/gpg_alpha": verdict.alpha}
-        return Collected(batch, weights, {**metrics, "sampling/groups_generated": merged.num_groups})
+        metrics = {"sampling/groups_generated": merged.num_groups, "sampling/groups_kept": kept.num_groups}
+        return Collected(
+            kept, weights, {**metrics, "sampling/rounds": len(rounds), "sampling/gpg_alpha": verdict.alpha}
+        )
 
 
 class XRPOAllocation:
@@ -139,12 +141,12 @@ class XRPOAllocation:
         plan = xrpo_allocate(source.rewards(round), round.batch.group_ids.cpu(), budget, self.alpha, self.exploration)
         metrics = {"sampling/xrpo_needs_seeding": plan.needs_seeding.float().mean().item()}
         if budget == 0:
-            return Collected(round, None, metrics)
+            return Collected(round, None, {**metrics, "sampling/rounds": 1})
         owners = plan.prompt_ids.repeat_interleave(plan.extra)  # [budget] the prompt of each extra rollout
         extra = source.generate([prompts[i] for i in owners.tolist()], 1)
         regrouped = RolloutBatch(**{**vars(extra.batch), "group_ids": owners.to(extra.batch.group_ids.device)})
         merged = concat([round, Round(prompts, regrouped, extra.scores)], shared_prompts=True)
-        return Collected(merged, None, {**metrics, "sampling/xrpo_max_group": int(plan.extra.max()) + first})
+        return Collected(merged, None, {**metrics, "sampling/rounds": 2})
 
 
 # ------------------------------------------------------------------------------------------------ rows of rounds
@@ -168,7 +170,9 @@ def concat(rounds: list[Round], shared_prompts: bool = False) -> Round:
     batches = [r.batch for r in rounds]
     width = max(b.prompt_ids.shape[1] for b in batches)
     length = max(b.completion_ids.shape[1] for b in batches)
-    offsets = [0] * len(rounds) if shared_prompts else [sum(len(r.prompts) for r in rounds[:i]) for i in range(len(rounds))]
+    offsets = (
+        [0] * len(rounds) if shared_prompts else [sum(len(r.prompts) for r in rounds[:i]) for i in range(len(rounds))]
+    )
     batch = RolloutBatch(
         prompt_ids=torch.cat([_pad(b.prompt_ids, width, left=True) for b in batches]),  # [B, P]
         prompt_mask=torch.cat([_pad(b.prompt_mask, width, left=True) for b in batches]),  # [B, P]

@@ -17,14 +17,13 @@ import torch
 from torch import Tensor, nn
 
 from grpo_kernels.trainer import checkpoint
+from grpo_kernels.trainer.components import PresetComponents, StepSamples, gather_inputs, local_part
 from grpo_kernels.trainer.config import TrainConfig, advantage_function, loss_options
 from grpo_kernels.trainer.evaluate import evaluate
 from grpo_kernels.trainer.logging import MetricsLogger
 from grpo_kernels.trainer.model import TINY, apply_lora, load_policy
 from grpo_kernels.trainer.parallel import (
-    gather_rows,
     init_parallel,
-    local_rows,
     mean_over_ranks,
     unwrap,
     wrap_policy,
@@ -61,6 +60,7 @@ class GRPOTrainer:
             config = dataclasses.replace(config, max_completion_length=self.task.max_completion_length)
         self.config = config
         self.options = loss_options(config)
+        self.components = PresetComponents(config, self.task, self.parallel)  # a ValueError for what it cannot apply
         self.advantage_fn = advantage_function(config)
         if model is None:
             model, tokenizer = load_policy(config, self.task.alphabet, self.task.max_prompt_length)
@@ -123,18 +123,21 @@ class GRPOTrainer:
     def training_step(self) -> dict[str, float]:
         """One GRPO step on this rank's share of `prompts_per_step` prompts; returns the step's metrics."""
         config, policy = self.config, unwrap(self.policy)
-        # ---- prompts (the same draw on every rank; each keeps its share) -> G rollouts each
-        prompts = self.prompts.next(config.prompts_per_step)[local_rows(config.prompts_per_step, self.parallel)]
-        batch = self.rollout.generate([p.text for p in prompts], config.num_generations)
-        # ---- rewards -> advantages (group-relative, over the global batch; `rewards` and `advantages` stay apart)
-        answers = [prompts[i].answer for i in batch.group_ids.tolist()]
-        scores = self.task.score(batch.completions, answers, batch.truncated)
-        advantages = self.advantages(scores.rewards, batch.group_ids.cpu(), len(prompts))  # [B] or [B, T]
+        # ---- prompts (the same draw on every rank; each keeps its share) -> G rollouts each -> the preset's rewards;
+        #      its sampler keeps the groups it wants, generating more rounds where it needs them (DAPO, GPG, XRPO)
+        step = self.components.collect(self.prompts, self.rollout)
+        batch = step.batch
         # ---- old-policy and reference log-probs: forward only, fused lm_head
-        old_logp, _ = policy.logprobs(batch.input_ids, batch.attention_mask, batch.completion_mask, self.temperature)
+        old_logp, entropy = policy.logprobs(
+            batch.input_ids, batch.attention_mask, batch.completion_mask, self.temperature
+        )  # [B, T] each
         ref_logp = self.reference_logprobs(batch)  # [B, T] or None
         is_ratio = sampler_correction(old_logp, batch, config)  # [B, T], [B] or None: π_old / π_sampler
-        # ---- μ inner updates with the fused loss (normalisers of the global batch)
+        # ---- advantages (group-relative, over the global batch; `rewards` and `advantages` stay apart) and the
+        #      regularizers' token / sequence weights
+        advantages = self.advantages(step, old_logp, entropy)  # [B] or [B, T]
+        weights = self.components.weights(step, old_logp)
+        # ---- μ inner updates with the fused loss (normalisers of the global batch), then the learned weights' step
         update = UpdateBatch(
             batch.input_ids,
             batch.attention_mask,
@@ -143,6 +146,8 @@ class GRPOTrainer:
             old_logp,
             ref_logp,
             is_ratio,
+            weights.token,
+            weights.sequence,
         )
         stats = inner_updates(
             self.policy,
@@ -153,25 +158,24 @@ class GRPOTrainer:
             config.max_grad_norm,
             config.gradient_accumulation_steps,
         )
+        stats.update(self.components.learn(weights))
         # ---- weight sync (sampler and reference)
         self.rollout.sync_weights()
         sync_ref_model(self.ref_model, self.model, self.step, config)
         # ---- metrics, averaged over ranks
-        metrics = {**scores.metrics(batch.group_ids), **batch.metrics(), **stats}
+        metrics = {**step.metrics, **batch.metrics(), **stats}
         if is_ratio is not None:
             metrics["sampling/importance_sampling_ratio/mean"] = is_ratio.mean().item()
         return mean_over_ranks(metrics, self.parallel)
 
     # ------------------------------------------------------------------------------------------- the stages
-    def advantages(self, rewards: Tensor, group_ids: Tensor, num_prompts: int) -> Tensor:
-        """The advantage estimator on the rewards of every rank (group and batch statistics are global); this
-        rank's rows of the result."""
-        offset = self.parallel.rank * num_prompts
-        all_rewards = gather_rows(rewards.to(self.parallel.device), self.parallel).cpu()  # [K·B]
-        all_groups = gather_rows((group_ids + offset).to(self.parallel.device), self.parallel).cpu()  # [K·B]
-        advantages = self.advantage_fn(all_rewards, all_groups, **self.config.advantage_kwargs)  # [K·B] or [K·B, T]
-        rows = len(rewards)
-        return advantages[self.parallel.rank * rows : (self.parallel.rank + 1) * rows]  # [B] or [B, T]
+    def advantages(self, step: StepSamples, old_logp: Tensor, entropy: Tensor) -> Tensor:
+        """The advantage estimator on the rewards and per-step inputs of every rank (group and batch statistics are
+        global); this rank's rows of the result."""
+        inputs = self.components.advantage_inputs(step, old_logp, entropy)  # rewards, group_ids, what it names
+        everything = gather_inputs(inputs, self.parallel)  # [K·B, ...]
+        advantages = self.advantage_fn(**everything, **self.components.advantage_kwargs)  # [K·B] or [K·B, T]
+        return local_part(advantages, len(step.rewards), old_logp.shape[1], self.parallel)  # [B] or [B, T]
 
     def reference_logprobs(self, batch: RolloutBatch) -> Tensor | None:
         """log π_ref(completion) [B, T] (fused lm_head, no grad), or None without a reference model."""
