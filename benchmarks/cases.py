@@ -92,11 +92,14 @@ def step(bench: str, provider: str, shape: Shape, mode: str, data: dict) -> Call
 
     if bench == "grpo_loss":
         data.setdefault("logits", (data["hidden"] @ data["weight"].T).detach())
+        data.setdefault("pristine", data["logits"].clone())
 
     def run() -> None:
         with torch.set_grad_enabled(mode == "fwd_bwd"):
             out = loss()
-            if mode == "fwd_bwd":
+            if mode == "fwd_bwd" and bench == "grpo_loss":  # dL/dlogits, as a trainer's lm_head backward gets it
+                torch.autograd.grad(out, data["leaf"])  # (.backward() into a leaf would time a copy of it)
+            elif mode == "fwd_bwd":
                 out.backward()
         for x in (data["hidden"], data["weight"], data.get("leaf")):
             if x is not None:
@@ -105,6 +108,12 @@ def step(bench: str, provider: str, shape: Shape, mode: str, data: dict) -> Call
             torch.cuda.synchronize()
 
     return run
+
+
+def restore(data: dict) -> None:
+    """Untimed, before each round: the in-place backward leaves dL/dlogits where the logits were."""
+    if "pristine" in data:
+        data["logits"].copy_(data["pristine"])
 
 
 def peak_extra_bytes(bench: str, provider: str, shape: Shape, mode: str, data: dict) -> int:
@@ -119,9 +128,8 @@ def peak_extra_bytes(bench: str, provider: str, shape: Shape, mode: str, data: d
         return torch.cuda.max_memory_allocated() - base
     import subprocess
 
-    size = next(size for size, shapes in SIZES.items() if shape in shapes)
     out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.cases", bench, provider, shape.name, mode, size],
+        [sys.executable, "-m", "benchmarks.cases", bench, provider, shape.name, mode, shape.size],
         check=True,
         capture_output=True,
         text=True,

@@ -29,6 +29,19 @@ class Shape:
     def name(self) -> str:
         return f"{self.loss}-n{self.N}-v{self.V}-h{self.H}-{str(self.dtype).removeprefix('torch.')}"
 
+    def measured_by(self, bench: str) -> bool:
+        """Whether `bench` depends on all of this shape: the logits-level loss never sees H (its logits are given),
+        the log-prob pass has no loss type, so each runs only the shapes that differ in what it does see."""
+        if bench == "grpo_loss":
+            return self.H == min(s.H for s in SIZES[self.size])
+        if bench == "token_logprobs":
+            return self.loss == "dapo"
+        return True
+
+    @property
+    def size(self) -> str:
+        return next(size for size, shapes in SIZES.items() if self in shapes)
+
     def loss_options(self) -> dict:
         if self.loss == "gspo":
             return dict(loss_type="grpo", importance_sampling_level="sequence", beta=0.04)
@@ -39,7 +52,8 @@ F32, BF16 = torch.float32, torch.bfloat16
 SIZES = {
     "smoke": [Shape(64, 1000, 32, F32), Shape(64, 1000, 32, F32, "gspo")],
     "cpu": [
-        *(Shape(n, v, 896, F32) for n in (512, 2048) for v in (32000, 151936)),
+        *(Shape(n, v, 896, F32) for n in (512, 2048) for v in (32000, 128256, 151936)),
+        Shape(512, 128256, 4096, F32),
         Shape(512, 151936, 896, F32, "grpo"),
         Shape(512, 151936, 896, F32, "gspo"),
     ],

@@ -5,6 +5,7 @@ import torch
 
 import grpo_kernels as gk
 from grpo_kernels import reference
+from grpo_kernels.vocab import token_logprobs_torch
 from tests.cases import CASE_IDS, CASES, Case, make_inputs
 from tests.conftest import BACKENDS, DEVICE, DTYPES, assert_close
 from tests.helpers import oracle_logits
@@ -35,6 +36,17 @@ def test_matches_reference(backend, dtype, case, launches):
     assert_close(logp, ref_logp * m, dtype, "logp")
     assert_close(ent, ref_ent * m, dtype, "entropy")
     assert_close(logits.grad, ref_logits.grad, dtype, "grad logits")
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+@pytest.mark.parametrize("window_rows", (1, 2, 4))
+def test_torch_windows_match_reference(window_rows, dtype, case, monkeypatch, launches):
+    """The torch backend in windows of a few rows (windows that straddle masked rows full of NaN, windows cut
+    at a sequence's end for strided logits) matches the oracle too."""
+    for device_kind in token_logprobs_torch.CHUNK_ELEMENTS:
+        monkeypatch.setitem(token_logprobs_torch.CHUNK_ELEMENTS, device_kind, window_rows * case.V)
+    test_matches_reference("torch", dtype, case, launches)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

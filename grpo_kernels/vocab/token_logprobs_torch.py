@@ -1,6 +1,10 @@
 """Vocabulary pass in chunked PyTorch: the CPU path, and the reference layout of the Triton kernels.
 
-Only the rows the mask keeps are read, a chunk of rows at a time, so no [N, V] float32 tensor ever exists.
+The logits are read a window of consecutive rows at a time (windows without a kept row are skipped), so no
+[N, V] float32 tensor ever exists. Each window is computed in place or in scratch buffers allocated once per
+call: on CPU a fresh multi-MiB tensor per chunk pays its page faults again each time (log_softmax over
+[512, 151936] float32 took 4× longer into new memory than into a reused buffer), and a cache-sized window is
+faster still.
 """
 
 from __future__ import annotations
@@ -8,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-CHUNK_ELEMENTS = 1 << 22  # logits per chunk: 16 MiB of float32 scratch at most
+CHUNK_ELEMENTS = {"cpu": 1 << 20, "other": 1 << 22}  # logits per chunk: 4 MiB of float32 (cache-sized) on CPU
 LSE_FROM_TARGET = 32.0  # lse = z_t − log q_t for log q_t > −32 (rounding ≤ ulp(32)); logsumexp for the rest
 
 
@@ -17,40 +21,44 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _row_chunks(logits: Tensor, mask: Tensor):
-    """Yield (index, rows) per chunk of kept rows: `index` selects them in [B, T] (a flat slice, or (b, t)
-    index tensors), `rows` [C, V] are their logits: a view when every row is kept and the layout allows it,
-    else a gathered copy."""
-    vocab = logits.shape[-1]
-    step = max(1, CHUNK_ELEMENTS // vocab)
-    if logits.is_contiguous() and bool(mask.all()):
-        flat = logits.view(-1, vocab)  # [B·T, V]
-        for start in range(0, flat.shape[0], step):
-            yield slice(start, start + step), flat[start : start + step]
-        return
-    b_idx, t_idx = mask.nonzero(as_tuple=True)
-    for start in range(0, b_idx.numel(), step):
-        b, t = b_idx[start : start + step], t_idx[start : start + step]
-        yield (b, t), logits[b, t]
+def _chunk_rows(logits: Tensor) -> int:
+    budget = CHUNK_ELEMENTS["cpu" if logits.device.type == "cpu" else "other"]
+    return max(1, budget // logits.shape[-1])
 
 
-def _at(x: Tensor, index) -> Tensor:
-    """x [B, T, ...] at a chunk's index: a view for a flat slice, gathered for (b, t)."""
-    return x.flatten(0, 1)[index] if isinstance(index, slice) else x[index]
+def _flat(x: Tensor) -> Tensor | None:
+    """x [B, T, ...] as a [B·T, ...] view, or None when its strides allow no such view."""
+    try:
+        return x.view(-1, *x.shape[2:])
+    except RuntimeError:
+        return None
 
 
-def _put(x: Tensor, index, values: Tensor) -> None:
-    """x [B, T, ...] at a chunk's index = values."""
-    if isinstance(index, slice):
-        x.flatten(0, 1)[index] = values
-    else:
-        x[index] = values
+def _windows(logits: Tensor, mask: Tensor):
+    """Yield (rows, z) per window of consecutive rows that holds a kept row: `rows` selects the window in the
+    flattened [B·T] statistics and `z` [C, V] is a view of its logits. Never a gather (CPU index_select runs at a
+    fraction of copy bandwidth): the masked rows inside a window are computed, and the callers zero them."""
+    step = _chunk_rows(logits)
+    flat = _flat(logits)
+    lines = flat[None] if flat is not None else logits  # [L, S, V]: windows never cross a line
+    L, S = lines.shape[:2]
+    kept = torch.nn.functional.pad(mask.reshape(L, S), (0, -S % step)).view(L, -1, step).any(-1)  # [L, windows]
+    for line, window in kept.nonzero().tolist():
+        start = window * step
+        stop = min(start + step, S)
+        yield slice(line * S + start, line * S + stop), lines[line, start:stop]
 
 
-def _scaled(rows: Tensor, temperature: float) -> Tensor:
-    """rows / temperature in the compute dtype, never modifying `rows` (a view of the caller's logits)."""
-    z = rows.to(compute_dtype(rows.dtype))
-    return z / temperature if temperature != 1.0 else z
+def _kept_targets(targets: Tensor, mask: Tensor) -> Tensor:
+    """targets [B, T] as [B·T, 1], with 0 at masked rows: windows read those rows too, and padding ids there
+    (-100, or ≥ V) may be anything."""
+    return targets.masked_fill(~mask, 0).reshape(-1, 1)
+
+
+def _scratch(logits: Tensor) -> Tensor:
+    """A [chunk rows, V] buffer in the compute dtype, reused by every window of one call."""
+    dtype = compute_dtype(logits.dtype)
+    return torch.empty(_chunk_rows(logits), logits.shape[-1], dtype=dtype, device=logits.device)
 
 
 def token_logprobs_fwd(
@@ -64,19 +72,26 @@ def token_logprobs_fwd(
     logp = torch.zeros(mask.shape, dtype=dtype, device=logits.device)  # [B, T]
     lse = torch.zeros_like(logp)  # [B, T]
     entropy = torch.zeros_like(logp) if with_entropy else None  # [B, T]
-    for index, rows in _row_chunks(logits, mask):
-        z = _scaled(rows, temperature)  # [C, V]
-        target = _at(targets, index)[:, None]  # [C, 1]
-        log_q = torch.log_softmax(z, dim=-1)  # [C, V]: one fused pass, several times faster than logsumexp on CPU
+    flat_targets, flat_mask = _kept_targets(targets, mask), mask.reshape(-1)  # [B·T, 1], [B·T]
+    z_buf, log_q_buf = _scratch(logits), _scratch(logits)  # [C, V] each
+    for rows, z in _windows(logits, mask):
+        if z.dtype != dtype or temperature != 1.0:
+            z = z_buf[: z.shape[0]].copy_(z).div_(temperature)  # [C, V]; the caller's logits are read only
+        target = flat_targets[rows]  # [C, 1]
+        log_q = torch.log_softmax(z, dim=-1, out=log_q_buf[: z.shape[0]])  # [C, V]: one fused pass
         row_logp = log_q.gather(1, target).squeeze(1)  # [C]
         row_lse = z.gather(1, target).squeeze(1) - row_logp  # [C]: lse = z_target − log q_target, as exact as
-        unlikely = ~(row_logp > -LSE_FROM_TARGET)  # lse itself while log q_target is small: recompute the others
-        if bool(unlikely.any()):
+        unlikely = ~(row_logp > -LSE_FROM_TARGET) & flat_mask[rows]  # lse itself while log q_target is small:
+        if bool(unlikely.any()):  # recompute the others
             row_lse[unlikely] = torch.logsumexp(z[unlikely], dim=-1)
-        _put(lse, index, row_lse)
-        _put(logp, index, row_logp)
+        lse.view(-1)[rows] = row_lse
+        logp.view(-1)[rows] = row_logp
         if entropy is not None:  # H = −Σ q log q, with 0 · log 0 = 0 for -inf logits (the NaN of 0 · −inf)
-            _put(entropy, index, -log_q.exp().mul_(log_q).nan_to_num_(nan=0.0).sum(-1))
+            q_log_q = torch.exp(log_q, out=z_buf[: z.shape[0]]).mul_(log_q).nan_to_num_(nan=0.0)  # [C, V]
+            entropy.view(-1)[rows] = -q_log_q.sum(-1)
+    for stat in (logp, lse, entropy):
+        if stat is not None:
+            stat.masked_fill_(~mask, 0.0)  # the masked rows computed inside windows
     return logp, lse, entropy
 
 
@@ -94,26 +109,41 @@ def token_logprobs_bwd(
     """Write dL/dlogits into `out` (which may be `logits` itself): per kept row
 
     g·(onehot − q)/T  +  g_H·(−q·(log q + H))/T,  q = softmax(logits/T);  masked rows get 0.
-    When `out` is the logits in float32 (or float64) and every row is kept, each chunk is rewritten in place.
+    When `out` is the logits in float32 (or float64), each window is rewritten in place.
     """
     dtype = compute_dtype(logits.dtype)
     in_place = out is logits and logits.dtype == dtype
-    for index, rows in _row_chunks(logits, mask):
-        own = in_place and isinstance(index, slice)  # rows is a view of `out`: compute in it
-        log_q = rows if own else rows.to(dtype, copy=True)  # [C, V]
+    flat = lambda x: None if x is None else x.reshape(-1, 1).to(dtype)  # noqa: E731  [B·T, 1]
+    lse, entropy, grad_entropy = flat(lse), flat(entropy), flat(grad_entropy)
+    g_all = torch.zeros_like(lse) if grad_logp is None else flat(grad_logp)  # [B·T, 1]
+    flat_targets = _kept_targets(targets, mask)  # [B·T, 1]
+    log_q_buf = None if in_place else _scratch(logits)  # [C, V]
+    q_buf = _scratch(logits) if grad_entropy is not None else None  # [C, V]
+    for rows, z in _windows(logits, mask):
+        log_q = z if in_place else log_q_buf[: z.shape[0]].copy_(z)  # [C, V], overwritten by the gradient
         if temperature != 1.0:
             log_q.div_(temperature)
-        log_q.sub_(_at(lse, index)[:, None])
-        g = torch.zeros_like(_at(lse, index)) if grad_logp is None else _at(grad_logp, index).to(dtype)  # [C]
+        log_q.sub_(lse[rows])
+        g = g_all[rows]  # [C, 1]
         if grad_entropy is None:
-            grad = log_q.exp_().mul_(-g[:, None])  # [C, V], in the same buffer
+            grad = log_q.exp_().mul_(-g)  # [C, V], in the same buffer
         else:
-            q = log_q.exp()  # [C, V]
-            log_q.add_(_at(entropy, index)[:, None]).mul_(q).masked_fill_(q == 0, 0.0)  # q·(log q + H)
-            grad = log_q.mul_(-_at(grad_entropy, index).to(dtype)[:, None]).sub_(q.mul_(g[:, None]))
-        grad.scatter_add_(1, _at(targets, index)[:, None], g[:, None])
+            q = torch.exp(log_q, out=q_buf[: log_q.shape[0]])  # [C, V]
+            log_q.add_(entropy[rows]).mul_(q).masked_fill_(q == 0, 0.0)  # q·(log q + H)
+            grad = log_q.mul_(-grad_entropy[rows]).sub_(q.mul_(g))
+        grad.scatter_add_(1, flat_targets[rows], g)
         if temperature != 1.0:
             grad.div_(temperature)
-        if not own:
-            _put(out, index, grad.to(out.dtype))
-    out[~mask] = 0
+        if not in_place:
+            _out_window(out, rows, mask.shape).copy_(grad)
+    out.index_put_((~mask).nonzero(as_tuple=True), out.new_zeros(()))  # only the masked rows are written
+
+
+def _out_window(out: Tensor, rows: slice, shape: torch.Size) -> Tensor:
+    """The [C, V] view of `out` [B, T, V] at a window's flat rows (a window never crosses a sequence unless out
+    flattens)."""
+    flat = _flat(out)
+    if flat is not None:
+        return flat[rows]
+    T = shape[1]
+    return out[rows.start // T, rows.start % T : rows.start % T + rows.stop - rows.start]
