@@ -1,6 +1,6 @@
 """Benchmark harness: `--bench-size smoke|cpu|gpu` picks the shapes (default: gpu with CUDA, else cpu); each case
-records its median time through pytest-benchmark and, in `extra_info`, its shape, tokens, floor and peak extra
-memory (skipped under --benchmark-disable and for the smoke size, which CI runs as a correctness check)."""
+records its median time through pytest-benchmark and, in `extra_info`, its shape, median time, tokens/s, floor and
+peak extra memory (skipped under --benchmark-disable and for the smoke size, which CI runs as a correctness check)."""
 
 from __future__ import annotations
 
@@ -93,6 +93,9 @@ def measure(benchmark, request):
         )
         rounds = {"smoke": 1, "cpu": 2, "gpu": 5}[size]
         benchmark.pedantic(step, setup=lambda: cases.restore(data), rounds=rounds, warmup_rounds=1)
+        if not benchmark.disabled:
+            median = benchmark.stats.stats.median
+            benchmark.extra_info.update(median_s=median, tokens_per_s=shape.N / median)
         if not benchmark.disabled and size != "smoke":
             benchmark.extra_info["floor_s"] = _floor_seconds(bench, shape, mode, data)
             benchmark.extra_info["peak_extra_bytes"] = cases.peak_extra_bytes(bench, provider, shape, mode, data)

@@ -15,7 +15,6 @@ import yaml
 from grpo_kernels import presets
 from grpo_kernels.regularizers import LambdaGRPOWeights, tr_grpo_weights
 from grpo_kernels.trainer import TrainConfig
-from grpo_kernels.trainer.checkpoint import checkpoint_dir
 from grpo_kernels.trainer.components import PresetComponents, StepSamples, correctness, gather_inputs, local_part
 from grpo_kernels.trainer.config import advantage_function, apply_preset
 from grpo_kernels.trainer.parallel import ParallelState
@@ -257,9 +256,21 @@ def test_token_weights_and_lambda_learned_from_dl_dw(tmp_path):
     assert lam.learn(weights) == pytest.approx({"lambda_grpo/lambda": -0.1 * grad.item()})
     with pytest.raises(ValueError, match="num_iterations = 1"):
         components("lambda_grpo", num_iterations=2)
-    checkpoint_dir(tmp_path, 4).mkdir(parents=True)
-    with pytest.raises(ValueError, match="not checkpointed"):
-        components("lambda_grpo", resume=True, output_dir=str(tmp_path))
+
+
+def test_lambda_grpo_resumes_with_its_learned_lambda(tmp_path):
+    def run(folder, steps: int, **overrides) -> list[dict]:
+        base = TrainConfig(steps=steps, prompts_per_step=4, num_generations=4, eval_every=0, checkpoint_every=2)
+        config = apply_preset(
+            dataclasses.replace(base, progress=False, plot=False, output_dir=str(folder)), "lambda_grpo"
+        )
+        return GRPOTrainer(dataclasses.replace(config, **overrides), task=AdditionTask()).train()
+
+    run(tmp_path / "a", 2)
+    resumed = run(tmp_path / "a", 4, resume=True)
+    straight = run(tmp_path / "b", 4)
+    lam = lambda metrics: [m["lambda_grpo/lambda"] for m in metrics[2:]]  # noqa: E731
+    assert lam(resumed) == lam(straight) and lam(straight)[0] != 0.0
 
 
 # ---------------------------------------------------------------------------------------------- end to end

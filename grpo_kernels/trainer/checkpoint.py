@@ -78,6 +78,7 @@ def save(
     optimizer: torch.optim.Optimizer,
     ref_model: nn.Module | None,
     data_state: dict,
+    components_state: dict,
     config_dict: dict,
     parallel: ParallelState,
 ) -> Path:
@@ -104,7 +105,13 @@ def save(
         tokenizer.save_pretrained(tmp)
         if ref_model is not None:
             save_model(ref_model, str(tmp / "ref_model.safetensors"))
-        state = {"step": step, "optimizer": optimizer_state, "data": data_state, "config": config_dict}
+        state = {
+            "step": step,
+            "optimizer": optimizer_state,
+            "data": data_state,
+            "components": components_state,
+            "config": config_dict,
+        }
         torch.save(state, tmp / "trainer_state.pt")
     _barrier(parallel)
     torch.save(rng_state(), tmp / f"rng_rank{parallel.rank}.pt")
@@ -130,7 +137,8 @@ def load_weights(path: str | Path, model: nn.Module, ref_model: nn.Module | None
 
 
 def load_state(path: str | Path, policy: nn.Module, optimizer: torch.optim.Optimizer, parallel: ParallelState) -> dict:
-    """Restore the optimizer and this rank's RNG states in place; returns the trainer state (step, data)."""
+    """Restore the optimizer and this rank's RNG states in place; returns the trainer state (step, data,
+    components)."""
     path = Path(path)
     state = torch.load(path / "trainer_state.pt", weights_only=True)
     set_optimizer_state_dict(policy, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))

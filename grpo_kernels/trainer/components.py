@@ -31,7 +31,6 @@ from grpo_kernels.advantages import ADVANTAGES
 from grpo_kernels.presets import ComponentConfig
 from grpo_kernels.regularizers import REGULARIZERS
 from grpo_kernels.rewards import REWARDS
-from grpo_kernels.trainer import checkpoint
 from grpo_kernels.trainer.parallel import ParallelState, gather_rows, local_rows
 from grpo_kernels.trainer.rollout import Rollout, RolloutBatch
 from grpo_kernels.trainer.samplers import (
@@ -226,6 +225,21 @@ class PresetComponents:
         self.optimizer.step()
         return {"lambda_grpo/lambda": self.learned.lam.item()}
 
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of the components: the learned weights and their optimizer (empty without)."""
+        if self.learned is None:
+            return {}
+        return {"learned": self.learned.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore `state_dict()`'s output; a checkpoint that lacks the learned weights this run has is an error."""
+        if self.learned is None:
+            return
+        if "learned" not in state:
+            raise ValueError("the checkpoint holds no learned sequence weights (it was written by another preset)")
+        self.learned.load_state_dict(state["learned"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
     # --------------------------------------------------------------------------------------------- construction
     def _sampler(self, sampling: ComponentConfig | None, problems: list[str]) -> Sampler:
         if sampling is None:
@@ -248,9 +262,6 @@ class PresetComponents:
         names = [r.name for r in regularizers]
         if len(regularizers) > 1 or self.config.num_iterations != 1:
             problems.append(f"regularizer(s) {names}: one learned weight at most, and num_iterations = 1")
-            return None, None
-        if self.config.resume and checkpoint.latest(self.config.output_dir) is not None:
-            problems.append(f"regularizer(s) {names}: resuming would restart the learned weight (not checkpointed)")
             return None, None
         module = REGULARIZERS.get(regularizers[0].name)(**regularizers[0].kwargs).to(self.parallel.device)
         return module, torch.optim.SGD(module.parameters(), lr=LAMBDA_LEARNING_RATE)

@@ -82,6 +82,7 @@ class GRPOTrainer:
         if latest is not None:
             state = checkpoint.load_state(latest, self.policy, self.optimizer, self.parallel)
             self.prompts.load_state_dict(state["data"])
+            self.components.load_state_dict(state.get("components", {}))  # absent before λ was kept
             self.step = state["step"]
         elif self.parallel.world_size > 1:  # same initial weights on every rank, different samples
             torch.manual_seed(config.seed + self.parallel.rank)
@@ -200,6 +201,7 @@ class GRPOTrainer:
             self.optimizer,
             self.ref_model,
             self.prompts.state_dict(),
+            self.components.state_dict(),
             self.config.to_dict(),
             self.parallel,
         )
