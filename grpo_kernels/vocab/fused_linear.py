@@ -55,19 +55,13 @@ def _chunks(num_rows: int, rows: int):
         yield slice(start, min(start + rows, num_rows))
 
 
-class _LogitsBuffer:
-    """One [rows, V] buffer every chunk's logits are written into (the kernels compute in float32): a fresh
-    allocation per chunk pays its page faults again on CPU each time."""
-
-    def __init__(self, rows: int, weight: Tensor):
-        self.buffer = torch.empty(rows, weight.shape[0], dtype=weight.dtype, device=weight.device)  # [rows, V]
-
-    def logits(self, hidden: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        """The chunk's logits [1, c, V] for its hidden rows [c, H]."""
-        out = self.buffer[: hidden.shape[0]]
-        if bias is None:
-            return torch.mm(hidden, weight.T, out=out)[None]
-        return torch.addmm(bias, hidden, weight.T, out=out)[None]
+def _logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, buffer: Tensor) -> Tensor:
+    """The chunk's logits [1, c, V] for its hidden rows [c, H], written into `buffer` [≥c, V]: one buffer serves
+    every chunk (a fresh allocation per chunk pays its page faults again on CPU each time)."""
+    out = buffer[: hidden.shape[0]]
+    if bias is None:
+        return torch.mm(hidden, weight.T, out=out)[None]
+    return torch.addmm(bias, hidden, weight.T, out=out)[None]
 
 
 class _GradientSink:
@@ -107,11 +101,11 @@ class _FusedLinearLogprobsFunction(torch.autograd.Function):
         M, V = targets.shape[0], weight.shape[0]
         rows = chunk_rows(M, V, weight.shape[1], hidden.device, opts.chunk_size)
         ones = torch.ones((1, rows), dtype=torch.bool, device=hidden.device)
-        buffer = _LogitsBuffer(rows, weight)
+        buffer = weight.new_empty(rows, weight.shape[0])  # [rows, V]
         stats = [], [], []
         for r in _chunks(M, rows):
             backends.launches[opts.backend] += 1
-            z = buffer.logits(hidden[r], weight, bias)  # [1, c, V]
+            z = _logits(hidden[r], weight, bias, buffer)  # [1, c, V]
             chunk = kernels.token_logprobs_fwd(
                 z, targets[None, r], ones[:, : z.shape[1]], opts.temperature, opts.with_entropy
             )
@@ -135,10 +129,10 @@ class _FusedLinearLogprobsFunction(torch.autograd.Function):
             grad_entropy = None
         sink = _GradientSink(hidden, weight, bias, ctx.needs_input_grad[:3])
         ones = torch.ones((1, rows), dtype=torch.bool, device=hidden.device)
-        buffer = _LogitsBuffer(rows, weight)
+        buffer = weight.new_empty(rows, weight.shape[0])  # [rows, V]
         for r in _chunks(targets.shape[0], rows):
             backends.launches[opts.backend] += 1
-            z = buffer.logits(hidden[r], weight, bias)  # [1, c, V], overwritten by its gradient
+            z = _logits(hidden[r], weight, bias, buffer)  # [1, c, V], overwritten by its gradient
             kernels.token_logprobs_bwd(
                 z,
                 targets[None, r],
@@ -170,11 +164,11 @@ class _FusedLinearTokenLossFunction(torch.autograd.Function):
         sink = _GradientSink(hidden, weight, bias, ctx.needs_input_grad[:3])
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         logps, entropies = [], []
-        buffer = _LogitsBuffer(rows, weight)
+        buffer = weight.new_empty(rows, weight.shape[0])  # [rows, V]
         backends.launches["fused_linear_token_loss"] += 1
         for r in _chunks(M, rows):
             backends.launches[opts.backend] += 2
-            z = buffer.logits(hidden[r], weight, bias)  # [1, c, V]
+            z = _logits(hidden[r], weight, bias, buffer)  # [1, c, V]
             mask = ones[:, : z.shape[1]]
             logp, lse, entropy = kernels.token_logprobs_fwd(
                 z, targets[None, r], mask, opts.temperature, opts.with_entropy

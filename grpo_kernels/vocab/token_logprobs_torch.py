@@ -118,6 +118,7 @@ def token_logprobs_bwd(
     g_all = torch.zeros_like(lse) if grad_logp is None else flat(grad_logp)  # [B·T, 1]
     flat_targets = _kept_targets(targets, mask)  # [B·T, 1]
     log_q_buf = None if in_place else _scratch(logits)  # [C, V]
+    out_flat = _flat(out)  # [B·T, V] (out is the logits or a contiguous buffer), or None for strided logits
     q_buf = _scratch(logits) if grad_entropy is not None else None  # [C, V]
     for rows, z in _windows(logits, mask):
         log_q = z if in_place else log_q_buf[: z.shape[0]].copy_(z)  # [C, V], overwritten by the gradient
@@ -134,16 +135,9 @@ def token_logprobs_bwd(
         grad.scatter_add_(1, flat_targets[rows], g)
         if temperature != 1.0:
             grad.div_(temperature)
-        if not in_place:
-            _out_window(out, rows, mask.shape).copy_(grad)
+        if not in_place:  # a window never crosses a sequence unless the logits flatten
+            T = mask.shape[1]
+            line, start = divmod(rows.start, T)
+            window = out_flat[rows] if out_flat is not None else out[line, start : start + rows.stop - rows.start]
+            window.copy_(grad)
     out.index_put_((~mask).nonzero(as_tuple=True), out.new_zeros(()))  # only the masked rows are written
-
-
-def _out_window(out: Tensor, rows: slice, shape: torch.Size) -> Tensor:
-    """The [C, V] view of `out` [B, T, V] at a window's flat rows (a window never crosses a sequence unless out
-    flattens)."""
-    flat = _flat(out)
-    if flat is not None:
-        return flat[rows]
-    T = shape[1]
-    return out[rows.start // T, rows.start % T : rows.start % T + rows.stop - rows.start]
