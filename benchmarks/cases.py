@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import time
 from collections.abc import Callable
 
 import torch
@@ -25,10 +26,11 @@ def device() -> torch.device:
 
 
 def providers(bench: str) -> list[str]:
-    """Ours on each available backend, eager PyTorch, torch.compile of it, and Liger's counterpart."""
+    """Ours on each available backend, eager PyTorch, torch.compile of it, and the peers' counterparts (Liger,
+    TRL 1.16's fused head)."""
     ours = ["torch"] + (["triton"] if device().type == "cuda" else [])
-    peer = {"grpo_loss": "liger_triton", "fused_linear": "liger_chunked", "token_logprobs": None}[bench]
-    return [*ours, "naive", "compile", *([peer] if peer else [])]
+    peers = {"grpo_loss": ["liger_triton"], "fused_linear": ["liger_chunked", "trl"], "token_logprobs": ["trl"]}
+    return [*ours, "naive", "compile", *peers[bench]]
 
 
 def skip_reason(bench: str, provider: str) -> str | None:
@@ -36,6 +38,10 @@ def skip_reason(bench: str, provider: str) -> str | None:
         return "liger-kernel is not installed (pip install 'grpo-kernels[peers]')"
     if provider == "liger_triton" and device().type != "cuda":
         return "Liger's Triton GRPO loss needs CUDA (under the CPU interpreter it would time the interpreter)"
+    if provider == "trl" and importlib.util.find_spec("trl") is None:
+        return "trl is not installed (pip install 'grpo-kernels[trl]')"
+    if provider == "trl" and importlib.util.find_spec("trl.kernels.chunked_logprob") is None:
+        return "this trl has no fused LM head (trl.kernels.chunked_logprob, TRL >= 1.16)"
     return None
 
 
@@ -60,12 +66,15 @@ def inputs(shape: Shape) -> dict:
 
 
 def step(bench: str, provider: str, shape: Shape, mode: str, data: dict) -> Callable[[], None]:
-    """One timed call: forward, or forward + backward, of `bench` by `provider` on `data`."""
+    """One timed call: forward, or forward + backward, of `bench` by `provider` on `data`. The fused cases also
+    return the per-token entropy, as a GRPO trainer's head does for its `entropy` metric (TRL's always; Liger's
+    loss has no entropy output); its gradient is not taken."""
     options = shape.loss_options()
     args = [data[k] for k in ("targets", "advantages", "old_logp", "ref_logp", "mask")]
     backend = provider if provider in ("torch", "triton") else None
     compiled = torch.compile if provider == "compile" else (lambda f: f)
     naive, naive_logprobs = compiled(baselines.naive_loss), compiled(baselines.naive_logprobs)
+    naive_entropy = compiled(baselines.naive_entropy)
 
     def loss() -> torch.Tensor:
         hidden = data["hidden"].requires_grad_(mode == "fwd_bwd")
@@ -80,15 +89,23 @@ def step(bench: str, provider: str, shape: Shape, mode: str, data: dict) -> Call
             return naive(logits, *args, **options)
         if bench == "token_logprobs":
             if backend:
-                return gk.fused_linear_token_logprobs(
-                    hidden, weight, data["targets"], mask=data["mask"], backend=backend
-                ).sum()
-            return naive_logprobs(hidden, weight, data["targets"], data["mask"]).sum()
+                logp, _ = gk.fused_linear_token_logprobs(
+                    hidden, weight, data["targets"], mask=data["mask"], with_entropy=True, backend=backend
+                )
+            elif provider == "trl":
+                logp, _ = baselines.trl_logprobs(hidden, weight, data["targets"], data["mask"])
+            else:
+                logp, _ = naive_logprobs(hidden, weight, data["targets"], data["mask"])
+            return logp.sum()
         if backend:
-            return gk.fused_linear_grpo_loss(hidden, weight, *args, backend=backend, **options).loss
+            return gk.fused_linear_grpo_loss(hidden, weight, *args, with_entropy=True, backend=backend, **options).loss
         if provider == "liger_chunked":
             return baselines.liger_chunked_loss(hidden, weight, *args, **options)
-        return naive(hidden @ weight.T, *args, **options)
+        if provider == "trl":
+            return baselines.trl_loss(hidden, weight, *args, **options)
+        logits = hidden @ weight.T  # [B, T, V]
+        naive_entropy(logits)  # the entropy metric, as eager TRL took it beside the loss
+        return naive(logits, *args, **options)
 
     if bench == "grpo_loss":
         data.setdefault("logits", (data["hidden"] @ data["weight"].T).detach())
@@ -108,6 +125,36 @@ def step(bench: str, provider: str, shape: Shape, mode: str, data: dict) -> Call
             torch.cuda.synchronize()
 
     return run
+
+
+def best_seconds(fn, repeats: int = 3) -> float:
+    """The fastest of `repeats` timed calls after one untimed call."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        if device().type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def floor_seconds(bench: str, mode: str, data: dict) -> float:
+    """The physical floor, timed: the lm_head GEMMs (fused cases) or a copy of the bytes the logits-level loss must
+    move (read the logits twice and write the gradient once; forward: read once). Outputs go to buffers allocated
+    once, so the floor times no page faults or allocator work."""
+    if bench == "grpo_loss":
+        logits = data["pristine"]
+        moves = 3 if mode == "fwd_bwd" else 1
+        out = torch.empty_like(logits)
+        return moves / 2 * best_seconds(lambda: out.copy_(logits))  # a copy reads and writes: 2 moves
+    h, w = data["hidden"].detach().flatten(0, 1), data["weight"].detach()
+    logits, dh, dw = h.new_empty(h.shape[0], w.shape[0]), torch.empty_like(h), torch.empty_like(w)
+    gemms = [lambda: torch.mm(h, w.T, out=logits)]
+    if mode == "fwd_bwd":
+        gemms += [lambda: torch.mm(logits, w, out=dh), lambda: torch.mm(logits.T, h, out=dw)]
+    return sum(best_seconds(g) for g in gemms)
 
 
 def restore(data: dict) -> None:
@@ -137,7 +184,20 @@ def peak_extra_bytes(bench: str, provider: str, shape: Shape, mode: str, data: d
     return int(out.stdout.split()[-1])
 
 
-def _status_kib(field: str) -> int:
+PEER_MODULES = {  # what each peer imports on its first call
+    "liger_triton": ("liger_kernel.transformers.grpo_loss",),
+    "liger_chunked": ("liger_kernel.chunked_loss",),
+    "trl": ("trl.kernels.chunked_logprob", "trl.trainer.utils"),
+}
+
+
+def preload(provider: str) -> None:
+    """Import a peer's modules, so that a fresh process's peak counts the case and not the import."""
+    for module in PEER_MODULES.get(provider, ()):
+        importlib.import_module(module)
+
+
+def status_kib(field: str) -> int:
     with open("/proc/self/status") as status:
         return next(int(line.split()[1]) for line in status if line.startswith(field + ":"))
 
@@ -147,8 +207,27 @@ if __name__ == "__main__":  # the CPU memory measurement of one case, in this fr
     shape = next(s for s in SIZES[size] if s.name == name)
     data = inputs(shape)
     run = step(bench, provider, shape, mode, data)
+    preload(provider)
     with open("/proc/self/clear_refs", "w") as clear:  # peak RSS := current RSS
         clear.write("5")
-    base = _status_kib("VmRSS")
+    base = status_kib("VmRSS")
     run()
-    print((_status_kib("VmHWM") - base) * 1024)
+    print((status_kib("VmHWM") - base) * 1024)
+
+
+def case_info(bench: str, provider: str, shape, mode: str, size: str) -> dict:
+    """What a result records about its case and machine (pytest-benchmark's `extra_info`)."""
+    return dict(
+        bench=bench,
+        provider=provider,
+        mode=mode,
+        shape=shape.name,
+        N=shape.N,
+        V=shape.V,
+        H=shape.H,
+        loss=shape.loss,
+        dtype=str(shape.dtype),
+        size=size,
+        torch=torch.__version__,
+        device=torch.cuda.get_device_name() if device().type == "cuda" else "cpu",
+    )

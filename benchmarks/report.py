@@ -1,5 +1,6 @@
-"""`python -m benchmarks.report out.json`: markdown tables (ratios against the eager baseline of the same run) and
-PNG plots (time against vocabulary size and token count, a line per provider) into benchmarks/results/<device>/."""
+"""`python -m benchmarks.report out.json`: markdown tables (ratios against the eager baseline of the same run, and
+against TRL 1.16 where it ran) and PNG plots (time against vocabulary size and token count, a line per provider,
+where a run has more than one shape) into benchmarks/results/<device>/."""
 
 from __future__ import annotations
 
@@ -49,6 +50,56 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+LABELS = {
+    "grpo_loss": "logits-level loss",
+    "fused_linear": "fused lm_head + loss",
+    "token_logprobs": "log-prob + entropy pass",
+    "trl_step": "GRPOTrainer.training_step",
+    "fwd": "fwd",
+    "fwd_bwd": "fwd + bwd",
+}
+
+
+def trl_table(rows: list[dict]) -> str:
+    """One row per (bench, shape, mode) that TRL ran: TRL's time and peak extra memory, and every other provider's
+    time and memory as ratios to TRL's (the README's form: "0.39×, 0.30×"). Empty when TRL did not run."""
+    groups = defaultdict(dict)
+    for row in rows:
+        groups[(row["bench"], row["shape"], row["mode"])][row["provider"]] = row
+    groups = {key: group for key, group in sorted(groups.items()) if "trl" in group}
+    if not groups:
+        return ""
+    others = sorted({p for group in groups.values() for p in group if p != "trl"}, key=lambda p: (p == "naive", p))
+    out = [
+        "## Against TRL 1.16 (ratios: time, peak extra memory)",
+        "",
+        f"| case | TRL: time, peak extra | {' | '.join(others)} |",
+        f"|---|---|{'---|' * len(others)}",
+    ]
+    for (bench, shape, mode), group in groups.items():
+        trl = group["trl"]
+        cells = []
+        for provider in others:
+            r = group.get(provider)
+            mem, base = (r or {}).get("peak_extra_bytes"), trl.get("peak_extra_bytes")
+            m_ratio = mem / base if mem is not None and base else None
+            memory = "—" if m_ratio is None else f"{m_ratio:.2f}×"
+            cells.append("—" if r is None else f"{r['median_s'] / trl['median_s']:.2f}×, {memory}")
+        mem = trl.get("peak_extra_bytes")
+        memory = "—" if mem is None else f"{mem / 2**20:,.0f} MiB"
+        out.append(
+            f"| {LABELS.get(bench, bench)}, {LABELS.get(mode, mode)} · {shape} | {trl['median_s'] * 1e3:,.0f} ms, "
+            f"{memory} | {' | '.join(cells)} |"
+        )
+    return "\n".join([*out, ""])
+
+
+def markdown(rows: list[dict]) -> str:
+    head = f"# Benchmarks on {rows[0]['device']} (torch {rows[0]['torch']})\n\n" if rows else ""
+    trl = trl_table(rows)
+    return head + (trl + "\n" if trl else "") + table(rows)
+
+
 def plots(rows: list[dict], folder: Path) -> list[Path]:
     """Time against V (at the largest N) and against N (at the largest V), per bench and mode; needs matplotlib."""
     try:
@@ -62,6 +113,8 @@ def plots(rows: list[dict], folder: Path) -> list[Path]:
     written = []
     for bench, mode in sorted({(r["bench"], r["mode"]) for r in rows}):
         subset = [r for r in rows if r["bench"] == bench and r["mode"] == mode and r["loss"] == "dapo"]
+        if len({r["shape"] for r in subset}) < 2:  # nothing to plot against
+            continue
         fig, axes = plt.subplots(1, 2, figsize=(10, 4))
         for ax, axis, other in ((axes[0], "V", "N"), (axes[1], "N", "V")):
             fixed = max(r[other] for r in subset)
@@ -87,7 +140,7 @@ def main(path: str) -> None:
     folder = RESULTS / device
     folder.mkdir(parents=True, exist_ok=True)
     report = folder / (Path(path).stem + ".md")
-    report.write_text(f"# Benchmarks on {rows[0]['device']} (torch {rows[0]['torch']})\n\n{table(rows)}")
+    report.write_text(markdown(rows))
     for written in [report, *plots(rows, folder)]:
         print(written)
 

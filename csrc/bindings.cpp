@@ -62,11 +62,18 @@ void check_optional(const OptionalTensor& x, const char* name, const Tensor& log
 }
 
 void check_common(const Tensor& logits, const Tensor& targets, const Tensor& mask, double temperature,
-                  const char* op) {
+                  double logit_scale, std::optional<double> softcap, const char* op) {
   check_logits(logits, op);
   check_tokens(targets, "targets", at::kLong, logits, op);
   check_tokens(mask, "mask", at::kBool, logits, op);
   TORCH_CHECK_VALUE(temperature > 0.0, op, ": temperature must be > 0, got ", temperature);
+  TORCH_CHECK_VALUE(logit_scale > 0.0, op, ": logit_scale must be > 0, got ", logit_scale);
+  TORCH_CHECK_VALUE(!softcap.has_value() || *softcap > 0.0, op, ": softcap must be > 0 or None, got ",
+                    softcap.value_or(0.0));
+}
+
+LogitMap logit_map(double temperature, double logit_scale, std::optional<double> softcap) {
+  return make_logit_map(temperature, logit_scale, softcap.has_value(), softcap.value_or(1.0));
 }
 
 template <typename T>
@@ -87,7 +94,7 @@ void check_launch(cudaError_t err, const char* op) {
   TORCH_CHECK(err == cudaSuccess, op, ": CUDA launch failed: ", cudaGetErrorString(err));
 }
 
-TokenLogprobsFwdParams fwd_params(const Tensor& logits, const Tensor& targets, const Tensor& mask, double temperature,
+TokenLogprobsFwdParams fwd_params(const Tensor& logits, const Tensor& targets, const Tensor& mask, LogitMap map,
                                   const Tensor& logp, const Tensor& lse, const Tensor& entropy, bool with_entropy) {
   TokenLogprobsFwdParams p;
   p.dtype = dtype_of(logits, "grpo_kernels");
@@ -99,7 +106,7 @@ TokenLogprobsFwdParams fwd_params(const Tensor& logits, const Tensor& targets, c
   p.stride_t = logits.stride(1);
   p.targets = targets.data_ptr<int64_t>();
   p.mask = mask.data_ptr<bool>();
-  p.inv_temperature = static_cast<float>(1.0 / temperature);
+  p.map = map;
   p.logp = logp.data_ptr<float>();
   p.lse = lse.data_ptr<float>();
   p.entropy = with_entropy ? entropy.data_ptr<float>() : nullptr;
@@ -107,21 +114,24 @@ TokenLogprobsFwdParams fwd_params(const Tensor& logits, const Tensor& targets, c
 }
 
 FwdOutputs token_logprobs_fwd_cuda(const Tensor& logits, const Tensor& targets, const Tensor& mask,
-                                   double temperature, bool with_entropy) {
+                                   double temperature, bool with_entropy, double logit_scale,
+                                   std::optional<double> softcap) {
   constexpr const char* op = "grpo_kernels::token_logprobs_fwd";
-  check_common(logits, targets, mask, temperature, op);
+  check_common(logits, targets, mask, temperature, logit_scale, softcap, op);
   const c10::cuda::CUDAGuard guard(logits.device());
   Tensor logp = token_tensor(logits), lse = token_tensor(logits), entropy = token_tensor(logits, with_entropy);
-  const TokenLogprobsFwdParams p = fwd_params(logits, targets, mask, temperature, logp, lse, entropy, with_entropy);
+  const LogitMap map = logit_map(temperature, logit_scale, softcap);
+  const TokenLogprobsFwdParams p = fwd_params(logits, targets, mask, map, logp, lse, entropy, with_entropy);
   check_launch(token_logprobs_fwd(p, current_stream(logits)), op);
   return {logp, lse, entropy};
 }
 
 void token_logprobs_bwd_cuda(const Tensor& logits, const Tensor& targets, const Tensor& mask, const Tensor& lse,
                              const OptionalTensor& entropy, const OptionalTensor& grad_logp,
-                             const OptionalTensor& grad_entropy, double temperature, at::Tensor& out) {
+                             const OptionalTensor& grad_entropy, double temperature, double logit_scale,
+                             std::optional<double> softcap, at::Tensor& out) {
   constexpr const char* op = "grpo_kernels::token_logprobs_bwd";
-  check_common(logits, targets, mask, temperature, op);
+  check_common(logits, targets, mask, temperature, logit_scale, softcap, op);
   check_tokens(lse, "lse", at::kFloat, logits, op);
   check_optional(entropy, "entropy", logits, op);
   check_optional(grad_logp, "grad_logp", logits, op);
@@ -153,7 +163,7 @@ void token_logprobs_bwd_cuda(const Tensor& logits, const Tensor& targets, const 
   p.entropy = ptr_or_null<float>(entropy);
   p.grad_logp = ptr_or_null<float>(grad_logp);
   p.grad_entropy = ptr_or_null<float>(grad_entropy);
-  p.inv_temperature = static_cast<float>(1.0 / temperature);
+  p.map = logit_map(temperature, logit_scale, softcap);
   check_launch(token_logprobs_bwd(p, current_stream(logits)), op);
 }
 
@@ -181,9 +191,10 @@ LossOutputs grpo_loss_fwd_cuda(const Tensor& logits, const Tensor& targets, cons
                                c10::string_view policy, double eps_low, double eps_high, std::optional<double> delta,
                                std::optional<double> clip_ratio_c, bool cispo_two_sided, double beta,
                                c10::string_view kl_estimator, bool bias_correction, double tau_pos, double tau_neg,
-                               double temperature, bool with_entropy) {
+                               double temperature, bool with_entropy, double logit_scale,
+                               std::optional<double> softcap) {
   constexpr const char* op = "grpo_kernels::grpo_loss_fwd";
-  check_common(logits, targets, mask, temperature, op);
+  check_common(logits, targets, mask, temperature, logit_scale, softcap, op);
   check_tokens(weights, "weights", at::kFloat, logits, op);
   check_tokens(advantages, "advantages", at::kFloat, logits, op, /*contiguous=*/false);
   check_optional(old_logp, "old_logp", logits, op);
@@ -210,7 +221,8 @@ LossOutputs grpo_loss_fwd_cuda(const Tensor& logits, const Tensor& targets, cons
   Tensor logp = token_tensor(logits), lse = token_tensor(logits), entropy = token_tensor(logits, with_entropy);
   Tensor token_loss = token_tensor(logits), dlogp = token_tensor(logits);
   GrpoLossFwdParams p;
-  p.vocab = fwd_params(logits, targets, mask, temperature, logp, lse, entropy, with_entropy);
+  p.vocab = fwd_params(logits, targets, mask, logit_map(temperature, logit_scale, softcap), logp, lse, entropy,
+                       with_entropy);
   p.weights = weights.data_ptr<float>();
   p.advantages = advantages.data_ptr<float>();
   p.adv_stride_b = advantages.stride(0);
@@ -229,17 +241,20 @@ LossOutputs grpo_loss_fwd_cuda(const Tensor& logits, const Tensor& targets, cons
 
 // Meta kernels: output shapes and dtypes only (torch.compile / FakeTensor tracing).
 
-FwdOutputs token_logprobs_fwd_meta(const Tensor& logits, const Tensor&, const Tensor&, double, bool with_entropy) {
+FwdOutputs token_logprobs_fwd_meta(const Tensor& logits, const Tensor&, const Tensor&, double, bool with_entropy,
+                                   double, std::optional<double>) {
   return {token_tensor(logits), token_tensor(logits), token_tensor(logits, with_entropy)};
 }
 
 void token_logprobs_bwd_meta(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const OptionalTensor&,
-                             const OptionalTensor&, const OptionalTensor&, double, at::Tensor&) {}
+                             const OptionalTensor&, const OptionalTensor&, double, double, std::optional<double>,
+                             at::Tensor&) {}
 
 LossOutputs grpo_loss_fwd_meta(const Tensor& logits, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                                const OptionalTensor&, const OptionalTensor&, const OptionalTensor&, c10::string_view,
                                double, double, std::optional<double>, std::optional<double>, bool, double,
-                               c10::string_view, bool, double, double, double, bool with_entropy) {
+                               c10::string_view, bool, double, double, double, bool with_entropy, double,
+                               std::optional<double>) {
   return {token_tensor(logits), token_tensor(logits), token_tensor(logits, with_entropy), token_tensor(logits),
           token_tensor(logits)};
 }
@@ -248,15 +263,16 @@ LossOutputs grpo_loss_fwd_meta(const Tensor& logits, const Tensor&, const Tensor
 }  // namespace grpo_kernels
 
 TORCH_LIBRARY(grpo_kernels, m) {
-  m.def("token_logprobs_fwd(Tensor logits, Tensor targets, Tensor mask, float temperature, bool with_entropy)"
-        " -> (Tensor, Tensor, Tensor)");
+  m.def("token_logprobs_fwd(Tensor logits, Tensor targets, Tensor mask, float temperature, bool with_entropy,"
+        " float logit_scale, float? softcap) -> (Tensor, Tensor, Tensor)");
   m.def("token_logprobs_bwd(Tensor logits, Tensor targets, Tensor mask, Tensor lse, Tensor? entropy,"
-        " Tensor? grad_logp, Tensor? grad_entropy, float temperature, Tensor(a!) out) -> ()");
+        " Tensor? grad_logp, Tensor? grad_entropy, float temperature, float logit_scale, float? softcap,"
+        " Tensor(a!) out) -> ()");
   m.def("grpo_loss_fwd(Tensor logits, Tensor targets, Tensor mask, Tensor weights, Tensor advantages,"
         " Tensor? old_logp, Tensor? ref_logp, Tensor? is_ratio, str policy, float eps_low, float eps_high,"
         " float? delta, float? clip_ratio_c, bool cispo_two_sided, float beta, str kl_estimator,"
-        " bool bias_correction, float tau_pos, float tau_neg, float temperature, bool with_entropy)"
-        " -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+        " bool bias_correction, float tau_pos, float tau_neg, float temperature, bool with_entropy,"
+        " float logit_scale, float? softcap) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(grpo_kernels, CUDA, m) {

@@ -1,7 +1,8 @@
 // Shared pieces of the CUDA vocabulary pass.
 //
 // Host and device (GK_HD; a CPU test, csrc/tests/epilogue_test.cpp, runs them against the float64 oracle):
-//   LseState and its fold / merge (online max, sum-exp and entropy sum), the logit gradient of one element,
+//   the logit transform (scale, soft-cap, temperature), LseState and its fold / merge (online max, sum-exp and
+//   entropy sum), the logit gradient of one element,
 //   the token-level loss epilogue (a transcription of vocab/grpo_loss_triton.py, itself of losses/).
 // Device only (under nvcc): dtype conversion, 16-byte packs, warp-shuffle and block reductions of an LseState.
 #pragma once
@@ -30,6 +31,18 @@ constexpr float kLogRatioClamp = 20.0f;                    // |log ratio| and |r
 constexpr float kLowVarKlClamp = 10.0f;                    // low_var_kl: k3 clamped to +-10
 
 // ---------------------------------------------------------------------------------------------------------------
+// The logit transform (kernels.h LogitMap), specialised on kSoftcap so the plain pass keeps its one multiply.
+
+template <bool kSoftcap>
+GK_HD float map_logit(float x, const LogitMap& map) {
+  if constexpr (kSoftcap) {
+    return map.b * tanhf(map.a * x);
+  } else {
+    return map.a * x;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
 // Online log-sum-exp with entropy. Over the values z seen so far: m = max z, s = sum e^(z - m),
 // t = sum e^(z - m) (z - m). Then lse = m + log s and H = -sum q log q = log s - t / s.
 
@@ -41,7 +54,7 @@ struct LseState {
 
 GK_HD LseState lse_init() { return {kFloat32Lowest, 0.0f, 0.0f}; }
 
-// Fold N more values (already divided by the temperature): one rescale per N values, N exps.
+// Fold N more values (already transformed: map_logit): one rescale per N values, N exps.
 template <int N>
 GK_HD void lse_fold(LseState& st, const float (&z)[N], bool with_entropy) {
   float m_new = st.m;
@@ -78,15 +91,25 @@ GK_HD float lse_value(const LseState& st) { return st.m + logf(st.s); }
 
 GK_HD float lse_entropy(const LseState& st) { return logf(st.s) - st.t / st.s; }
 
-// dL/dz for one logit z (raw, not divided by the temperature) of a row with log-sum-exp `lse`:
-//   (g * (onehot - q) - g_h * q * (log q + H)) / T,  q = e^(z/T - lse);  0 * log 0 = 0.
+// dL/dx for one raw logit x of a row with log-sum-exp `lse` (of z = map_logit(x)):
+//   (g * (onehot - q) - g_h * q * (log q + H)) * dz/dx,  q = e^(z - lse);  0 * log 0 = 0;
+//   dz/dx = a, or a * b * sech^2(a * x) with soft-capping; sech^2 y = 4e / (1 + e)^2 with e = e^(-2|y|), which
+//   keeps its relative precision where 1 - tanh^2 y would cancel (|y| >~ 4).
 // Without an entropy gradient pass g_h = 0 (and any finite h): the second term is then exactly 0.
-GK_HD float logit_grad(float z, bool is_target, float lse, float g, float g_h, float h, float inv_temperature) {
-  const float log_q = z * inv_temperature - lse;
+template <bool kSoftcap>
+GK_HD float logit_grad(float x, bool is_target, float lse, float g, float g_h, float h, const LogitMap& map) {
+  float z = map.a * x, slope = map.a;
+  if constexpr (kSoftcap) {
+    const float e = expf(-2.0f * fabsf(z));
+    const float r = 1.0f / (1.0f + e);
+    slope *= map.b * 4.0f * e * r * r;
+    z = map.b * tanhf(z);
+  }
+  const float log_q = z - lse;
   const float q = expf(log_q);
   float grad = (is_target ? g : 0.0f) - g * q;
   grad -= g_h * q * (q > 0.0f ? log_q + h : 0.0f);
-  return grad * inv_temperature;
+  return grad * slope;
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -224,11 +247,11 @@ struct Pack {
   uint4 raw;
 };
 
-template <typename T>
-__device__ __forceinline__ void unpack(const Pack<T>& p, float inv_temperature, float (&z)[Pack<T>::kN]) {
+template <bool kSoftcap, typename T>
+__device__ __forceinline__ void unpack(const Pack<T>& p, const LogitMap& map, float (&z)[Pack<T>::kN]) {
   const T* e = reinterpret_cast<const T*>(&p.raw);
 #pragma unroll
-  for (int i = 0; i < Pack<T>::kN; ++i) z[i] = to_float(e[i]) * inv_temperature;
+  for (int i = 0; i < Pack<T>::kN; ++i) z[i] = map_logit<kSoftcap>(to_float(e[i]), map);
 }
 
 // Elements of `row` before its first 16-byte boundary (at most V): the scalar head before the packed body.

@@ -14,6 +14,23 @@ enum class DType : int32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };  // of
 enum class Policy : int32_t { kClip = 0, kCispo = 1, kSapo = 2, kGpg = 3 };  // vocab/grpo_loss_triton.EPILOGUES
 enum class KlKind : int32_t { kK1 = 0, kK2 = 1, kK3 = 2, kLowVarKl = 3 };   // vocab/grpo_loss_triton.KL_KINDS
 
+// The logits the softmax sees, from raw logits x: z = b * tanh(a * x) with soft-capping, else z = a * x.
+// With logit scale s, soft-cap c and temperature T (TRL's order: scale, cap, temperature): a = s / c, b = c / T
+// when capped, else a = s / T (and b unused). make_logit_map builds it.
+struct LogitMap {
+  float a = 1.0f;
+  float b = 1.0f;
+  bool softcap = false;
+};
+
+inline LogitMap make_logit_map(double temperature, double logit_scale, bool has_softcap, double softcap) {
+  LogitMap map;
+  map.softcap = has_softcap;
+  map.a = static_cast<float>(has_softcap ? logit_scale / softcap : logit_scale / temperature);
+  map.b = static_cast<float>(has_softcap ? softcap / temperature : 1.0);
+  return map;
+}
+
 // The fused token-level loss (vocab/function.py TokenEpilogue): the policy kind and its hyperparameters.
 struct TokenLoss {
   Policy policy = Policy::kClip;
@@ -39,9 +56,9 @@ struct TokenLogprobsFwdParams {
   int64_t stride_b = 0, stride_t = 0;
   const int64_t* targets = nullptr;  // [B, T], read only where mask is set
   const bool* mask = nullptr;        // [B, T]; rows where it is false are not read and give 0
-  float inv_temperature = 1.0f;
+  LogitMap map;                      // raw logits -> the softmax's z
   float* logp = nullptr;             // [B, T] out
-  float* lse = nullptr;              // [B, T] out: logsumexp(logits / T)
+  float* lse = nullptr;              // [B, T] out: logsumexp(z)
   float* entropy = nullptr;          // [B, T] out, or null when not asked
 };
 
@@ -58,7 +75,7 @@ struct TokenLogprobsBwdParams {
   const float* entropy = nullptr;    // [B, T], needed with grad_entropy
   const float* grad_logp = nullptr;  // [B, T] or null (0)
   const float* grad_entropy = nullptr;  // [B, T] or null (0)
-  float inv_temperature = 1.0f;
+  LogitMap map;                      // raw logits -> the softmax's z, as in the forward
 };
 
 struct GrpoLossFwdParams {

@@ -31,7 +31,7 @@ class BanditConfig:
     group_size: int = 16  # G
     num_iterations: int = 4  # μ inner updates per round (the clipped ratio keeps them close to the sampler)
     learning_rate: float = 0.05
-    epsilon: float = 0.2  # clip range (loss option epsilon_low)
+    epsilon: float = 0.2  # clip range (loss option epsilon)
     noise: float = 1.0  # std of a pull's reward around its arm's mean
     walk: float = 0.1  # std of the common random walk's step
     wobble: float = 0.1  # amplitude of each arm's own sinusoidal drift
@@ -105,7 +105,7 @@ def train(config: BanditConfig = BanditConfig(), log_every: int = 0) -> list[dic
         for _ in range(config.num_iterations):
             logits = policy.logits()[None, None, :].repeat(config.group_size, 1, 1)  # [G, 1, K]: T = 1 token
             out = grpo_loss(
-                logits, actions[:, None], advantages, old_logp[:, None], loss_type="grpo", epsilon_low=config.epsilon
+                logits, actions[:, None], advantages, old_logp[:, None], loss_type="grpo", epsilon=config.epsilon
             )
             optimizer.zero_grad()
             out.loss.backward()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import Tensor
 
@@ -11,12 +13,25 @@ from grpo_kernels.losses.aggregate import token_weights_for
 from grpo_kernels.losses.loss import GRPOLossOutput, compute_loss, loss_metrics, per_token_loss
 from grpo_kernels.losses.policy import POLICY_LOSSES
 from grpo_kernels.losses.terms import build_terms, per_sequence_or_token
-from grpo_kernels.options import LossOptions
+from grpo_kernels.options import LossOptions, resolve_options
 from grpo_kernels.vocab.backends import resolve_backend
-from grpo_kernels.vocab.function import TokenEpilogue, VocabPassOptions, fused_token_loss, vocab_pass
-from grpo_kernels.vocab.fused_linear import FusedLinearOptions, fused_linear_logprobs, fused_linear_token_loss
+from grpo_kernels.vocab.function import (
+    TokenEpilogue,
+    VocabPassOptions,
+    fused_token_loss,
+    vocab_pass,
+    vocab_pass_with_stats,
+)
+from grpo_kernels.vocab.fused_linear import (
+    LINEAR_ROWS,
+    FusedLinearOptions,
+    fused_linear_logprobs,
+    fused_linear_logprobs_with_stats,
+    fused_linear_token_loss,
+)
 
 LossResult = GRPOLossOutput | tuple[GRPOLossOutput, Tensor]
+FUSED_KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")  # those the fused epilogues implement (Triton, CUDA)
 
 
 def token_logprobs(
@@ -24,26 +39,58 @@ def token_logprobs(
     targets: Tensor,
     *,
     temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    final_logit_softcapping: float | None = None,
     with_entropy: bool = False,
+    stats: tuple[str, ...] = (),
     mask: Tensor | None = None,
     inplace: bool = True,
     backend: str = "auto",
-) -> Tensor | tuple[Tensor, Tensor]:
-    """Log-probability of each target token under softmax(logits / temperature), and optionally its entropy.
+    check_finite: bool = True,
+) -> Tensor | tuple[Tensor, Tensor] | dict[str, Tensor]:
+    """Log-probability of each target token under softmax(z / temperature), and optionally its entropy.
 
+    z = logit_scale · logits, then c·tanh(z/c) with c = `final_logit_softcapping` when set (Gemma 2/3; TRL's
+    order and names; `integrations.hf.logit_transform` reads both from a model's config).
     logits `[B, T, V]` or `[N, V]` (bf16, fp16, fp32), targets `[B, T]` / `[N]`; returns float32 `[B, T]` / `[N]`
     (`(logp, entropy)` with `with_entropy`). Rows where `mask` is 0 are not read and give 0. Differentiable
     w.r.t. logits (through logp and entropy); with `inplace=True` the backward writes the gradient into the
     logits' own buffer (no [N, V] allocation), so the logits' values are gone afterwards.
+
+    `stats` asks for extra per-token statistics from the same pass (torch and triton backends), as TRL's
+    `ChunkedLogProbFunction` computes them: `"log_sum_sq_probs"` (log Σ_v π_v², for verl's optimal-token
+    baseline), `"mean_logits"` (the mean over V of z / temperature), `"is_top1"` (bool: the target is the first
+    argmax). Then the result is a dict {"logp", "entropy" (with `with_entropy`), each asked name}, same shapes;
+    the statistics carry no gradient (as in TRL) and are 0 / False at masked rows.
+
+    `check_finite=True`: a kept row whose log-sum-exp is not finite (NaN or ±inf logits, or an overflowing
+    transform) is a ValueError naming its index, found from the pass's O(N) statistics (one host sync). A target
+    whose logit is -inf gets logp = -inf, as in TRL. `check_finite=False` skips the check; such rows then give NaN.
+    Calling it on logits an in-place backward has overwritten is a ValueError.
     """
     checks.check_temperature(temperature)
+    checks.check_logit_transform(logit_scale, final_logit_softcapping)
     checks.check_tensor("logits", logits)
     squeeze = logits.dim() == 2
     rows, targets, mask = _rows(logits, targets, mask)
     backend = resolve_backend(backend, logits.device)
+    stats = checks.check_stats(stats, backend)
     checks.check_logits(rows, backend)
     mask = _checked_mask(mask, rows, targets)
-    logp, entropy = vocab_pass(rows, targets, mask, VocabPassOptions(backend, temperature, with_entropy, inplace))
+    opts = VocabPassOptions(
+        backend,
+        temperature,
+        with_entropy,
+        inplace,
+        logit_scale,
+        final_logit_softcapping,
+        stats,
+        _row_check(check_finite, checks.RowCheck(), squeeze),
+    )
+    if stats:
+        out = vocab_pass_with_stats(rows, targets, mask, opts)
+        return {name: x[0] for name, x in out.items()} if squeeze else out
+    logp, entropy = vocab_pass(rows, targets, mask, opts)
     if squeeze:
         logp, entropy = logp[0], None if entropy is None else entropy[0]
     return (logp, entropy) if with_entropy else logp
@@ -56,23 +103,45 @@ def fused_linear_token_logprobs(
     *,
     bias: Tensor | None = None,
     temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    final_logit_softcapping: float | None = None,
     with_entropy: bool = False,
+    stats: tuple[str, ...] = (),
     mask: Tensor | None = None,
     chunk_size: int | None = None,
     backend: str = "auto",
-) -> Tensor | tuple[Tensor, Tensor]:
+    check_finite: bool = True,
+) -> Tensor | tuple[Tensor, Tensor] | dict[str, Tensor]:
     """`token_logprobs(hidden @ weight.T + bias, targets)` without the `[N, V]` logits: chunks of rows go
     through the lm_head GEMM and the vocabulary pass one at a time. hidden `[B, T, H]` or `[N, H]`, weight
-    `[V, H]`, bias `[V]`; differentiable w.r.t. hidden, weight and bias. Masked rows are gathered out first."""
+    `[V, H]`, bias `[V]`; differentiable w.r.t. hidden, weight and bias. Masked rows are gathered out first.
+    `logit_scale`, `final_logit_softcapping`, `stats` (a dict result) and `check_finite` as in `token_logprobs`
+    (a non-finite row names hidden, weight and bias); every token masked, B = 0 or T = 0 give zeros."""
     checks.check_temperature(temperature)
+    checks.check_logit_transform(logit_scale, final_logit_softcapping)
     checks.check_tensor("hidden", hidden)
     squeeze = hidden.dim() == 2
     rows, targets, mask = _rows(hidden, targets, mask, name="hidden")
     backend = resolve_backend(backend, hidden.device)
+    stats = checks.check_stats(stats, backend)
     checks.check_linear(rows, weight, bias, backend)
+    checks.check_chunk_size(chunk_size)
     mask = _checked_mask(mask, rows, targets, vocab=weight.shape[0])
     kept = mask.nonzero(as_tuple=True)
-    opts = FusedLinearOptions(backend, temperature, with_entropy, chunk_size)
+    opts = FusedLinearOptions(
+        backend,
+        temperature,
+        with_entropy,
+        chunk_size,
+        logit_scale,
+        final_logit_softcapping,
+        stats,
+        _row_check(check_finite, LINEAR_ROWS, squeeze, kept),
+    )
+    if stats:
+        out = fused_linear_logprobs_with_stats(rows[kept], weight, bias, targets[kept], opts)
+        out = {name: _scatter(x, kept, mask) for name, x in out.items()}
+        return {name: x[0] for name, x in out.items()} if squeeze else out
     logp_kept, entropy_kept = fused_linear_logprobs(rows[kept], weight, bias, targets[kept], opts)
     logp, entropy = _scatter(logp_kept, kept, mask), _scatter(entropy_kept, kept, mask)
     if squeeze:
@@ -89,6 +158,7 @@ def grpo_loss(
     mask: Tensor | None = None,
     *,
     is_ratio: Tensor | None = None,
+    sampling_logp: Tensor | None = None,
     token_weights: Tensor | None = None,
     sequence_weights: Tensor | None = None,
     cu_seqlens: Tensor | None = None,
@@ -96,6 +166,7 @@ def grpo_loss(
     with_entropy: bool = False,
     inplace: bool = True,
     backend: str = "auto",
+    check_finite: bool = True,
     options: LossOptions | None = None,
     **loss_options,
 ) -> LossResult:
@@ -103,18 +174,25 @@ def grpo_loss(
 
     targets `[B, T]` (logits[b, t] predicts targets[b, t]), advantages `[B]` or `[B, T]`, old_logp / ref_logp
     `[B, T]` (old_logp None = on-policy), mask `[B, T]` (None = all tokens), is_ratio `[B]` or `[B, T]` (rollout
-    importance weight). `token_weights [B, T]` and `sequence_weights [B]` multiply each token's loss (policy and
+    importance weight), sampling_logp `[B, T]` (the sampler's log-probs for `off_policy_mask_threshold`; None =
+    old_logp). `token_weights [B, T]` and `sequence_weights [B]` multiply each token's loss (policy and
     KL terms; TR-GRPO, λ-GRPO, DARO), differentiably. Loss options are `LossOptions` fields, as keywords
     (`loss_type="dapo"`, `beta=0.04`, ...) or one `options=LossOptions(...)`. `with_entropy` adds the `entropy`
     metric (computed anyway when `top_entropy_quantile < 1` or `entropy_coef != 0`). The backward writes dL/dlogits
-    into the logits buffer unless `inplace=False`.
+    into the logits buffer unless `inplace=False`; a later call on logits it overwrote is a ValueError.
+    `check_finite=True`: NaN or ±inf at a kept token in advantages, old_logp, ref_logp, sampling_logp, is_ratio or
+    the weights, or a kept row of logits with a non-finite log-sum-exp (from the pass's O(N) statistics, never
+    another pass over `[B, T, V]`), or a target whose logit is -inf (probability 0: the ratio and log terms are
+    undefined), is a ValueError naming the tensor and the first bad index; two host syncs, O(B·T) work (README:
+    the measured cost). `check_finite=False` skips them; the loss is then NaN wherever a gradient would be.
+    Every token masked, B = 0 or T = 0: loss 0 and zero gradients.
     Returns `GRPOLossOutput(loss, metrics)`, and with `return_sequence_losses` also each sequence's share of the
     loss `[B]` (before the entropy bonus; differentiable), as `(output, sequence_losses)`.
 
     Packed layout: with `cu_seqlens` (int `[S + 1]`), logits are `[N, V]`, per-token tensors `[N]`, advantages
     and is_ratio `[S]` or `[N]`, sequence_weights `[S]`; padding never enters the vocabulary pass.
     """
-    options = _options(options, loss_options)
+    options = resolve_options(options, loss_options)
     checks.check_tensor("logits", logits)
     backend = resolve_backend(backend, logits.device)
     checks.check_logits(_layout_view("logits", logits, cu_seqlens), backend)
@@ -132,10 +210,22 @@ def grpo_loss(
         sequence_weights,
         cu_seqlens,
         options,
+        sampling_logp,
     )
+    if check_finite:
+        inputs.check_finite(options)
     rows = logits if inputs.layout is None else logits[None]  # [R, C, V]
-    opts = VocabPassOptions(backend, options.temperature, _needs_entropy(options, with_entropy), inplace)
+    opts = VocabPassOptions(
+        backend,
+        options.temperature,
+        _needs_entropy(options, with_entropy),
+        inplace,
+        options.logit_scale,
+        options.final_logit_softcapping,
+        finite=_row_check(check_finite, checks.RowCheck(), inputs.layout is not None, loss=True),
+    )
     in_kernel = _token_level(options, inputs) and options.top_entropy_quantile == 1.0 and options.entropy_coef == 0.0
+    in_kernel = in_kernel and (options.beta == 0.0 or options.kl_estimator in FUSED_KL_ESTIMATORS)
     if backend in ("triton", "cuda") and inputs.layout is None and in_kernel and not return_sequence_losses:
         return _fused_grpo_loss(rows, inputs, opts, options)
     logp, entropy = vocab_pass(rows, inputs.targets, inputs.mask, opts)  # [R, C] each
@@ -154,12 +244,14 @@ def fused_linear_grpo_loss(
     bias: Tensor | None = None,
     chunk_size: int | None = None,
     is_ratio: Tensor | None = None,
+    sampling_logp: Tensor | None = None,
     token_weights: Tensor | None = None,
     sequence_weights: Tensor | None = None,
     cu_seqlens: Tensor | None = None,
     return_sequence_losses: bool = False,
     with_entropy: bool = False,
     backend: str = "auto",
+    check_finite: bool = True,
     options: LossOptions | None = None,
     **loss_options,
 ) -> LossResult:
@@ -169,11 +261,13 @@ def fused_linear_grpo_loss(
     every other argument as in `grpo_loss`. Masked tokens are gathered out before the first GEMM. Token-level losses
     form their gradients in the forward (3 GEMMs per chunk of rows in all); sequence-level ones, per-sequence
     outputs and weights that need a gradient recompute each chunk's logits in the backward (4 GEMMs).
+    `check_finite` as in `grpo_loss` (a non-finite row names hidden, weight and bias).
     """
-    options = _options(options, loss_options)
+    options = resolve_options(options, loss_options)
     checks.check_tensor("hidden", hidden)
     backend = resolve_backend(backend, hidden.device)
     checks.check_linear(_layout_view("hidden", hidden, cu_seqlens), weight, bias, backend)
+    checks.check_chunk_size(chunk_size)
     inputs = LossInputs.check(
         tuple(hidden.shape[:-1]),
         weight.shape[0],
@@ -188,10 +282,21 @@ def fused_linear_grpo_loss(
         sequence_weights,
         cu_seqlens,
         options,
+        sampling_logp,
     )
+    if check_finite:
+        inputs.check_finite(options)
     rows = hidden if inputs.layout is None else hidden[None]  # [R, C, H]
     kept = inputs.kept_rows()
-    opts = FusedLinearOptions(backend, options.temperature, _needs_entropy(options, with_entropy), chunk_size)
+    opts = FusedLinearOptions(
+        backend,
+        options.temperature,
+        _needs_entropy(options, with_entropy),
+        chunk_size,
+        options.logit_scale,
+        options.final_logit_softcapping,
+        finite=_row_check(check_finite, LINEAR_ROWS, inputs.layout is not None, kept, loss=True),
+    )
     if _token_level(options, inputs) and options.top_entropy_quantile == 1.0 and not return_sequence_losses:
         chunk_loss = _chunk_loss(inputs, kept, options)
         loss, logp, entropy = fused_linear_token_loss(rows[kept], weight, bias, inputs.targets[kept], opts, chunk_loss)
@@ -202,16 +307,6 @@ def fused_linear_grpo_loss(
     return _loss(terms, options, return_sequence_losses)
 
 
-def _options(options: LossOptions | None, loss_options: dict) -> LossOptions:
-    if options is None:
-        return LossOptions.from_kwargs(**loss_options)
-    if loss_options:
-        raise TypeError(
-            f"pass loss options either as options=LossOptions(...) or as keywords, not both: {loss_options}"
-        )
-    return options
-
-
 def _layout_view(name: str, x: Tensor, cu_seqlens: Tensor | None) -> Tensor:
     """x as [R, C, ·] rows: itself when padded; packed [N, ·] (with cu_seqlens) as [1, N, ·]."""
     if cu_seqlens is None:
@@ -219,6 +314,25 @@ def _layout_view(name: str, x: Tensor, cu_seqlens: Tensor | None) -> Tensor:
     if x.dim() != 2:
         raise ValueError(f"with cu_seqlens, {name} must be packed [N, ·], got {list(x.shape)}")
     return x[None]
+
+
+def _row_check(
+    check_finite: bool,
+    rows: checks.RowCheck,
+    flat: bool,
+    kept: tuple[Tensor, Tensor] | None = None,
+    loss: bool = False,
+) -> checks.RowCheck | None:
+    """The vocabulary pass's row check (None: `check_finite=False`), naming a bad row by the user's index: (b, t),
+    or n for `[N, ·]` inputs (`flat`), through `kept` when the pass saw only the kept rows. A loss refuses a
+    target of probability 0 (logp = -inf)."""
+    if not check_finite:
+        return None
+    if kept is not None:
+        position = lambda i: int(kept[1][i]) if flat else (int(kept[0][i]), int(kept[1][i]))  # noqa: E731
+    else:
+        position = (lambda i: i) if flat else None
+    return dataclasses.replace(rows, position=position, zero_prob_ok=not loss)
 
 
 def _needs_entropy(options: LossOptions, with_entropy: bool) -> bool:
@@ -261,6 +375,7 @@ def _token_level(options: LossOptions, inputs: LossInputs) -> bool:
     return (
         POLICY_LOSSES[options.loss_type].epilogue is not None
         and options.importance_sampling_level == "token"
+        and options.off_policy_mask_threshold is None  # a mean over the whole sequence
         and not any(w is not None and w.requires_grad for w in weights)
     )
 

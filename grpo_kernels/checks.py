@@ -1,14 +1,17 @@
 """Every input check; each raises ValueError/TypeError naming the argument, what was expected and what came.
 
-The loss functions' checks run before any kernel: `mask must be [B, T] = [4, 128], got [4, 127]`. The per-sequence
-building blocks (advantages, rewards, sampling, regularizers) share the second half: there `shape` holds the
-expected sizes, None where any size will do (`entropy must be [B, T] = [3, T], got [3]`); `shape=None` asks for
-any non-empty tensor with the named `dims`.
+The loss functions' checks run before any kernel: `mask must be [B, T] = [4, 128], got [4, 127]`; only the
+finiteness of the logits is checked after the vocabulary pass, from its O(N) statistics (`check_row_stats`).
+The per-sequence building blocks (advantages, rewards, sampling, regularizers) share the second half: there
+`shape` holds the expected sizes, None where any size will do (`entropy must be [B, T] = [3, T], got [3]`);
+`shape=None` asks for any non-empty tensor with the named `dims`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -120,9 +123,36 @@ def check_targets(targets: Tensor, mask: Tensor, vocab: int, device) -> None:
         raise ValueError(f"targets must lie in [0, V) = [0, {vocab}) where mask is set, got values in [{lo}, {hi}]")
 
 
+def check_chunk_size(chunk_size: int | None) -> None:
+    """The fused lm_head's rows per chunk: None (sized from memory) or a positive int."""
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+
+
 def check_temperature(temperature: float) -> None:
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+
+
+def check_logit_transform(logit_scale: float, final_logit_softcapping: float | None) -> None:
+    if not logit_scale > 0:
+        raise ValueError(f"logit_scale must be > 0, got {logit_scale}")
+    if final_logit_softcapping is not None and not final_logit_softcapping > 0:
+        raise ValueError(f"final_logit_softcapping must be > 0 or None, got {final_logit_softcapping}")
+
+
+def check_stats(stats: object, backend: str) -> tuple[str, ...]:
+    """The requested extra statistics of the vocabulary pass, as a tuple of distinct known names."""
+    from grpo_kernels.vocab.function import STATS_BACKENDS, TOKEN_STATS  # here: checks.py imports no vocab module
+
+    if isinstance(stats, str) or not all(isinstance(name, str) for name in stats):
+        raise TypeError(f"stats must be a sequence of names from {TOKEN_STATS}, got {stats!r}")
+    unknown = [name for name in stats if name not in TOKEN_STATS]
+    if unknown:
+        raise ValueError(f"stats must be names from {TOKEN_STATS}, got {unknown}")
+    if stats and backend not in STATS_BACKENDS:
+        raise ValueError(f"stats are computed by the {STATS_BACKENDS} backends, not backend={backend!r}")
+    return tuple(dict.fromkeys(stats))
 
 
 def check_loss_inputs(
@@ -134,18 +164,80 @@ def check_loss_inputs(
     ref_logp: Tensor | None,
     is_ratio: Tensor | None,
     options: LossOptions,
+    sampling_logp: Tensor | None = None,
 ) -> None:
     """The loss's per-token and per-sequence inputs, and the options that need one of them."""
     check_tensor("advantages", advantages)
     check_per_token_float("advantages", advantages, B, T, device, per_sequence=True)
     check_per_token_float("old_logp", old_logp, B, T, device)
     check_per_token_float("ref_logp", ref_logp, B, T, device)
+    check_per_token_float("sampling_logp", sampling_logp, B, T, device)
     check_per_token_float("is_ratio", is_ratio, B, T, device, per_sequence=True)
     if options.beta != 0.0 and ref_logp is None:
         raise ValueError(f"ref_logp is required when beta != 0 (beta={options.beta})")
     items = options.num_items_in_batch
     if isinstance(items, Tensor) and items.numel() != 1:
         raise ValueError(f"num_items_in_batch must be a number or a 1-element tensor, got {_shape(items.shape)}")
+
+
+# Non-finite values (`check_finite=True`). A kept token's values must be finite; padding may hold anything, NaN
+# included, because it is never read. Each check is one host sync on O(B·T) values, never a pass over [N, V].
+
+
+def check_finite_at_kept(named: Sequence[tuple[str, Tensor | None, Tensor]]) -> None:
+    """ValueError naming the first `(name, x, kept)` whose x holds NaN or ±inf where `kept` (bool, x's shape) is
+    set, with the value and its index in x; None tensors pass. One host sync for all of them."""
+    named = [(name, x, kept) for name, x, kept in named if x is not None]
+    bad = [~torch.isfinite(x) & kept for _, x, kept in named]
+    if not bad or not bool(torch.stack([b.any() for b in bad]).any()):
+        return
+    for (name, x, _), b in zip(named, bad, strict=True):
+        _raise_first(name, x, b, "be finite where the mask keeps a token")
+
+
+LOGITS_CAUSES = "NaN or inf logits, or logits · logit_scale / temperature overflowing"
+
+
+@dataclass(frozen=True)
+class RowCheck:
+    """How `check_row_stats` blames a bad row of the vocabulary pass: `source` (the logits' name) and `causes`;
+    `position` turns a flat row index into the user's index (None: the index in the statistics' shape);
+    `zero_prob_ok` lets a target of probability 0 (its logit −inf, so logp = −inf) pass."""
+
+    source: str = "logits"
+    causes: str = LOGITS_CAUSES
+    position: Callable[[int], object] | None = None
+    zero_prob_ok: bool = True
+
+
+def check_row_stats(lse: Tensor, logp: Tensor, kept: Tensor | None, rows: RowCheck) -> None:
+    """ValueError if a kept row's log-sum-exp is not finite or its target's logp is NaN (or −inf, unless
+    `rows.zero_prob_ok`). lse, logp: the pass's O(N) statistics, any shape; kept: bool of that shape (None: all).
+    One host sync."""
+    bad = ~torch.isfinite(lse) | torch.isnan(logp)
+    if not rows.zero_prob_ok:
+        bad = bad | torch.isinf(logp)
+    if kept is not None:
+        bad = bad & kept
+    if not bool(bad.any()):
+        return
+    flat = int(bad.reshape(-1).nonzero()[0])
+    index, rest = [], flat
+    for size in reversed(bad.shape):
+        rest, i = divmod(rest, size)
+        index.insert(0, i)
+    where = rows.position(flat) if rows.position is not None else (index[0] if len(index) == 1 else tuple(index))
+    row_lse, row_logp = lse.reshape(-1)[flat].item(), logp.reshape(-1)[flat].item()
+    if math.isfinite(row_lse) and not math.isnan(row_logp):
+        raise ValueError(
+            f"{rows.source} give the target token probability 0 (logp = -inf: its logit is -inf) at index {where}, "
+            "where the loss's ratio and log terms are undefined; mask that token, or pass check_finite=False to "
+            "compute with logp = -inf (as TRL does)"
+        )
+    raise ValueError(
+        f"{rows.source} must have a finite log-sum-exp at kept tokens, got {row_lse} (logp {row_logp}) at index "
+        f"{where}: {rows.causes}"
+    )
 
 
 # Per-sequence building blocks: rewards, group ids, flags, texts.

@@ -5,7 +5,9 @@ A model is a trainer checkpoint (`<output_dir>/checkpoints/step_000600/`: a Hugg
 tokenizer) or any Hugging Face model name or directory. The settings (`dataset`, `max_sum`, `eval_size`,
 `max_completion_length`) are, highest first: the flags, the `config.yaml` of the run a checkpoint came from (A's
 run, else B's), `TrainConfig`'s defaults. Prints a table (rich when installed) of both models' `eval/*` metrics
-(`answer` is the accuracy) and B − A; `--output results.json` writes the same as JSON.
+(`answer` is the accuracy) and B − A; `--output results.json` writes the same as JSON. A user error (a model path
+that does not exist, an unknown dataset, a device this machine lacks) is one line, `error: ...`, and exit status 2
+(`--debug`: the traceback); torch and transformers are imported after the command line is read.
 """
 
 from __future__ import annotations
@@ -15,33 +17,58 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
 import yaml
 
 from grpo_kernels.trainer.checkpoint import CHECKPOINTS
+from grpo_kernels.trainer.cli import Parser, run
 from grpo_kernels.trainer.config import TrainConfig
 from grpo_kernels.trainer.evaluate import EVAL_BATCH_SIZE, evaluate
-from grpo_kernels.trainer.tasks import build_task
 
 SETTINGS = ("dataset", "max_sum", "eval_size", "max_completion_length")  # TrainConfig fields the evaluation uses
 
 
+def _at_least(minimum: int):
+    def convert(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    convert.__name__ = "int"
+    return convert
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m grpo_kernels.evaluate", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True, help="checkpoint directory or Hugging Face model (A)")
+    parser = Parser(prog="python -m grpo_kernels.evaluate", description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--model",
+        required=True,
+        help="model A: a checkpoint directory (<run>/checkpoints/step_N) or a Hugging Face name",
+    )
     parser.add_argument("--compare", help="a second model (B), e.g. the final checkpoint; the table shows B − A")
-    parser.add_argument("--dataset", help="addition, countdown, gsm8k or a .jsonl path (default: the run's)")
-    parser.add_argument("--max-sum", "--max_sum", dest="max_sum", type=int, help="addition's largest sum")
-    parser.add_argument("--eval-size", "--eval_size", dest="eval_size", type=int, help="held-out prompts at most")
+    parser.add_argument(
+        "--dataset", help="one of: addition, countdown, gsm8k, or a .jsonl path (default: the run's, else addition)"
+    )
+    parser.add_argument("--max-sum", "--max_sum", dest="max_sum", type=_at_least(0), help="addition's largest sum")
+    parser.add_argument(
+        "--eval-size", "--eval_size", dest="eval_size", type=_at_least(1), help="at most this many held-out prompts"
+    )
     parser.add_argument(
         "--max-completion-length",
         "--max_completion_length",
         dest="max_completion_length",
-        type=int,
-        help="generation budget in tokens (default: the run's)",
+        type=_at_least(1),
+        help="generation budget in tokens (default: the run's, else the dataset's)",
     )
-    parser.add_argument("--batch-size", "--batch_size", dest="batch_size", type=int, default=EVAL_BATCH_SIZE)
-    parser.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda, ...")
+    parser.add_argument(
+        "--batch-size",
+        "--batch_size",
+        dest="batch_size",
+        type=_at_least(1),
+        default=EVAL_BATCH_SIZE,
+        help=f"prompts per generate call (default: {EVAL_BATCH_SIZE})",
+    )
+    parser.add_argument("--device", default="auto", help="one of: auto (cuda when available), cpu, cuda, cuda:N")
     parser.add_argument("--output", help="write the results as JSON to this file")
     return parser
 
@@ -67,15 +94,13 @@ def resolve_settings(args: argparse.Namespace) -> dict:
     return settings
 
 
-def load_model(name: str, device: torch.device):
-    """(model, tokenizer) from a Hugging Face directory or hub name, float32, left padding."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_model(name: str, device):
+    """(model, tokenizer) from a Hugging Face directory or hub name, float32, left padding; a ValueError naming
+    `name` when it is neither."""
+    from grpo_kernels.trainer.model import load_pretrained
 
-    tokenizer = AutoTokenizer.from_pretrained(name, padding_side="left")
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32).to(device)
-    return model, tokenizer
+    model, tokenizer = load_pretrained(name)
+    return model.to(device), tokenizer
 
 
 def compare(metrics: dict[str, float], baseline: dict[str, float]) -> dict[str, float]:
@@ -122,8 +147,14 @@ def print_table(results: dict) -> None:
 
 def main(argv: Sequence[str] | None = None) -> dict:
     """Evaluate `--model` (and `--compare`); print the table, write `--output`; returns the results."""
+    import torch
+
+    from grpo_kernels.trainer.parallel import check_device
+    from grpo_kernels.trainer.tasks import build_task
+
     args = build_parser().parse_args(argv)
     settings = resolve_settings(args)
+    check_device(args.device)
     task = build_task(argparse.Namespace(**settings))  # a bad dataset fails here, before any model is loaded
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     results: dict = {"settings": settings, "num_prompts": len(task.eval_prompts())}
@@ -144,4 +175,4 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

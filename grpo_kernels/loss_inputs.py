@@ -7,6 +7,8 @@ shape `[R, C]` (`[B, T]`, or `[1, N]` packed); the loss algebra sees the padded 
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +31,7 @@ class LossInputs:
     token_weights: Tensor | None
     sequence_weights: Tensor | None
     layout: PackedLayout | None  # None: padded
+    sampling_logp: Tensor | None = None  # the sampler's log-probs, for the off-policy sequence mask
 
     @classmethod
     def check(
@@ -46,6 +49,7 @@ class LossInputs:
         sequence_weights,
         cu_seqlens,
         options: LossOptions,
+        sampling_logp: Tensor | None = None,
     ) -> LossInputs:
         """Check everything against the leading dims of logits/hidden (`(B, T)`, or `(N,)` with cu_seqlens)."""
         if cu_seqlens is None:
@@ -55,7 +59,7 @@ class LossInputs:
             mask = torch.ones((B, T), dtype=torch.bool, device=device) if mask is None else mask
             checks.check_mask(mask, B, T, device)
             checks.check_targets(targets, mask.bool(), vocab, device)
-            checks.check_loss_inputs(B, T, device, advantages, old_logp, ref_logp, is_ratio, options)
+            checks.check_loss_inputs(B, T, device, advantages, old_logp, ref_logp, is_ratio, options, sampling_logp)
             checks.check_per_token_float("token_weights", token_weights, B, T, device)
             checks.check_per_sequence_float("sequence_weights", sequence_weights, B, device)
             return cls(
@@ -68,7 +72,8 @@ class LossInputs:
                 token_weights,
                 sequence_weights,
                 None,
-            )
+                sampling_logp,
+            )._neutral_empty_sequences()
         if len(leading) != 1:
             raise ValueError(f"with cu_seqlens, expected packed [N, ·] logits or hidden states, got {list(leading)}")
         (N,) = leading
@@ -79,7 +84,8 @@ class LossInputs:
         checks.check_packed("mask", mask, ((N,),), ("[N]",), device, floating=False)
         checks.check_mask(mask[None], 1, N, device)
         checks.check_targets(targets[None], mask[None].bool(), vocab, device)
-        for name, x in (("old_logp", old_logp), ("ref_logp", ref_logp), ("token_weights", token_weights)):
+        per_token = (("old_logp", old_logp), ("ref_logp", ref_logp), ("sampling_logp", sampling_logp))
+        for name, x in (*per_token, ("token_weights", token_weights)):
             checks.check_packed(name, x, ((N,),), ("[N]",), device)
         for name, x in (("advantages", advantages), ("is_ratio", is_ratio)):
             checks.check_packed(name, x, ((S,), (N,)), ("[S]", "[N]"), device)
@@ -96,7 +102,55 @@ class LossInputs:
             token_weights,
             sequence_weights,
             layout,
+            sampling_logp,
+        )._neutral_empty_sequences()
+
+    def sequence_kept(self) -> Tensor:
+        """Whether each sequence has a kept token, [B] / [S]."""
+        if self.layout is None:
+            return self.mask.any(1)  # [B]
+        kept = torch.zeros(self.layout.num_sequences, dtype=torch.bool, device=self.mask.device)
+        return kept.index_fill_(0, self.layout.sequence[self.mask[0]], True)  # [S]
+
+    def _neutral_empty_sequences(self) -> LossInputs:
+        """Non-finite per-sequence values of sequences without a kept token as advantage 0, IS weight 1 and weight
+        0: they are padding, which may hold anything (NaN included) and would reach the loss as 0 · NaN. (Finite
+        ones stay: TRL's per-sequence metrics average over every sequence.)"""
+        keep = self.sequence_kept()  # [B] / [S]
+        tokens = self.mask.shape[1]
+
+        def neutral(x: Tensor | None, fill: float, per_token_too: bool = True) -> Tensor | None:
+            if x is None or x.dim() != 1 or (per_token_too and self.layout is not None and x.shape[0] == tokens):
+                return x  # per-token values: build_terms neutralises their padding
+            return torch.where(keep | torch.isfinite(x), x, fill)
+
+        return dataclasses.replace(
+            self,
+            advantages=neutral(self.advantages, 0.0),
+            is_ratio=neutral(self.is_ratio, 1.0),
+            sequence_weights=neutral(self.sequence_weights, 0.0, per_token_too=False),
         )
+
+    def check_finite(self, options: LossOptions) -> None:
+        """ValueError naming the first tensor with NaN or ±inf at a kept token (a per-sequence one: at a sequence
+        with a kept token), and its index; padding may hold anything. One host sync (`check_finite=True`).
+        sampling_logp may hold NaN: TRL's mark of a token the sampler could not score (no off-policy evidence)."""
+        mask, sequence_kept = (self.mask if self.layout is None else self.mask[0]), self.sequence_kept()
+        names = ("advantages", "old_logp", "ref_logp", "sampling_logp", "is_ratio", "token_weights", "sequence_weights")
+
+        def kept(name: str, x: Tensor) -> Tensor:
+            if name == "sampling_logp":  # NaN: a token the sampler could not score
+                return mask & ~torch.isnan(x)
+            return mask if x.shape == mask.shape else sequence_kept
+
+        named = [(name, x, kept(name, x)) for name in names if (x := getattr(self, name)) is not None]
+        for name in ("num_items_in_batch", "num_sequences_in_batch"):  # normalisers: finite wherever they are
+            value = getattr(options, name, None)
+            if isinstance(value, Tensor):
+                named.append((name, value.reshape(-1), torch.ones_like(value.reshape(-1), dtype=torch.bool)))
+            elif value is not None and not math.isfinite(value):
+                raise ValueError(f"{name} must be finite, got {value}")
+        checks.check_finite_at_kept(named)
 
     def terms(self, logp: Tensor, entropy: Tensor | None, options: LossOptions) -> TokenTerms:
         """TokenTerms of the loss algebra from the pass's logp / entropy [R, C], in the padded view."""
@@ -112,6 +166,7 @@ class LossInputs:
                 options,
                 self.token_weights,
                 self.sequence_weights,
+                self.sampling_logp,
             )
         pad, n = self.layout.pad, logp.shape[1]
         per_token = lambda x: pad(x) if x is not None and x.shape[0] == n else x  # noqa: E731  [N] -> [S, T_max]
@@ -126,6 +181,7 @@ class LossInputs:
             options,
             pad(self.token_weights),
             self.sequence_weights,
+            pad(self.sampling_logp),
         )
 
     def kept_rows(self) -> tuple[Tensor, Tensor]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from grpo_kernels.api import LossResult, fused_linear_grpo_loss, grpo_loss
-from grpo_kernels.options import LossOptions
+from grpo_kernels.options import LossOptions, resolve_options
 
 
 class GRPOLoss(nn.Module):
@@ -14,9 +14,10 @@ class GRPOLoss(nn.Module):
         loss_fn(logits, targets, advantages, old_logp, ref_logp, mask)            # logits [B, T, V]
         loss_fn(hidden, weight, targets, advantages, old_logp, ref_logp, mask)    # fused lm_head, weight [V, H]
 
-    Keyword arguments of the constructor are `LossOptions` fields plus `backend`, `with_entropy`, `inplace`
-    (logits form) and `chunk_size` (fused form); those of the call are the per-batch tensors (`is_ratio`,
-    `token_weights`, `sequence_weights`, `bias`, `cu_seqlens`, ...).
+    Keyword arguments of the constructor are `LossOptions` fields (or one `options=`: a LossOptions or a paper
+    preset) plus `backend`, `with_entropy`, `check_finite`, `inplace` (logits form) and `chunk_size` (fused form);
+    those of the call are the per-batch tensors (`is_ratio`, `token_weights`, `sequence_weights`, `bias`,
+    `cu_seqlens`, ...).
     """
 
     def __init__(
@@ -26,14 +27,19 @@ class GRPOLoss(nn.Module):
         inplace: bool = True,
         with_entropy: bool = False,
         chunk_size: int | None = None,
+        check_finite: bool = True,
+        options: LossOptions | None = None,
         **loss_options,
     ):
         super().__init__()
-        self.options = LossOptions.from_kwargs(**loss_options)
+        self.options = resolve_options(options, loss_options)
         self.backend, self.inplace, self.with_entropy, self.chunk_size = backend, inplace, with_entropy, chunk_size
+        self.check_finite = check_finite
 
     def forward(self, hidden_or_logits: Tensor, *args: Tensor | None, **tensors: Tensor | bool | None) -> LossResult:
-        common = dict(backend=self.backend, with_entropy=self.with_entropy, options=self.options)
+        common = dict(
+            backend=self.backend, with_entropy=self.with_entropy, check_finite=self.check_finite, options=self.options
+        )
         if args and isinstance(args[0], Tensor) and args[0].is_floating_point() and args[0].dim() == 2:
             return fused_linear_grpo_loss(hidden_or_logits, *args, chunk_size=self.chunk_size, **common, **tensors)
         return grpo_loss(hidden_or_logits, *args, inplace=self.inplace, **common, **tensors)

@@ -1,4 +1,9 @@
-"""LossOptions: every loss option once, with its default (TRL's name and default where TRL has the concept)."""
+"""LossOptions: every loss option once, with TRL 1.16's name and default where TRL has the option.
+
+Deliberate differences from TRL's `GRPOConfig` defaults (`TRL_DEFAULT_DIFFERENCES`; `tests/test_trl_names.py`
+fails when TRL drifts from this list): `max_completion_length` is None here, because the loss never sees the
+generation settings, so `loss_type="dr_grpo"` asks for it instead of assuming TRL's 512.
+"""
 
 from __future__ import annotations
 
@@ -8,12 +13,17 @@ from dataclasses import dataclass
 import torch
 
 TRL_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
-LOSS_TYPES = (*TRL_LOSS_TYPES, "gpg", "gspo_token", "gmpo", "tic_grpo")
+LOSS_TYPES = (*TRL_LOSS_TYPES, "gpg", "gspo_token", "gmpo", "tic_grpo", "clip_cov", "kl_cov")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 CLIP_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 CLIPPED_SURROGATE_TYPES = (*CLIP_LOSS_TYPES, "gspo_token", "tic_grpo")  # where delta and clip_ratio_c act
 TOKEN_LEVEL_ONLY_TYPES = ("vespo", "gspo_token", "tic_grpo")  # they form their own sequence weight
-KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
+KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl", "abs")
+_EPSILON_DEFAULT = 0.2
+# TRL 1.16 GRPOConfig defaults this project keeps different on purpose (name -> (ours, TRL's, why)); see the docstring
+TRL_DEFAULT_DIFFERENCES = {
+    "max_completion_length": (None, 512, "the loss never sees the generation settings: dr_grpo asks for it"),
+}
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
@@ -21,9 +31,9 @@ LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-tok
 class LossOptions:
     """Hyperparameters of the GRPO loss family; validated on construction."""
 
-    loss_type: str = "grpo"  # TRL's loss types: the per-token loss and its normaliser
-    epsilon_low: float = 0.2  # clip range low width: ratio >= 1 - epsilon_low (TRL's `epsilon`)
-    epsilon_high: float | None = None  # clip range high width (None = epsilon_low); cispo: absolute IS-weight cap
+    loss_type: str = "dapo"  # TRL's loss types: the per-token loss and its normaliser (TRL's default: dapo)
+    epsilon: float = 0.2  # clip range low width: ratio >= 1 - epsilon (TRL's name)
+    epsilon_high: float | None = None  # clip range high width (None = epsilon); cispo: absolute IS-weight cap
     delta: float | None = None  # two-sided clipping: cap of the unclipped ratio (INTELLECT-2, arXiv:2505.07291)
     beta: float = 0.0  # coefficient of the k3 KL(pi || pi_ref) penalty; needs ref_logp when non-zero
     temperature: float = 1.0  # logits are divided by it before the softmax
@@ -32,28 +42,50 @@ class LossOptions:
     num_items_in_batch: float | torch.Tensor | None = None  # dapo/cispo/vespo normaliser; None = mask.sum()
     sapo_temperature_pos: float = 1.0  # SAPO gate temperature for A > 0 (arXiv:2511.20347)
     sapo_temperature_neg: float = 1.05  # SAPO gate temperature for A <= 0
-    use_bias_correction_kl: bool = False  # KL term multiplied by the unclipped IS ratio (DeepSeek-V3.2)
+    use_bias_correction_kl: bool = True  # KL term multiplied by the unclipped IS ratio (DeepSeek-V3.2; TRL: True)
     vespo_k_pos: float = 2.0  # VESPO gamma shape for A >= 0
     vespo_lambda_pos: float = 3.0  # VESPO gamma rate for A >= 0
     vespo_k_neg: float = 3.0  # VESPO gamma shape for A < 0
     vespo_lambda_neg: float = 2.0  # VESPO gamma rate for A < 0
     top_entropy_quantile: float = 1.0  # keep only tokens in the top entropy quantile (arXiv:2506.01939)
-    kl_estimator: str = "k3"  # k1, k2, k3 (TRL's) or low_var_kl (k3 clamped to ±10, verl)
+    off_policy_mask_threshold: float | None = None  # drop A < 0 sequences whose mean KL(sampler || π) exceeds it
+    kl_estimator: str = "k3"  # k1, k2, k3 (TRL's), low_var_kl (k3 clamped to ±10) or abs (|logp − ref|), verl's
     clip_ratio_c: float | None = None  # dual-clip PPO: loss capped at −A·c where A < 0 (arXiv:1912.09729); > 1
     cispo_two_sided: bool = False  # cispo weight clip(ρ, 1 − ε_low, 1 + ε_high) instead of TRL's min(ρ, ε_high)
     entropy_coef: float = 0.0  # entropy bonus: loss − coef · mean entropy of the kept tokens (TRL semantics)
     loss_agg_mode: str | None = None  # verl's aggregation, overriding the loss type's normaliser (None: keep it)
     num_sequences_in_batch: float | torch.Tensor | None = None  # seq-mean modes' sequence count; None: this batch's
     loss_scale_factor: float | None = None  # seq-mean-token-sum-norm's constant; None: T (verl's default)
+    logit_scale: float = 1.0  # logits multiplied by it first (Cohere, Granite's 1/logits_scaling; TRL's name)
+    final_logit_softcapping: float | None = None  # then c·tanh(z/c) before the temperature (Gemma 2/3; TRL's name)
+    clip_cov_ratio: float = 0.0002  # clip_cov: fraction of kept tokens whose gradient is cut (arXiv:2505.22617)
+    clip_cov_lb: float = 1.0  # clip_cov: candidates have a batch covariance in (clip_cov_lb, clip_cov_ub)
+    clip_cov_ub: float = 5.0  # clip_cov: the window's upper bound (verl's defaults for all three)
+    kl_cov_ratio: float = 0.0002  # kl_cov: fraction of kept tokens, the largest covariances, that get the penalty
+    ppo_kl_coef: float = 0.1  # kl_cov: coefficient of |logp − old_logp| on those tokens (verl's config default)
+    epsilon_low: float | None = None  # verl-style alias of `epsilon`: moved into it on construction, then None
 
     def __post_init__(self) -> None:
+        if self.epsilon_low is not None:
+            if self.epsilon not in (_EPSILON_DEFAULT, self.epsilon_low):
+                raise ValueError(
+                    f"epsilon_low is an alias of epsilon: give one, got epsilon={self.epsilon}, "
+                    f"epsilon_low={self.epsilon_low}"
+                )
+            object.__setattr__(self, "epsilon", self.epsilon_low)
+            object.__setattr__(self, "epsilon_low", None)
+        self._validate()
+
+    def _validate(self) -> None:
         _check_choice("loss_type", self.loss_type, LOSS_TYPES)
         _check_choice("importance_sampling_level", self.importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
         _check_positive("temperature", self.temperature)
+        if not self.beta >= 0.0:
+            raise ValueError(f"beta must be >= 0, got {self.beta}")
         _check_positive("sapo_temperature_pos", self.sapo_temperature_pos)
         _check_positive("sapo_temperature_neg", self.sapo_temperature_neg)
-        if not 0.0 <= self.epsilon_low:
-            raise ValueError(f"epsilon_low must be >= 0, got {self.epsilon_low}")
+        if not 0.0 <= self.epsilon:
+            raise ValueError(f"epsilon must be >= 0, got {self.epsilon}")
         if self.epsilon_high is not None and not 0.0 <= self.epsilon_high:
             raise ValueError(f"epsilon_high must be >= 0 or None, got {self.epsilon_high}")
         if not 0.0 <= self.top_entropy_quantile <= 1.0:
@@ -74,6 +106,18 @@ class LossOptions:
             raise ValueError(f"cispo_two_sided applies to loss_type='cispo', got loss_type={self.loss_type!r}")
         if self.loss_scale_factor is not None:
             _check_positive("loss_scale_factor", self.loss_scale_factor)
+        _check_positive("logit_scale", self.logit_scale)
+        if self.final_logit_softcapping is not None:
+            _check_positive("final_logit_softcapping", self.final_logit_softcapping)
+        if self.off_policy_mask_threshold is not None and not self.off_policy_mask_threshold >= 0:
+            raise ValueError(f"off_policy_mask_threshold must be >= 0 or None, got {self.off_policy_mask_threshold}")
+        for name in ("clip_cov_ratio", "kl_cov_ratio"):
+            if not 0.0 < getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
+        if not self.clip_cov_lb < self.clip_cov_ub:
+            raise ValueError(f"clip_cov_lb must be < clip_cov_ub, got ({self.clip_cov_lb}, {self.clip_cov_ub})")
+        if not self.ppo_kl_coef >= 0.0:
+            raise ValueError(f"ppo_kl_coef must be >= 0, got {self.ppo_kl_coef}")
         if self.loss_type == "dr_grpo":
             if self.max_completion_length is None or self.max_completion_length <= 0:
                 raise ValueError(
@@ -85,13 +129,13 @@ class LossOptions:
             )
         for name in ("num_items_in_batch", "num_sequences_in_batch"):
             value = getattr(self, name)
-            if value is not None and not isinstance(value, torch.Tensor) and value <= 0:
+            if value is not None and not isinstance(value, torch.Tensor) and not value > 0:  # NaN too
                 raise ValueError(f"{name} must be > 0, got {value}")
 
     @property
     def clip_high(self) -> float:
-        """The high clip width (epsilon_high, or epsilon_low when it is None, as in TRL)."""
-        return self.epsilon_low if self.epsilon_high is None else self.epsilon_high
+        """The high clip width (epsilon_high, or epsilon when it is None, as in TRL)."""
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> LossOptions:
@@ -101,6 +145,20 @@ class LossOptions:
         if unknown:
             raise TypeError(f"unknown loss option(s) {unknown}; valid options are {sorted(names)}")
         return cls(**kwargs)
+
+
+def resolve_options(options, loss_options: dict) -> LossOptions:
+    """A call's LossOptions: `options=` (a LossOptions, or a paper preset, whose `.loss` it takes) or keywords."""
+    if options is None:
+        return LossOptions.from_kwargs(**loss_options)
+    options = getattr(options, "loss", options)  # a presets.Preset
+    if not isinstance(options, LossOptions):
+        raise TypeError(f"options must be a LossOptions or a preset, got {type(options).__name__}")
+    if loss_options:
+        raise TypeError(
+            f"pass loss options either as options=LossOptions(...) or as keywords, not both: {loss_options}"
+        )
+    return options
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:

@@ -153,9 +153,11 @@ def available() -> list[str]:
 
 
 def load(name_or_path: str | os.PathLike) -> Preset:
-    """A shipped preset by name (`load("dapo")`) or a preset YAML file by path, validated."""
-    if isinstance(name_or_path, str) and name_or_path in available():
-        text, where = _preset_dir().joinpath(f"{name_or_path}.yaml").read_text(encoding="utf-8"), name_or_path
+    """A shipped preset by name, in any case (`load("dapo")`, `load("DAPO")`) or a preset YAML file by path,
+    validated."""
+    if isinstance(name_or_path, str) and name_or_path.lower() in available():
+        name = name_or_path.lower()
+        text, where = _preset_dir().joinpath(f"{name}.yaml").read_text(encoding="utf-8"), name
     else:
         path = Path(name_or_path)
         if not path.is_file():

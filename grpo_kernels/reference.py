@@ -7,8 +7,10 @@ everything in float64, no chunking, no custom autograd.
 
 Semantics are those of TRL's `GRPOTrainer._compute_loss` for one process without gradient accumulation
 (`num_processes = 1`, `current_gradient_accumulation_steps = 1`, `steps_per_generation = 1`), extended with verl's
-options (kl_estimator, clip_ratio_c, cispo_two_sided, loss_agg_mode), the loss types gpg, gspo_token, gmpo and
-tic_grpo, token/sequence weights and per-sequence losses, as the project's semantics contract defines them.
+options (kl_estimator, clip_ratio_c, cispo_two_sided, loss_agg_mode), the loss types gpg, gspo_token, gmpo,
+tic_grpo, clip_cov and kl_cov, token/sequence weights and per-sequence losses, as the project's semantics contract
+defines them. clip_cov draws its tokens with torch.randperm on the default generator, as verl does: seed torch
+before each call to compare two implementations.
 
 It deviates from TRL only at numerical extremes, at padding and at T = 1:
 - log importance ratios are clamped to [-20, 20] before exp (verl's clamp): per token, and after the masked mean
@@ -30,18 +32,29 @@ from torch import Tensor
 F64 = torch.float64
 CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "gspo_token", "tic_grpo")  # PPO clip surrogate
 SEQUENCE_MEAN_TYPES = ("grpo", "sapo", "gspo_token", "tic_grpo", "gmpo")  # each sequence's token mean, mean over B
-LOSS_TYPES = (*CLIPPED_LOSS_TYPES, "cispo", "sapo", "vespo", "gpg", "gmpo")
-KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
+LOSS_TYPES = (*CLIPPED_LOSS_TYPES, "cispo", "sapo", "vespo", "gpg", "gmpo", "clip_cov", "kl_cov")
+KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl", "abs")
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 LOG_CLAMP = 20.0  # |log ratio| and |ref - logp| bound (verl)
 
 
-def token_logprobs(logits: Tensor, targets: Tensor, *, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
-    """Log-prob of `targets` and entropy under softmax(logits / temperature); float64, shape `logits.shape[:-1]`.
+def token_logprobs(
+    logits: Tensor,
+    targets: Tensor,
+    *,
+    temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    final_logit_softcapping: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Log-prob of `targets` and entropy under softmax(z / temperature); float64, shape `logits.shape[:-1]`.
 
+    z = logit_scale * logits, then c * tanh(z / c) with c = final_logit_softcapping when set (TRL's order).
     Differentiable w.r.t. `logits` (autograd through the float64 ops). `-inf` logits are allowed: 0 * log 0 = 0.
     """
-    z = logits.double() / temperature  # [..., V]
+    z = logits.double() * logit_scale  # [..., V]
+    if final_logit_softcapping is not None:
+        z = final_logit_softcapping * torch.tanh(z / final_logit_softcapping)  # [..., V]
+    z = z / temperature  # [..., V]
     log_q = torch.log_softmax(z, dim=-1)  # [..., V]   log q_v = z_v - logsumexp_u z_u
     logp = log_q.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)  # [...]   log q_{target}
     q = log_q.exp()  # [..., V]
@@ -87,6 +100,16 @@ def _vespo_phi(
     return log_phi.exp().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
+def _sequence_fraction(flags: Tensor, mask: Tensor) -> Tensor:
+    """Each sequence's fraction of flagged kept tokens, [B'] over the sequences with one (one flag per sequence when
+    flags are [B, 1]); [0.] when there is none."""
+    if flags.shape[1] == 1 and mask.shape[1] > 1:
+        return flags[:, 0].to(F64)
+    counts = mask.sum(-1)  # [B]
+    fractions = [(flags[b].to(F64) * mask[b]).sum() / counts[b] for b in range(mask.shape[0]) if counts[b] > 0]
+    return torch.stack(fractions) if fractions else torch.zeros(1, dtype=F64)
+
+
 def _global_mean(x: Tensor, mask: Tensor) -> Tensor:
     """TRL's logged mean: a [B, 1] tensor is one value per sequence (sum / B), else a mask-weighted token mean.
 
@@ -102,10 +125,12 @@ def _kl_estimate(logp: Tensor, ref_logp: Tensor, estimator: str) -> Tensor:
     """Per-token estimate of KL(pi || ref) at the sampled token (Schulman 2020; verl's kl_penalty_forward). [B, T]
 
     k1 = logp - ref;  k2 = (logp - ref)^2 / 2;  k3 = e^d - d - 1 with d = clamp(ref - logp, -20, 20);
-    low_var_kl = clamp(k3, -10, 10).
+    low_var_kl = clamp(k3, -10, 10);  abs = |logp - ref|.
     """
     if estimator == "k1":
         return logp - ref_logp
+    if estimator == "abs":
+        return (logp - ref_logp).abs()
     if estimator == "k2":
         return 0.5 * (logp - ref_logp) ** 2
     d = (ref_logp - logp).clamp(-LOG_CLAMP, LOG_CLAMP)  # [B, T]
@@ -122,23 +147,27 @@ def grpo_loss(
     mask: Tensor | None = None,
     *,
     is_ratio: Tensor | None = None,
-    loss_type: str = "grpo",
-    epsilon_low: float = 0.2,
+    loss_type: str = "dapo",
+    epsilon: float = 0.2,
     epsilon_high: float | None = None,
     delta: float | None = None,
     beta: float = 0.0,
     temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    final_logit_softcapping: float | None = None,
     importance_sampling_level: str = "token",
     max_completion_length: int | None = None,
     num_items_in_batch: float | Tensor | None = None,
     sapo_temperature_pos: float = 1.0,
     sapo_temperature_neg: float = 1.05,
-    use_bias_correction_kl: bool = False,
+    use_bias_correction_kl: bool = True,
     vespo_k_pos: float = 2.0,
     vespo_lambda_pos: float = 3.0,
     vespo_k_neg: float = 3.0,
     vespo_lambda_neg: float = 2.0,
     top_entropy_quantile: float = 1.0,
+    off_policy_mask_threshold: float | None = None,
+    sampling_logp: Tensor | None = None,
     kl_estimator: str = "k3",
     clip_ratio_c: float | None = None,
     cispo_two_sided: bool = False,
@@ -146,6 +175,11 @@ def grpo_loss(
     loss_agg_mode: str | None = None,
     num_sequences_in_batch: float | Tensor | None = None,
     loss_scale_factor: float | None = None,
+    clip_cov_ratio: float = 0.0002,
+    clip_cov_lb: float = 1.0,
+    clip_cov_ub: float = 5.0,
+    kl_cov_ratio: float = 0.0002,
+    ppo_kl_coef: float = 0.1,
     token_weights: Tensor | None = None,
     sequence_weights: Tensor | None = None,
     return_sequence_losses: bool = False,
@@ -171,10 +205,16 @@ def grpo_loss(
         raise ValueError("ref_logp is required when beta != 0")
     if loss_type == "dr_grpo" and max_completion_length is None:
         raise ValueError("max_completion_length is required for loss_type='dr_grpo'")
-    eps_low = epsilon_low
-    eps_high = epsilon_low if epsilon_high is None else epsilon_high
+    eps_low = epsilon
+    eps_high = epsilon if epsilon_high is None else epsilon_high
 
-    logp, entropy = token_logprobs(logits, targets, temperature=temperature)  # [B, T], [B, T]
+    logp, entropy = token_logprobs(
+        logits,
+        targets,
+        temperature=temperature,
+        logit_scale=logit_scale,
+        final_logit_softcapping=final_logit_softcapping,
+    )  # [B, T], [B, T]
     B, T = logp.shape
     m = torch.ones(B, T, dtype=F64) if mask is None else mask.to(F64)  # [B, T]
     n = m.sum(-1, keepdim=True)  # [B, 1]   kept tokens per sequence
@@ -234,6 +274,31 @@ def grpo_loss(
     elif loss_type == "gpg":
         # GPG: plain policy gradient -A * logp, no ratio, no clip.
         per_token_loss = -A * logp
+    elif loss_type in ("clip_cov", "kl_cov"):
+        # Clip-Cov / KL-Cov (arXiv:2505.22617; verl). Over the N kept tokens of the batch, in row-major order,
+        # cov = (A - mean A) * (logp - mean logp) (detached). clip_cov: the PPO clip surrogate, set to 0 at
+        # n = max(floor(clip_cov_ratio * N), 1) tokens drawn (torch.randperm(K)[:n], verl's draw, when K > 0) from the
+        # K tokens the clip leaves alone with lb < cov < ub. kl_cov: -w * A (no clip), plus
+        # ppo_kl_coef * |logp - old| at the k = max(floor(kl_cov_ratio * N), 1) tokens of largest cov (torch.topk).
+        kept = m.bool()  # [B, T]
+        positions = kept.nonzero()  # [N, 2]
+        a = A.expand(B, T)[kept]  # [N]
+        lp = logp.detach()[kept]  # [N]
+        cov = (a - a.mean()) * (lp - lp.mean())  # [N]
+        chosen = torch.zeros(B, T, dtype=torch.bool)
+        if loss_type == "clip_cov":
+            unclipped, clipped = -coef_1 * A, -coef_1.clamp(1.0 - eps_low, 1.0 + eps_high) * A
+            by_clip = (clipped > unclipped).expand(B, T)[kept]  # [N]
+            candidates = (~by_clip & (cov > clip_cov_lb) & (cov < clip_cov_ub)).nonzero().squeeze(-1)  # [K]
+            if len(candidates) > 0:
+                pick = candidates[torch.randperm(len(candidates))[: max(int(clip_cov_ratio * len(a)), 1)]]
+                chosen[positions[pick, 0], positions[pick, 1]] = True
+            per_token_loss = torch.where(chosen, 0.0, torch.max(unclipped, clipped).expand(B, T))  # [B, T]
+        else:
+            if len(a) > 0:
+                pick = torch.topk(cov, max(int(kl_cov_ratio * len(a)), 1)).indices
+                chosen[positions[pick, 0], positions[pick, 1]] = True
+            per_token_loss = -coef_1 * A + ppo_kl_coef * (logp - old).abs() * chosen  # [B, T]
     else:
         # GMPO: L_i = -mean_t(A) * exp(mean_t(lr_min)); the token log-ratio lr is clipped to [-eps_low, eps_high] in
         # log space, on the side the sign of A selects: lr_min = sign(A) * min(sign(A) * lr, sign(A) * lr_c).
@@ -245,7 +310,18 @@ def grpo_loss(
         ratio = ((lr_min * m).sum(-1, keepdim=True) / n.clamp(min=1.0)).clamp(-LOG_CLAMP, LOG_CLAMP).exp()  # [B, 1]
         A_seq = (A.expand(B, T) * m).sum(-1, keepdim=True) / n.clamp(min=1.0)  # [B, 1]
         per_token_loss = -A_seq * ratio  # [B, 1]
+        if is_w is not None:
+            # verl geo_mean's rollout IS weight: the geometric mean exp(mean_t log(w_t + 1e-10)) over kept tokens.
+            log_is = (is_w + 1e-10).log().expand(B, T)  # [B, T]
+            per_token_loss = per_token_loss * ((log_is * m).sum(-1, keepdim=True) / n.clamp(min=1.0)).exp()
         ratio_logged = ratio
+
+    if off_policy_mask_threshold is not None:
+        # DeepSeek-V3.2 off-policy sequence mask (TRL): drop a sequence when A < 0 and its mean over kept tokens of
+        # log pi_sampler - log pi_theta exceeds the threshold; the sampler is sampling_logp, else old_logp.
+        sampler = old if sampling_logp is None else sampling_logp.double()
+        mean_kl = (torch.nan_to_num(sampler - logp.detach(), nan=0.0) * m).sum(-1, keepdim=True) / n.clamp(min=1.0)
+        per_token_loss = per_token_loss * ((A >= 0) | (mean_kl <= off_policy_mask_threshold)).to(F64)
 
     m_eff = m  # the kept tokens, for the entropy bonus
     if top_entropy_quantile < 1.0:
@@ -260,7 +336,7 @@ def grpo_loss(
         per_token_loss = per_token_loss * entropy_mask
         m_eff = m * entropy_mask  # [B, T]
 
-    if is_w is not None and loss_type != "vespo":
+    if is_w is not None and loss_type not in ("vespo", "gmpo"):
         per_token_loss = per_token_loss * is_w  # vLLM importance-sampling correction
     if kl is not None:
         per_token_loss = per_token_loss + beta * kl
@@ -309,7 +385,7 @@ def grpo_loss(
     elif loss_type == "cispo":
         high = (coef_1 > eps_high) & (A > 0)
         low = torch.zeros_like(high)
-    elif loss_type == "gpg":
+    elif loss_type in ("gpg", "kl_cov"):
         low = high = torch.zeros(B, T, dtype=torch.bool)
     elif loss_type == "gmpo":
         clipped = log_ratio != log_ratio.clamp(-eps_low, eps_high)  # [B, T]
@@ -320,10 +396,18 @@ def grpo_loss(
     metrics["clip_ratio/low_mean"] = _global_mean(low, m)
     metrics["clip_ratio/high_mean"] = _global_mean(high, m)
     metrics["clip_ratio/region_mean"] = _global_mean(low | high, m)
+    if loss_type in CLIPPED_LOSS_TYPES:
+        # TRL's extremes over sequences of each sequence's clipped fraction; empty sequences have none (TRL: NaN)
+        metrics["clip_ratio/low_min"] = _sequence_fraction(low, m).min()
+        metrics["clip_ratio/high_max"] = _sequence_fraction(high, m).max()
     if loss_type == "cispo":
         metrics["cispo_clip_ratio"] = metrics["clip_ratio/region_mean"]
     if dual_clipped is not None:
         metrics["clip_ratio/dual_mean"] = _global_mean(dual_clipped, m)
     if phi is not None:
         metrics["vespo/phi_seq_mean"] = _global_mean(phi, m)
+    if loss_type == "clip_cov":  # verl's name: the fraction of kept tokens whose loss was cut
+        metrics["pg_clipfrac"] = chosen.sum().to(F64) / m.sum().clamp(min=1.0)
+    if loss_type == "kl_cov":  # verl's: the mean |logp - old| (its kl_cov `ppo_kl`)
+        metrics["ppo_kl_abs"] = _global_mean((logp - old).abs(), m)
     return (loss, metrics, seq_losses) if return_sequence_losses else (loss, metrics)

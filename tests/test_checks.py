@@ -67,7 +67,7 @@ def test_bad_tensor_raises_before_launch(name, backend, launches):
 
 
 BAD_OPTIONS = {
-    "unknown_option": (dict(epsilon=0.2), TypeError, "unknown loss option"),
+    "unknown_option": (dict(eps=0.2), TypeError, "unknown loss option"),
     "unknown_loss_type": (dict(loss_type="ppo"), ValueError, "loss_type must be one of"),
     "unknown_level": (dict(importance_sampling_level="group"), ValueError, "importance_sampling_level"),
     "dr_grpo_needs_length": (dict(loss_type="dr_grpo"), ValueError, "max_completion_length"),
@@ -127,3 +127,20 @@ def test_float64_logits_are_for_the_torch_backend_only():
         gk.token_logprobs(
             torch.zeros(1, 2, 3, dtype=torch.float64), torch.zeros(1, 2, dtype=torch.long), backend="triton"
         )
+
+
+def test_chunk_size_must_be_positive():
+    hidden, weight = torch.randn(1, 3, 4), torch.randn(7, 4)
+    targets, adv = torch.randint(0, 7, (1, 3)), torch.randn(1)
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="chunk_size must be a positive int or None"):
+            gk.fused_linear_token_logprobs(hidden, weight, targets, chunk_size=bad)
+        with pytest.raises(ValueError, match="chunk_size must be a positive int or None"):
+            gk.fused_linear_grpo_loss(hidden, weight, targets, adv, chunk_size=bad)
+
+
+def test_beta_and_num_items_must_be_sensible():
+    with pytest.raises(ValueError, match="beta must be >= 0"):
+        gk.LossOptions(beta=-1.0)
+    with pytest.raises(ValueError, match="num_items_in_batch must be > 0"):
+        gk.LossOptions(num_items_in_batch=float("nan"))

@@ -1,7 +1,8 @@
 """The CUDA backend without a GPU: every csrc/*.cu compiles (nvcc -c for sm_80 and sm_90), and the kernels'
-host-device arithmetic (online log-sum-exp and its merge, the logit gradient, the token-loss epilogue; common.cuh)
-run on the CPU through csrc/tests/epilogue_test.cpp (g++) matches the float64 oracle. Each part skips, with the
-reason, where its compiler is absent. Nothing here launches a kernel: that needs a GPU and grpo_kernels._C.
+host-device arithmetic (the logit transform, online log-sum-exp and its merge, the logit gradient with the
+transform's chain rule, the token-loss epilogue; common.cuh) run on the CPU through csrc/tests/epilogue_test.cpp
+(g++) matches the float64 oracle. Each part skips, with the reason, where its compiler is absent. Nothing here
+launches a kernel: that needs a GPU and grpo_kernels._C.
 """
 
 from __future__ import annotations
@@ -119,26 +120,46 @@ ROWS = {  # name -> (logits [V] float32, temperature, target, head (elements bef
 }
 
 
+TRANSFORMS = {  # name -> (logit_scale, final_logit_softcapping)
+    "plain": (1.0, None),
+    "scaled": (0.25, None),
+    "softcapped": (1.0, 5.0),  # tanh far from linear: |logits| ~ 3 against a cap of 5
+    "scaled_softcapped": (2.0, 3.0),
+}
+
+
+def _transformed(logits: torch.Tensor, temperature: float, logit_scale: float, softcap: float | None):
+    """The float64 logits the softmax sees: s·x, then c·tanh(·/c), then /T."""
+    z = logits.double() * logit_scale
+    return (z if softcap is None else softcap * torch.tanh(z / softcap)) / temperature
+
+
+@pytest.mark.parametrize("transform", TRANSFORMS)
 @pytest.mark.parametrize("name", ROWS)
-def test_online_lse_and_logit_gradient_match_oracle(host_test, name):
-    """lse, logp, entropy of a row split over lanes as a kernel splits it, and d(g·logp + g_H·H)/dz."""
+def test_online_lse_and_logit_gradient_match_oracle(host_test, name, transform):
+    """lse, logp, entropy of a row split over lanes as a kernel splits it, and d(g·logp + g_H·H)/dx, for raw
+    logits x under each logit transform (scale, soft-cap, temperature)."""
     logits, temperature, target, head = ROWS[name]
+    logit_scale, softcap = TRANSFORMS[transform]
     g, g_h = 0.75, -0.4
-    inv_t = _f32(1.0 / temperature)
-    line = f"row {logits.numel()} {inv_t!r} {target} {g} {g_h} {head} " + " ".join(map(repr, logits.tolist()))
+    temperature = _f32(temperature)
+    numbers = f"{temperature!r} {logit_scale!r} {0.0 if softcap is None else softcap!r}"
+    line = f"row {logits.numel()} {numbers} {target} {g} {g_h} {head} " + " ".join(map(repr, logits.tolist()))
     [[kind, *values]] = host_test([line])
     assert kind == "row"
     lse, logp, entropy = _floats(values[:3])
     grad = _floats(values[3:])
 
-    z = logits.double().requires_grad_()
-    ref_logp, ref_entropy = reference.token_logprobs(z[None], torch.tensor([target]), temperature=1.0 / inv_t)
-    (ref_grad,) = torch.autograd.grad(g * ref_logp.sum() + g_h * ref_entropy.sum(), z)
-    ref_lse = torch.logsumexp(z.detach() * inv_t, dim=0)
-    assert_close(lse, ref_lse, torch.float32, f"{name}: lse")
-    assert_close(logp, ref_logp.detach()[0], torch.float32, f"{name}: logp")
-    assert_close(entropy, ref_entropy.detach()[0], torch.float32, f"{name}: entropy")
-    assert_close(grad, ref_grad, torch.float32, f"{name}: dL/dlogits")
+    x = logits.double().requires_grad_()
+    transform_args = dict(temperature=temperature, logit_scale=logit_scale, final_logit_softcapping=softcap)
+    ref_logp, ref_entropy = reference.token_logprobs(x[None], torch.tensor([target]), **transform_args)
+    (ref_grad,) = torch.autograd.grad(g * ref_logp.sum() + g_h * ref_entropy.sum(), x)
+    ref_lse = torch.logsumexp(_transformed(x.detach(), temperature, logit_scale, softcap), dim=0)
+    label = f"{name}/{transform}"
+    assert_close(lse, ref_lse, torch.float32, f"{label}: lse")
+    assert_close(logp, ref_logp.detach()[0], torch.float32, f"{label}: logp")
+    assert_close(entropy, ref_entropy.detach()[0], torch.float32, f"{label}: entropy")
+    assert_close(grad, ref_grad, torch.float32, f"{label}: dL/dlogits")
 
 
 POLICY_OPTIONS = {  # the token-level loss types of the fused epilogue, with their hyperparameters

@@ -78,3 +78,7 @@ def test_cli_one_model_plain_table_and_bad_dataset(tmp_path, capsys, monkeypatch
     assert lines[3].split() == ["reward", f"{results['model']['metrics']['reward']:.3f}"]
     with pytest.raises(ValueError, match="dataset must be one of"):  # before any model is loaded
         cli.main(["--model", str(tmp_path / "no_such_model"), "--dataset", "bogus"])
+    with pytest.raises(ValueError, match="no_such_model': no such directory"):  # not a hub error
+        cli.main(["--model", str(tmp_path / "no_such_model")])
+    with pytest.raises(ValueError, match="not a model directory"):  # a run directory, not a checkpoint
+        cli.main(["--model", str(tmp_path / "run")])

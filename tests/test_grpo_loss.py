@@ -13,8 +13,13 @@ REQUIRED_METRICS = {"clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/r
 
 
 def type_options(loss_type: str, T: int) -> dict:
-    """What a loss type needs beyond the defaults."""
-    return {"max_completion_length": T + 3} if loss_type == "dr_grpo" else {}
+    """What a loss type needs beyond the defaults. clip_cov cuts every candidate (ratio 1), so the oracle, called
+    after ours, cannot draw other tokens; its window admits some of the case's tokens. kl_cov penalises 2 of 8."""
+    return {
+        "dr_grpo": {"max_completion_length": T + 3},
+        "clip_cov": {"clip_cov_ratio": 1.0, "clip_cov_lb": 0.0},
+        "kl_cov": {"kl_cov_ratio": 0.25},
+    }.get(loss_type, {})
 
 
 def assert_matches(ours, oracle, dtype, expect_kl: bool) -> None:
@@ -79,7 +84,7 @@ TYPE_OPTIONS = [
     for t in ("grpo", "dapo", "cispo", "sapo", "vespo")
     for o in OPTION_SETS
     if o != "delta" or t in ("grpo", "dapo")
-]
+] + [("gmpo", o) for o in ("is_ratio_per_token", "is_ratio_per_sequence")]  # verl geo_mean's geometric mean
 
 
 @pytest.mark.parametrize("loss_type,option_set", TYPE_OPTIONS)

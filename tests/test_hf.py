@@ -1,5 +1,8 @@
-"""Hugging Face helper: tiny Llama / Qwen2 models built from a config (no download); the fused path equals the
-eager path through model(...).logits, for log-probs and for the loss's gradients on every parameter."""
+"""Hugging Face helper: tiny Llama / Qwen2 / Gemma 2 / Cohere / Granite models built from a config (no download);
+the fused path, with the model's logit transform (soft-capping, scaling), equals the eager path through
+model(...).logits, for log-probs and for the loss's gradients on every parameter."""
+
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -7,7 +10,12 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import grpo_kernels as gk  # noqa: E402
-from grpo_kernels.hf import completion_hidden_states, lm_head, policy_logprobs  # noqa: E402
+from grpo_kernels.integrations.hf import (  # noqa: E402
+    completion_hidden_states,
+    lm_head,
+    logit_transform,
+    policy_logprobs,
+)
 from tests.conftest import BACKENDS, assert_close  # noqa: E402
 
 P, T, VOCAB = 4, 6, 97
@@ -20,9 +28,14 @@ SIZES = dict(
     num_key_value_heads=2,
     max_position_embeddings=64,
 )
-MODELS = {
+MODELS = {  # the random models' logits are ~0.4, so a soft-cap of 0.3 bends them well into the tanh
     "llama_tied": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**SIZES, tie_word_embeddings=True)),
     "qwen2": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**SIZES, tie_word_embeddings=False)),
+    "gemma2_softcap": lambda: transformers.Gemma2ForCausalLM(
+        transformers.Gemma2Config(**SIZES, head_dim=8, final_logit_softcapping=0.3)
+    ),
+    "cohere_scaled": lambda: transformers.CohereForCausalLM(transformers.CohereConfig(**SIZES, logit_scale=2.5)),
+    "granite_scaled": lambda: transformers.GraniteForCausalLM(transformers.GraniteConfig(**SIZES, logits_scaling=0.2)),
 }
 
 
@@ -68,9 +81,21 @@ def test_loss_gradients_on_parameters_match_eager(name, backend):
     options = dict(loss_type="dapo", epsilon_high=0.28, beta=0.04)
 
     weight, bias = lm_head(model)
+    logit_scale, softcap = logit_transform(model)
     hidden = completion_hidden_states(model, input_ids, attention_mask, T)
+    transform = dict(logit_scale=logit_scale, final_logit_softcapping=softcap)
     gk.fused_linear_grpo_loss(
-        hidden, weight, targets, advantages, old, ref, completion_mask, bias=bias, backend=backend, **options
+        hidden,
+        weight,
+        targets,
+        advantages,
+        old,
+        ref,
+        completion_mask,
+        bias=bias,
+        backend=backend,
+        **options,
+        **transform,
     ).loss.backward()
     fused = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
@@ -80,11 +105,25 @@ def test_loss_gradients_on_parameters_match_eager(name, backend):
         assert_close(fused[n], p.grad, torch.float32, f"grad {n}")
 
 
-def test_logit_transforms_are_refused():
-    config = transformers.Gemma2Config(**SIZES, head_dim=8)
-    model = transformers.Gemma2ForCausalLM(config)
-    with pytest.raises(ValueError, match="final_logit_softcapping"):
-        lm_head(model)
+CONFIGS = {  # name -> (config, (logit_scale, final_logit_softcapping)) as TRL 1.16's add_fused_lm_head reads them
+    "llama": (lambda: transformers.LlamaConfig(**SIZES), (1.0, None)),
+    "gemma2_default": (lambda: transformers.Gemma2Config(**SIZES, head_dim=8), (1.0, 30.0)),
+    "gemma3_text": (lambda: transformers.Gemma3TextConfig(**SIZES, head_dim=8), (1.0, None)),
+    "gemma3_composite": (
+        lambda: transformers.Gemma3Config(text_config=dict(**SIZES, head_dim=8, final_logit_softcapping=7.0)),
+        (1.0, 7.0),
+    ),
+    "cohere_default": (lambda: transformers.CohereConfig(**SIZES), (0.0625, None)),
+    "cohere_none": (lambda: transformers.CohereConfig(**SIZES, logit_scale=None), (1.0, None)),
+    "granite": (lambda: transformers.GraniteConfig(**SIZES, logits_scaling=8.0), (0.125, None)),
+    "falcon_h1": (lambda: transformers.FalconH1Config(lm_head_multiplier=0.5), (0.5, None)),
+}
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_logit_transform_reads_the_config(name):
+    make_config, expected = CONFIGS[name]
+    assert logit_transform(SimpleNamespace(config=make_config())) == expected
 
 
 def test_prompt_is_required():

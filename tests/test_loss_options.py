@@ -14,12 +14,15 @@ from tests.helpers import loss_inputs, oracle_logits
 
 DTYPES = (torch.float32, torch.bfloat16)
 CASE = Case("ragged_vocab")
-TYPES = ("grpo", "dapo", "cispo", "sapo", "vespo", "gpg", "gspo_token", "gmpo", "tic_grpo")
+TYPES = ("grpo", "dapo", "cispo", "sapo", "vespo", "gpg", "gspo_token", "gmpo", "tic_grpo", "clip_cov", "kl_cov")
+# clip_cov cuts every candidate (ratio 1): its random draw cannot differ between our calls and the oracle's
+TYPE_DEFAULTS = {"clip_cov": dict(clip_cov_ratio=1.0, clip_cov_lb=0.0), "kl_cov": dict(kl_cov_ratio=0.25)}
 
 OPTION_SETS = {
     "k1": dict(kl_estimator="k1"),
     "k2": dict(kl_estimator="k2", use_bias_correction_kl=True),
     "low_var_kl": dict(kl_estimator="low_var_kl"),
+    "abs_kl": dict(kl_estimator="abs"),
     "dual_clip": dict(clip_ratio_c=1.1),  # below 1 + ε: the floor binds on many A < 0 tokens
     "cispo_two_sided": dict(cispo_two_sided=True, epsilon_high=0.28),
     "entropy_bonus": dict(entropy_coef=0.3),
@@ -29,6 +32,8 @@ OPTION_SETS = {
     "agg_scale_factor": dict(loss_agg_mode="seq-mean-token-sum-norm", loss_scale_factor=11.0),
     "token_weights": dict(token_weights=True),
     "sequence_weights": dict(sequence_weights=True),
+    "off_policy_mask": dict(off_policy_mask_threshold=0.0),  # against old_logp
+    "off_policy_mask_sampler": dict(off_policy_mask_threshold=0.05, sampling_logp=True),
 }
 ONLY_FOR = {"dual_clip": CLIPPED_SURROGATE_TYPES, "cispo_two_sided": ("cispo",)}
 TYPE_OPTIONS = [(t, o) for t in TYPES for o in OPTION_SETS if t in ONLY_FOR.get(o, TYPES)]
@@ -47,9 +52,12 @@ def run_both(inputs: dict, backend: str, weights_grad: bool = True, **options):
         weights["token_weights"] = _weights((B, T), 1, weights_grad)
     if options.pop("sequence_weights", False):
         weights["sequence_weights"] = _weights((B,), 2, weights_grad)
+    if options.pop("sampling_logp", False):  # the sampler's log-probs: old_logp shifted by a per-token drift
+        drift = 0.3 * torch.randn((B, T), generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+        weights["sampling_logp"] = (inputs["old_logp"].detach().double().cpu() + drift).to(DEVICE, torch.float32)
     args = {k: inputs[k] for k in ("targets", "advantages", "old_logp", "ref_logp", "mask")}
     ref_logits = oracle_logits(inputs["logits"])
-    ref_weights = {k: v.detach().double().cpu().requires_grad_() for k, v in weights.items()}
+    ref_weights = {k: v.detach().double().cpu().requires_grad_(k != "sampling_logp") for k, v in weights.items()}
     seq = gk.grpo_loss(
         inputs["logits"], **args, **weights, backend=backend, inplace=False, return_sequence_losses=True, **options
     )[1]  # the two-phase path: it has the shares
@@ -62,7 +70,7 @@ def run_both(inputs: dict, backend: str, weights_grad: bool = True, **options):
     )
     ref_loss.backward()
     grads = {"logits": (logits.grad, ref_logits.grad)}
-    grads.update({k: (weights[k].grad, ref_weights[k].grad) for k in weights if weights_grad})
+    grads.update({k: (weights[k].grad, ref_weights[k].grad) for k in weights if weights_grad and k != "sampling_logp"})
     return (out, seq), (ref_loss, ref_metrics, ref_seq), grads
 
 
@@ -70,7 +78,7 @@ def run_both(inputs: dict, backend: str, weights_grad: bool = True, **options):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_option_matches_reference(backend, dtype, loss_type, option_set):
-    options = dict(OPTION_SETS[option_set], loss_type=loss_type, beta=0.04)
+    options = dict(OPTION_SETS[option_set], loss_type=loss_type, beta=0.04, **TYPE_DEFAULTS.get(loss_type, {}))
     inputs = loss_inputs(CASE, dtype, DEVICE, seed=5)
     (out, seq), (ref_loss, ref_metrics, ref_seq), grads = run_both(inputs, backend, **options)
     assert_close(out.loss, ref_loss, dtype, "loss")
@@ -148,3 +156,30 @@ def test_extreme_log_ratios_stay_finite(backend, loss_type):
     assert torch.isfinite(out.loss)
     assert all(torch.isfinite(v) for v in out.metrics.values()), out.metrics
     assert torch.isfinite(logits.grad).all()
+
+
+@pytest.mark.parametrize("per_token_advantages", [False, True])
+def test_off_policy_mask_is_trls(per_token_advantages):
+    """The off-policy sequence mask equals TRL's own `GRPOTrainer.get_off_policy_mask`, NaN sampler tokens included,
+    and it drops at least one sequence (else the comparison would prove nothing)."""
+    trl_trainer = pytest.importorskip("trl.trainer.grpo_trainer")
+    from grpo_kernels.losses.loss import off_policy_keep
+    from grpo_kernels.losses.terms import build_terms
+    from grpo_kernels.options import LossOptions
+
+    g = torch.Generator().manual_seed(0)
+    B, T = 8, 6
+    logp = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
+    sampling = logp + 0.4 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    sampling[0, 1] = float("nan")
+    mask = torch.rand(B, T, generator=g) > 0.3
+    mask[:, 0] = True
+    adv = torch.randn((B, T) if per_token_advantages else (B,), generator=g, dtype=torch.float64)
+    options = LossOptions(off_policy_mask_threshold=0.05)
+    terms = build_terms(logp, None, None, adv, mask, None, None, options, sampling_logp=sampling)
+    ours = off_policy_keep(terms, options)
+    adv_trl = adv if per_token_advantages else adv[:, None]
+    theirs = trl_trainer.GRPOTrainer.get_off_policy_mask(adv_trl, logp, sampling, mask.double(), 0.05)
+    kept = mask if per_token_advantages else torch.ones(B, 1, dtype=torch.bool)  # padding's value is never used
+    assert torch.equal(ours * kept, theirs.to(ours.dtype) * kept)
+    assert (ours[kept.expand_as(ours)] == 0).any() and (ours == 1).any()

@@ -186,7 +186,8 @@ def test_delta_two_sided_clipping():
 
 def test_kl_k3():
     """beta != 0 adds β·k3 per token before the normaliser; d(β·D)/dlogp = β·(1 − e^{ref−logp})."""
-    loss, metrics, grad = run(LossOptions(loss_type="grpo", beta=0.1), ref_minus_logp=REF_MINUS_LOGP)
+    options = LossOptions(loss_type="grpo", beta=0.1, use_bias_correction_kl=False)
+    loss, metrics, grad = run(options, ref_minus_logp=REF_MINUS_LOGP)
     # D = [[0.30685282, 0.19314718, 0], [0.30685282, 0, (pad)]]; row means: (0.30685282 + 0.19314718)/3 = 0.5/3 and
     # 0.30685282/2 = 0.15342641 → Agg D = (0.16666667 + 0.15342641)/2 = 0.16004654.
     # L = 0.58333333 (test_grpo) + 0.1·0.16004654 = 0.59933799
@@ -215,7 +216,8 @@ def test_kl_bias_correction():
 
 def test_is_ratio_multiplies_policy_term_only():
     """is_ratio (rollout IS weight) multiplies the policy term, not the KL term."""
-    loss, _, grad = run(LossOptions(loss_type="grpo", beta=0.1), ref_minus_logp=REF_MINUS_LOGP, is_ratio=[0.5, 2.0])
+    options = LossOptions(loss_type="grpo", beta=0.1, use_bias_correction_kl=False)
+    loss, _, grad = run(options, ref_minus_logp=REF_MINUS_LOGP, is_ratio=[0.5, 2.0])
     # L = (0.5·(−2.8/3) + 2·(4.2/2)) / 2 + 0.1·0.16004654 (KL as in test_kl_k3, unweighted)
     #   = (−0.46666667 + 4.2)/2 + 0.01600465 = 1.86666667 + 0.01600465 = 1.88267132
     assert loss == approx(1.8826713204860015)
@@ -318,6 +320,8 @@ GRADCHECK_OPTIONS = {
     "gspo_token": {},
     "gmpo": {},
     "tic_grpo": {},
+    "clip_cov": {"clip_cov_ratio": 1.0, "clip_cov_lb": 0.0},  # every candidate cut: no random draw to differ
+    "kl_cov": {"kl_cov_ratio": 0.5},
 }
 DETACHED_WEIGHT_TYPES = ("cispo", "vespo")
 
@@ -349,7 +353,7 @@ def loss_fn(inputs: dict, on_policy: bool = False, **options):
             backend="torch",
             inplace=False,
             beta=0.1,
-            **options,
+            **{"use_bias_correction_kl": False, **options},  # on-policy, sg(ρ) ≡ 1 but its gradient is not 0
         ).loss
 
     return f

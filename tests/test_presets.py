@@ -1,5 +1,6 @@
 """Paper presets: every shipped YAML loads, validates, round-trips and runs one loss step on a tiny random batch."""
 
+import dataclasses
 import inspect
 import subprocess
 import sys
@@ -196,7 +197,8 @@ def test_unknown_component_lists_the_valid_choices():
 def test_unknown_hyperparameter_lists_the_valid_ones():
     with pytest.raises(TypeError, match=r"unknown hyperparameter\(s\) \['Q'\].*'krpo'.*'meas_var'.*'process_var'"):
         presets.from_dict(_dapo(advantage={"name": "krpo", "Q": 1.0e-5}))
-    with pytest.raises(TypeError, match=r"\['answers'\].*valid: \[\]"):  # a per-step input is not preset data
+    # a per-step input is not preset data
+    with pytest.raises(TypeError, match=r"\['answers'\].*valid: \['timeout_seconds'\]"):
         presets.from_dict(_dapo(rewards=[{"name": "math_answer", "answers": ["1"]}]))
 
 
@@ -222,8 +224,8 @@ def test_int_is_a_float_and_lists_fit_sequences():
 
 
 def test_loss_options_are_checked():
-    with pytest.raises(TypeError, match=r"loss: unknown loss option\(s\) \['epsilon'\].*'epsilon_low'"):
-        presets.from_dict(_dapo(loss={"loss_type": "dapo", "epsilon": 0.2}))
+    with pytest.raises(TypeError, match=r"loss: unknown loss option\(s\) \['eps'\].*'epsilon'"):
+        presets.from_dict(_dapo(loss={"loss_type": "dapo", "eps": 0.2}))
     with pytest.raises(TypeError, match=r"loss.epsilon_high must be float \| None, got str '4e-4'"):
         presets.from_dict(_dapo(loss={"loss_type": "dapo", "epsilon_high": "4e-4"}))
     with pytest.raises(ValueError, match=r"needs max_completion_length > 0"):
@@ -269,3 +271,24 @@ def test_load_by_path_and_unknown_name(tmp_path):
 def test_import_reads_no_preset():
     code = "import sys, grpo_kernels; assert 'grpo_kernels.presets' not in sys.modules and 'yaml' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_preset_goes_in_as_options():
+    """`options=preset`, `options=preset.loss` and `GRPOLoss(options=...)` all give the preset's loss; names are
+    case-insensitive (`load("DAPO")`, the preset's own display name)."""
+    preset = presets.load("DAPO")
+    assert preset == presets.load("dapo")
+    logits = torch.randn(2, 3, 11)
+    args = (torch.randint(0, 11, (2, 3)), torch.randn(2), torch.randn(2, 3) - 2.0)
+    losses = [
+        gk.grpo_loss(logits, *args, inplace=False, options=preset).loss,
+        gk.grpo_loss(logits, *args, inplace=False, options=preset.loss).loss,
+        gk.GRPOLoss(options=preset, inplace=False)(logits, *args).loss,
+        gk.grpo_loss(logits, *args, inplace=False, **dataclasses.asdict(preset.loss)).loss,
+    ]
+    assert all(torch.equal(loss, losses[0]) for loss in losses)
+    assert not torch.equal(losses[0], gk.grpo_loss(logits, *args, inplace=False, loss_type="grpo").loss)
+    with pytest.raises(TypeError, match="not both"):
+        gk.grpo_loss(logits, *args, options=preset, beta=0.1)
+    with pytest.raises(TypeError, match="options must be a LossOptions or a preset"):
+        gk.GRPOLoss(options={"beta": 0.1})

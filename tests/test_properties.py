@@ -37,14 +37,14 @@ def cases(draw, backend: str, extreme: bool = False) -> dict:
     max_b, max_t, max_v = MAX_SHAPE[backend]
     T = draw(st.integers(1, max_t))
     loss_type = draw(st.sampled_from(gk.LOSS_TYPES))
-    epsilon_low = draw(st.floats(0.0, 0.4))
+    epsilon = draw(st.floats(0.0, 0.4))
     # cispo's epsilon_high is an absolute cap on the IS weight, the others' a width above 1
     epsilon_high = draw(st.floats(0.5, 5.0) if loss_type == "cispo" else st.none() | st.floats(0.0, 0.5))
     token_only = loss_type in TOKEN_LEVEL_ONLY_TYPES  # they form their own sequence weight
     level = "token" if token_only else draw(st.sampled_from(IMPORTANCE_SAMPLING_LEVELS))
     options = {
         "loss_type": loss_type,
-        "epsilon_low": epsilon_low,
+        "epsilon": epsilon,
         "epsilon_high": epsilon_high,
         "importance_sampling_level": level,
         "temperature": draw(st.floats(0.5, 2.0)),
@@ -55,11 +55,13 @@ def cases(draw, backend: str, extreme: bool = False) -> dict:
         options["use_bias_correction_kl"] = draw(st.booleans())
         options["kl_estimator"] = draw(st.sampled_from(KL_ESTIMATORS))
     if loss_type in CLIPPED_SURROGATE_TYPES and draw(st.booleans()):
-        options["delta"] = 1.0 + (epsilon_low if epsilon_high is None else epsilon_high) + draw(st.floats(0.01, 1.0))
+        options["delta"] = 1.0 + (epsilon if epsilon_high is None else epsilon_high) + draw(st.floats(0.01, 1.0))
     if loss_type in CLIPPED_SURROGATE_TYPES and draw(st.booleans()):
         options["clip_ratio_c"] = draw(st.floats(1.05, 4.0))
     if loss_type == "cispo":
         options["cispo_two_sided"] = draw(st.booleans())
+    if loss_type == "clip_cov":  # every candidate cut: ours and the oracle draw no differing random tokens
+        options["clip_cov_ratio"] = 1.0
     options["entropy_coef"] = draw(st.sampled_from((0.0, 0.1)))
     options["loss_agg_mode"] = draw(st.none() | st.sampled_from(LOSS_AGG_MODES))
     if loss_type == "dr_grpo":

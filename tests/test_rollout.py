@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from grpo_kernels.hf import policy_logprobs
+from grpo_kernels.integrations.hf import policy_logprobs
 from grpo_kernels.trainer.config import TrainConfig
 from grpo_kernels.trainer.model import build_tiny_llama, build_tokenizer
 from grpo_kernels.trainer.rollout import HFRollout, completion_mask

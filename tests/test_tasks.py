@@ -219,7 +219,7 @@ def test_gsm8k_without_the_hub_or_datasets_says_so(monkeypatch):
         raise ConnectionError("Couldn't reach 'openai/gsm8k' on the Hub (LocalEntryNotFoundError)")
 
     monkeypatch.setattr(datasets, "load_dataset", offline)
-    with pytest.raises(RuntimeError, match=r"could not load 'openai/gsm8k' from the Hugging Face hub.*\.jsonl"):
+    with pytest.raises(ConnectionError, match=r"could not load 'openai/gsm8k' from the Hugging Face hub.*\.jsonl"):
         build_task(Namespace(dataset="gsm8k"))
     monkeypatch.setitem(sys.modules, "datasets", None)  # as if it were not installed
     with pytest.raises(ImportError, match=r"needs the `datasets` library.*\.jsonl"):

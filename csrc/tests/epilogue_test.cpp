@@ -2,9 +2,10 @@
 // the float64 oracle). Built with a host compiler only: g++ -std=c++17 -DGRPO_KERNELS_HOST_TEST -I csrc ...
 //
 // Reads lines from stdin, writes one line per input line:
-//   row V inv_t target g g_h head z_0 .. z_{V-1}
+//   row V temperature logit_scale softcap target g g_h head x_0 .. x_{V-1}    (softcap 0: none)
 //     -> row lse logp entropy grad_0 .. grad_{V-1}
-//     The row is split as a kernel splits it over kLanes lanes: `head` scalar elements (a misaligned start),
+//     The raw logits x go through the logit map (make_logit_map, map_logit); the row is split as a kernel
+//     splits it over kLanes lanes: `head` scalar elements (a misaligned start),
 //     packs of kPack elements strided over the lanes, a scalar tail; the lanes' states are merged by the
 //     xor butterfly of warp_merge. The gradient is that of g * logp + g_h * entropy.
 //   loss policy kl_kind has_kl beta eps_low eps_high has_delta delta has_dual_clip clip_ratio_c cispo_two_sided
@@ -40,30 +41,27 @@ int64_t next_int() {
   return std::strtoll(token.c_str(), nullptr, 10);
 }
 
-void run_row() {
-  const int64_t V = next_int();
-  const float inv_t = next_float();
-  const int64_t target = next_int();
-  const float g = next_float(), g_h = next_float();
-  int64_t head = next_int();
+template <bool kSoftcap>
+void run_row(int64_t V, const LogitMap& map, int64_t target, float g, float g_h, int64_t head,
+             const std::vector<float>& x) {
   std::vector<float> z(V);
-  for (auto& x : z) x = next_float();
+  for (int64_t c = 0; c < V; ++c) z[c] = map_logit<kSoftcap>(x[c], map);
   head = head < V ? head : V;
   std::vector<LseState> lanes(kLanes, lse_init());
   for (int lane = 0; lane < kLanes; ++lane) {
     LseState& st = lanes[lane];
     if (lane < head) {
-      const float one[1] = {z[lane] * inv_t};
+      const float one[1] = {z[lane]};
       lse_fold(st, one, true);
     }
     const int64_t packs = (V - head) / kPack;
     for (int64_t i = lane; i < packs; i += kLanes) {
       float pack[kPack];
-      for (int k = 0; k < kPack; ++k) pack[k] = z[head + i * kPack + k] * inv_t;
+      for (int k = 0; k < kPack; ++k) pack[k] = z[head + i * kPack + k];
       lse_fold(st, pack, true);
     }
     for (int64_t c = head + packs * kPack + lane; c < V; c += kLanes) {
-      const float one[1] = {z[c] * inv_t};
+      const float one[1] = {z[c]};
       lse_fold(st, one, true);
     }
   }
@@ -76,10 +74,26 @@ void run_row() {
   const float entropy = lse_entropy(lanes[0]);
   std::printf("row");
   print(lse);
-  print(z[target] * inv_t - lse);
+  print(z[target] - lse);
   print(entropy);
-  for (int64_t c = 0; c < V; ++c) print(logit_grad(z[c], c == target, lse, g, g_h, entropy, inv_t));
+  for (int64_t c = 0; c < V; ++c) print(logit_grad<kSoftcap>(x[c], c == target, lse, g, g_h, entropy, map));
   std::printf("\n");
+}
+
+void run_row() {
+  const int64_t V = next_int();
+  const double temperature = next_float(), logit_scale = next_float(), softcap = next_float();
+  const int64_t target = next_int();
+  const float g = next_float(), g_h = next_float();
+  const int64_t head = next_int();
+  std::vector<float> x(V);
+  for (auto& v : x) v = next_float();
+  const LogitMap map = make_logit_map(temperature, logit_scale, softcap > 0.0, softcap);
+  if (map.softcap) {
+    run_row<true>(V, map, target, g, g_h, head, x);
+  } else {
+    run_row<false>(V, map, target, g, g_h, head, x);
+  }
 }
 
 void run_loss() {

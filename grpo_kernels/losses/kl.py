@@ -1,6 +1,7 @@
 """KL penalty estimators of KL(π_θ ‖ π_ref), evaluated at the sampled token.
 
-Schulman, "Approximating KL divergence" (2020): with d = ref − logp, k1 = −d, k2 = d²/2, k3 = e^d − d − 1.
+Schulman, "Approximating KL divergence" (2020): with d = ref − logp, k1 = −d, k2 = d²/2, k3 = e^d − d − 1;
+verl adds `low_var_kl` (k3 clamped) and `abs` = |d|.
 """
 
 from __future__ import annotations
@@ -39,7 +40,18 @@ def low_var_kl(terms: TokenTerms) -> Tensor:
     return k3(terms).clamp(-10.0, 10.0)
 
 
-KL_ESTIMATORS: dict[str, Callable[[TokenTerms], Tensor]] = {"k1": k1, "k2": k2, "k3": k3, "low_var_kl": low_var_kl}
+def abs_kl(terms: TokenTerms) -> Tensor:
+    """verl's `abs`: |logp − ref|, biased, non-negative; gradient sign(logp − ref) (0 where they agree), [B, T]."""
+    return (terms.logp - terms.ref_logp).abs()
+
+
+KL_ESTIMATORS: dict[str, Callable[[TokenTerms], Tensor]] = {
+    "k1": k1,
+    "k2": k2,
+    "k3": k3,
+    "low_var_kl": low_var_kl,
+    "abs": abs_kl,
+}
 
 
 def kl_penalty(terms: TokenTerms, options: LossOptions) -> Tensor:

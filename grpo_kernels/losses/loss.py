@@ -11,9 +11,9 @@ from torch import Tensor
 from grpo_kernels.losses.aggregate import token_weights_for
 from grpo_kernels.losses.entropy import high_entropy_mask
 from grpo_kernels.losses.kl import kl_penalty
-from grpo_kernels.losses.policy import POLICY_LOSSES, clipped_surrogate, vespo_weights
+from grpo_kernels.losses.policy import POLICY_LOSSES, clip_cov_fraction, clipped_surrogate, vespo_weights
 from grpo_kernels.losses.terms import TokenTerms
-from grpo_kernels.options import LossOptions
+from grpo_kernels.options import CLIPPED_SURROGATE_TYPES, LossOptions
 
 
 class GRPOLossOutput(NamedTuple):
@@ -45,6 +45,8 @@ def per_token_loss(terms: TokenTerms, options: LossOptions, kept: Tensor | None 
     selects) · IS weight + β·KL, times token/sequence weights; [B, T] or [B, 1]."""
     spec = POLICY_LOSSES[options.loss_type]
     per_token = spec.term(terms, options)  # [B, T] or [B, 1]
+    if options.off_policy_mask_threshold is not None:
+        per_token = per_token * off_policy_keep(terms, options)  # [B, 1]
     if options.top_entropy_quantile < 1.0:
         per_token = per_token * kept
     if terms.is_ratio is not None and not spec.absorbs_is_ratio:
@@ -56,12 +58,40 @@ def per_token_loss(terms: TokenTerms, options: LossOptions, kept: Tensor | None 
     return per_token
 
 
+@torch.no_grad()
+def off_policy_keep(terms: TokenTerms, options: LossOptions) -> Tensor:
+    """DeepSeek-V3.2's off-policy sequence mask, TRL's definition: keep a sequence (1.0) when A ≥ 0 or when the
+    masked mean over its tokens of log π_sampler − log π_θ is at most `off_policy_mask_threshold`; [B, 1].
+
+    The sampler's log-probs are `sampling_logp` (vLLM's), else `old_logp`; a NaN there (a token the sampler
+    could not score) counts as 0, as in TRL. A per-token advantage counts by its sign at each token (TRL's rule).
+    """
+    sampler = terms.old_logp if terms.sampling_logp is None else terms.sampling_logp
+    kl = torch.nan_to_num(sampler - terms.logp, nan=0.0) * terms.mask  # [B, T]
+    mean_kl = kl.sum(-1, keepdim=True) / terms.mask.sum(-1, keepdim=True).clamp(min=1.0)  # [B, 1]
+    return ((terms.advantages >= 0) | (mean_kl <= options.off_policy_mask_threshold)).to(terms.mask.dtype)
+
+
 def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
     """Mean over kept tokens of a [B, T] tensor, or over all sequences of a per-sequence [B, 1] one (TRL's rule;
     at T = 1 TRL's shape test would also average padding, so there a [B, 1] tensor is taken per token)."""
     if x.shape[-1] == 1 and mask.shape[-1] > 1:
-        return x.sum() / x.shape[0]
+        return x.sum() / max(x.shape[0], 1)
     return (x * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def _sequence_extreme(flags: Tensor, mask: Tensor, extreme) -> Tensor:
+    """min or max over sequences of each sequence's fraction of flagged tokens (TRL's `low_min` / `high_max`).
+
+    A per-sequence [B, 1] flag is that sequence's value, as in TRL; sequences with no kept token have no fraction
+    and are skipped (TRL's NaN, dropped by its nanmin / nanmax); 0 when no sequence has one.
+    """
+    if flags.shape[-1] == 1 and mask.shape[-1] > 1:
+        per_sequence = flags[:, 0].to(mask.dtype)  # [B]
+    else:
+        counts = mask.sum(-1)  # [B]
+        per_sequence = ((flags * mask).sum(-1) / counts.clamp(min=1.0))[counts > 0]  # [B']
+    return extreme(per_sequence) if per_sequence.numel() else mask.new_zeros(())
 
 
 @torch.no_grad()
@@ -77,6 +107,9 @@ def loss_metrics(terms: TokenTerms, options: LossOptions) -> dict[str, Tensor]:
         "clip_ratio/region_mean": mean(low | high),
         "ratio/mean": mean(ratio),
     }
+    if options.loss_type in CLIPPED_SURROGATE_TYPES:  # TRL's per-sequence extremes of the clip fractions
+        metrics["clip_ratio/low_min"] = _sequence_extreme(low, terms.mask, torch.min)
+        metrics["clip_ratio/high_max"] = _sequence_extreme(high, terms.mask, torch.max)
     if options.clip_ratio_c is not None:  # where the dual clip's −A·c floor is the loss
         adv = terms.advantages
         unfloored = clipped_surrogate(terms, options, ratio, dual_clip=False)
@@ -89,4 +122,8 @@ def loss_metrics(terms: TokenTerms, options: LossOptions) -> dict[str, Tensor]:
         metrics["cispo_clip_ratio"] = metrics["clip_ratio/region_mean"]
     if options.loss_type == "vespo":
         metrics["vespo/phi_seq_mean"] = mean(vespo_weights(terms, options))
+    if options.loss_type == "clip_cov":  # verl's names: the fraction detached, kl_cov's mean |logp − old_logp|
+        metrics["pg_clipfrac"] = clip_cov_fraction(terms, options)
+    if options.loss_type == "kl_cov":
+        metrics["ppo_kl_abs"] = mean(terms.token_log_ratio.abs())
     return {name: value.detach() for name, value in metrics.items()}

@@ -29,7 +29,7 @@ def token_ratio(terms: TokenTerms, options: LossOptions) -> Tensor:
 def trust_region_flags(terms: TokenTerms, options: LossOptions, ratio: Tensor) -> tuple[Tensor, Tensor]:
     """(low, high): where the ratio (after any `delta` cap) leaves [1 − ε_low, 1 + ε_high] against A's sign."""
     ratio = ratio if options.delta is None else ratio.clamp(max=options.delta)
-    low = (ratio < 1 - options.epsilon_low) & (terms.advantages < 0)
+    low = (ratio < 1 - options.epsilon) & (terms.advantages < 0)
     high = (ratio > 1 + options.clip_high) & (terms.advantages > 0)
     return low, high
 
@@ -74,7 +74,7 @@ def clipped_surrogate(
     `clip_ratio_c`, tokens with A < 0 are capped at −A·c (dual-clip, arXiv:1912.09729, verl semantics)."""
     ratio = terms.ratio if ratio is None else ratio  # [B, T] or [B, 1]
     adv = terms.advantages
-    clipped = ratio.clamp(1 - options.epsilon_low, 1 + options.clip_high)
+    clipped = ratio.clamp(1 - options.epsilon, 1 + options.clip_high)
     if options.delta is not None:
         ratio = ratio.clamp(max=options.delta)
     loss = -torch.min(ratio * adv, clipped * adv)
@@ -115,7 +115,7 @@ def luspo(terms: TokenTerms, options: LossOptions) -> Tensor:
 
 def _cispo_flags(terms: TokenTerms, options: LossOptions, ratio: Tensor) -> tuple[Tensor, Tensor]:
     if options.cispo_two_sided:  # the weight is clipped whatever the advantage's sign
-        return ratio < 1 - options.epsilon_low, ratio > 1 + options.clip_high
+        return ratio < 1 - options.epsilon, ratio > 1 + options.clip_high
     high = (ratio > options.clip_high) & (terms.advantages > 0)
     return torch.zeros_like(high), high
 
@@ -127,7 +127,7 @@ def cispo(terms: TokenTerms, options: LossOptions) -> Tensor:
     """REINFORCE with a capped, stop-gradient IS weight: −sg(w)·A·logp, w = min(ρ, ε_high) (TRL: ε_high is the
     cap) or, with `cispo_two_sided`, w = clip(ρ, 1 − ε_low, 1 + ε_high) (the paper's and verl's form)."""
     if options.cispo_two_sided:
-        weight = terms.ratio.clamp(1 - options.epsilon_low, 1 + options.clip_high)  # [B, T] or [B, 1]
+        weight = terms.ratio.clamp(1 - options.epsilon, 1 + options.clip_high)  # [B, T] or [B, 1]
     else:
         weight = terms.ratio.clamp(max=options.clip_high)  # [B, T] or [B, 1]
     return -weight.detach() * terms.advantages * terms.logp
@@ -210,7 +210,7 @@ def _gmpo_log_ratios(terms: TokenTerms, options: LossOptions) -> tuple[Tensor, T
     """(lr, lr clipped to [−ε_low, ε_high] in log space, lr_min the sign(A)-pessimistic of the two), [B, T]."""
     lr = terms.token_log_ratio  # [B, T]
     sign = torch.sign(terms.advantages).expand_as(lr)  # [B, T]
-    lr_clipped = lr.clamp(-options.epsilon_low, options.clip_high)  # [B, T]
+    lr_clipped = lr.clamp(-options.epsilon, options.clip_high)  # [B, T]
     return lr, lr_clipped, sign * torch.min(sign * lr, sign * lr_clipped)
 
 
@@ -226,11 +226,107 @@ def _gmpo_flags(terms: TokenTerms, options: LossOptions, ratio: Tensor) -> tuple
     return clipped & (terms.advantages < 0), clipped & (terms.advantages > 0)
 
 
+def geometric_mean_is_ratio(terms: TokenTerms) -> Tensor:
+    """Each sequence's rollout IS weight for gmpo: exp(mean_t log(w_t + 1e-10)) over its kept tokens, [B, 1].
+
+    verl `geo_mean`'s reduction of `rollout_is_weights`: GMPO's ratio is a geometric mean of token ratios, so the
+    correction of each token's ratio by w_t enters as the geometric mean of the w_t. verl's 1e-10 is kept: a zero
+    weight among n tokens gives a factor (1e-10)^(1/n), not 0. A per-sequence weight [B, 1] gives itself.
+    """
+    log_w = (terms.is_ratio + 1e-10).log().expand_as(terms.mask)  # [B, T]
+    return _masked_sequence_mean(log_w, terms.mask).exp()
+
+
 @policy_loss(
-    "gmpo", normaliser="sequence_mean", paper="GMPO, arXiv:2507.20673", ratio=gmpo_ratio, clip_flags=_gmpo_flags
+    "gmpo",
+    normaliser="sequence_mean",
+    paper="GMPO, arXiv:2507.20673",
+    ratio=gmpo_ratio,
+    clip_flags=_gmpo_flags,
+    absorbs_is_ratio=True,
 )
 def gmpo(terms: TokenTerms, options: LossOptions) -> Tensor:
     """Geometric-mean policy optimisation: −Ā_i·exp(mean_t lr_min) per sequence, token log-ratios clipped in
-    log space to [−ε_low, ε_high] on the side A's sign makes pessimistic (verl `geo_mean`), [B, 1]."""
+    log space to [−ε_low, ε_high] on the side A's sign makes pessimistic (verl `geo_mean`), [B, 1]; times the
+    geometric mean of `is_ratio` over the sequence (verl's `rollout_is_weights` reduction)."""
     advantage = _masked_sequence_mean(terms.advantages.expand_as(terms.mask), terms.mask)  # [B, 1]
-    return -advantage * gmpo_ratio(terms, options)
+    loss = -advantage * gmpo_ratio(terms, options)  # [B, 1]
+    return loss if terms.is_ratio is None else loss * geometric_mean_is_ratio(terms)
+
+
+def _token_covariance(terms: TokenTerms) -> Tensor:
+    """(A − Ā)·(logp − mean logp) of each kept token, means over all kept tokens of the batch, detached, [M].
+
+    Clip-Cov and KL-Cov's per-token centred cross term (arXiv:2505.22617 eq. 11), in the kept tokens' row-major
+    order (verl's). It couples every token of the batch: these losses run two-phase, never in a fused epilogue.
+    """
+    keep = terms.mask.bool()  # [B, T]
+    adv = terms.advantages.detach().expand_as(terms.mask)[keep]  # [M]
+    logp = terms.logp.detach()[keep]  # [M]
+    return (adv - adv.mean()) * (logp - logp.mean())  # [M]
+
+
+@torch.no_grad()
+def clip_cov_candidates(terms: TokenTerms, options: LossOptions) -> tuple[Tensor, int]:
+    """(candidates [M] bool, n): kept tokens that PPO's clip leaves unclipped and whose covariance lies in
+    (clip_cov_lb, clip_cov_ub), and how many of them clip_cov detaches, n = max(⌊clip_cov_ratio · M⌋, 1)."""
+    keep = terms.mask.bool()  # [B, T]
+    low, high = trust_region_flags(terms, options, terms.ratio)  # [B, T] or [B, 1]
+    unclipped = ~(low | high).expand_as(keep)[keep]  # [M]
+    cov = _token_covariance(terms)  # [M]
+    count = max(int(options.clip_cov_ratio * terms.mask.sum().item()), 1)
+    return unclipped & (cov > options.clip_cov_lb) & (cov < options.clip_cov_ub), count
+
+
+@torch.no_grad()
+def clip_cov_keep(terms: TokenTerms, options: LossOptions) -> Tensor:
+    """1.0, or 0.0 at the tokens whose policy gradient clip_cov detaches, [B, T].
+
+    n of the candidates (`clip_cov_candidates`) are drawn uniformly without replacement, as verl does it: one
+    `torch.randperm(K)` on the default (CPU) generator over the K candidates in row-major order, whenever K > 0.
+    No `torch.Generator` is taken: after `torch.manual_seed(s)` the draw is verl's under the same seed, and it
+    advances the global RNG as verl's does. Called once per loss evaluation (the metric uses counts only).
+    """
+    candidates, count = clip_cov_candidates(terms, options)  # [M]
+    index = candidates.nonzero().squeeze(-1)  # [K]
+    drop = torch.zeros_like(candidates)  # [M]
+    if index.numel() > 0:
+        drop[index[torch.randperm(index.numel())[:count].to(index.device)]] = True
+    keep = torch.ones_like(terms.mask)  # [B, T]
+    keep[terms.mask.bool()] = (~drop).to(keep.dtype)
+    return keep
+
+
+def clip_cov_fraction(terms: TokenTerms, options: LossOptions) -> Tensor:
+    """verl's clip_cov `pg_clipfrac`: the fraction of kept tokens detached, min(n, K) / M (no draw needed)."""
+    candidates, count = clip_cov_candidates(terms, options)
+    fraction = min(count, int(candidates.sum())) / max(candidates.numel(), 1)
+    return torch.tensor(fraction, dtype=terms.mask.dtype, device=terms.mask.device)
+
+
+@policy_loss("clip_cov", normaliser="item_mean", paper="Clip-Cov, arXiv:2505.22617 (verl clip_cov)")
+def clip_cov(terms: TokenTerms, options: LossOptions) -> Tensor:
+    """PPO's clipped surrogate with the gradient cut (loss 0) at n random unclipped tokens of high covariance
+    between advantage and log-prob (`clip_cov_keep`): −min(ρA, clip(ρ)A)·keep, [B, T]. No dual clip (verl)."""
+    return clipped_surrogate(terms, options, dual_clip=False) * clip_cov_keep(terms, options)
+
+
+@torch.no_grad()
+def kl_cov_selected(terms: TokenTerms, options: LossOptions) -> Tensor:
+    """1.0 at the k = max(⌊kl_cov_ratio · M⌋, 1) kept tokens of largest covariance (`torch.topk`), else 0.0, [B, T]."""
+    keep = terms.mask.bool()  # [B, T]
+    selected = torch.zeros_like(terms.mask)  # [B, T]
+    cov = _token_covariance(terms)  # [M]
+    if cov.numel() > 0:
+        top = torch.zeros_like(cov)  # [M]
+        top[torch.topk(cov, max(int(cov.numel() * options.kl_cov_ratio), 1)).indices] = 1.0
+        selected[keep] = top
+    return selected
+
+
+@policy_loss("kl_cov", normaliser="item_mean", paper="KL-Cov, arXiv:2505.22617 (verl kl_cov)", clip_flags=no_clip_flags)
+def kl_cov(terms: TokenTerms, options: LossOptions) -> Tensor:
+    """Unclipped surrogate −ρA plus ppo_kl_coef·|logp − old_logp| at the tokens of largest covariance between
+    advantage and log-prob (`kl_cov_selected`), [B, T]."""
+    penalty = options.ppo_kl_coef * terms.token_log_ratio.abs() * kl_cov_selected(terms, options)  # [B, T]
+    return -terms.advantages * terms.ratio + penalty

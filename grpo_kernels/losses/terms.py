@@ -26,6 +26,7 @@ class TokenTerms:
     weights: Tensor | None  # [B, T] token_weights × sequence_weights, multiplying each token's whole loss
     log_ratio: Tensor  # [B, T] (token level) or [B, 1] (sequence level): log importance weight, in ±LOG_RATIO_CLAMP
     ratio: Tensor  # exp(log_ratio), same shape
+    sampling_logp: Tensor | None = None  # [B, T] the sampler's log-probs (off-policy mask); old_logp when None
 
     @property
     def token_log_ratio(self) -> Tensor:
@@ -44,6 +45,7 @@ def build_terms(
     options: LossOptions,
     token_weights: Tensor | None = None,
     sequence_weights: Tensor | None = None,
+    sampling_logp: Tensor | None = None,
 ) -> TokenTerms:
     """Promote shapes ([B] -> [B, 1]) and dtypes (to logp's), and form the importance ratio at its level.
 
@@ -61,6 +63,7 @@ def build_terms(
 
     old_logp = logp.detach() if old_logp is None else at_padding(old_logp, logp.detach())  # [B, T]
     ref_logp = None if ref_logp is None else at_padding(ref_logp, logp.detach())  # [B, T]
+    sampling_logp = None if sampling_logp is None else at_padding(sampling_logp, logp.detach())  # [B, T]
     advantages = at_padding(per_sequence_or_token(advantages), 0.0)  # [B, 1] or [B, T]
     is_ratio = None if is_ratio is None else at_padding(per_sequence_or_token(is_ratio), 1.0)  # [B, 1] or [B, T]
     weights = None
@@ -84,6 +87,7 @@ def build_terms(
         weights=weights,
         log_ratio=log_ratio,
         ratio=log_ratio.exp(),
+        sampling_logp=sampling_logp,
     )
 
 

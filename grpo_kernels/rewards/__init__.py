@@ -17,6 +17,11 @@ Two signatures:
 Inputs are checked first: a list or tensor whose length is not B, NaN or ±inf, or a value out of range is a
 ValueError naming the argument. Rewards are computed outside the kernel (spec §24, "Outside").
 
+Completions are untrusted: every text reward has a size and a time limit that hold in any thread (limits.py): a
+completion over `limits.MAX_COMPLETION_CHARS`, a Countdown equation over `countdown.MAX_EQUATION_CHARS`, or a math
+answer that is too big or takes longer than `math_answer.TIMEOUT_SECONDS` (run in a worker process that is killed
+then) scores 0 and is counted: `limits.over_limit_rows()` per call, the trainer's `rewards/over_limit` per step.
+
     REWARDS.get("gsm8k")(completions, answers=answers)          # [B]
     REWARDS.names()                                             # every registered reward
 """

@@ -1,16 +1,27 @@
 """`python -m grpo_kernels.train` (or `python -m grpo_kernels.trainer`): with no arguments, the embedded demo —
-a tiny Llama built from a config learns single-digit addition from reward alone, on CPU, in a few minutes."""
+a tiny Llama built from a config learns single-digit addition from reward alone, on CPU, in a few minutes.
+
+A user error (a bad option, a missing file, a run directory that holds another run) is one line, `error: ...`, and
+exit status 2 (`--debug`: the traceback). The trainer is imported after the command line is read, so `--help` and
+option errors answer without loading transformers."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from grpo_kernels.trainer import cli
 from grpo_kernels.trainer.config import parse_args
-from grpo_kernels.trainer.train import train
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    train(parse_args(argv))
+    cli.run(_train, argv)
+
+
+def _train(argv: Sequence[str]) -> None:
+    config = parse_args(argv)
+    from grpo_kernels.trainer.train import train
+
+    train(config)
 
 
 if __name__ == "__main__":

@@ -3,60 +3,76 @@
 `<output_dir>/checkpoints/step_000050/` holds the policy as a Hugging Face directory (`model.safetensors`,
 `config.json`, the tokenizer; with `--lora`, peft's adapter directory), the reference model
 (`ref_model.safetensors`, when there is one), `trainer_state.pt` (step, the whole optimizer state, the prompt
-stream's position) and `rng_rank<r>.pt` for each data-parallel rank (torch CPU and CUDA, Python). `step_000000` is
-the initial policy.
-A checkpoint is written to `step_XXXXXX.tmp/` and renamed when complete, so a run killed while saving leaves the
-previous checkpoint as the latest.
+stream's position, the run's config) and `rng_rank<r>.pt` for each data-parallel rank (torch CPU and CUDA, Python).
+`step_000000` is the initial policy.
+
+A checkpoint is written to `step_XXXXXX.tmp/`, every file fsynced, then renamed, so a run killed (or a machine that
+loses power) while saving leaves the previous checkpoint as the latest. A failed write removes its `.tmp/` folder;
+a full disk says so (`DiskFull`). Reading never runs code: the `.pt` files load with `torch.load(weights_only=True)`
+(tensors and plain data only), and `read` checks every file before anything is restored, so a truncated or corrupt
+checkpoint is an `UnreadableCheckpoint` naming the file (`run_dir.py` then falls back to the previous one).
 """
 
 from __future__ import annotations
 
+import errno
+import json
 import os
 import random
+import re
 import shutil
+import struct
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import yaml
 from safetensors.torch import load_file, load_model, save_model
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_optimizer_state_dict,
-)
-from transformers.utils import logging as hf_logging
 
 from grpo_kernels.trainer.parallel import ParallelState, unwrap
 
 CHECKPOINTS = "checkpoints"
 _PREFIX = "step_"
+MODEL_FILE = "model.safetensors"
 ADAPTER_FILE = "adapter_model.safetensors"  # what peft's save_pretrained writes for a LoRA policy
+REF_MODEL_FILE = "ref_model.safetensors"
+TRAINER_STATE_FILE = "trainer_state.pt"
 _MODEL_PREFIX = "model."  # PolicyModule's name for the policy
+
+
+class UnreadableCheckpoint(ValueError):
+    """A checkpoint file that is missing, truncated, corrupt, or holds more than tensors and plain data."""
+
+    def __init__(self, file: Path, reason: str) -> None:
+        super().__init__(f"{file}: {reason}")
+        self.file, self.reason = file, reason
+
+
+class DiskFull(OSError):
+    """No space left on the device while writing a checkpoint (its partial `.tmp/` folder is removed)."""
+
+    def __str__(self) -> str:
+        return self.strerror
 
 
 def checkpoint_dir(output_dir: str | Path, step: int) -> Path:
     return Path(output_dir) / CHECKPOINTS / f"{_PREFIX}{step:06d}"
 
 
-def latest(output_dir: str | Path) -> Path | None:
-    """The complete checkpoint with the highest step, or None."""
+def complete(output_dir: str | Path) -> list[Path]:
+    """The renamed (complete) checkpoint directories, highest step first."""
     root = Path(output_dir) / CHECKPOINTS
     done = [p for p in root.glob(f"{_PREFIX}*") if p.is_dir() and p.name[len(_PREFIX) :].isdigit()]
-    return max(done, key=lambda p: int(p.name[len(_PREFIX) :]), default=None)
+    return sorted(done, key=lambda p: int(p.name[len(_PREFIX) :]), reverse=True)
 
 
-def save_config(output_dir: str | Path, config_dict: dict) -> Path:
-    """`<output_dir>/config.yaml`: the run's full configuration, usable as `--config`."""
-    path = Path(output_dir) / "config.yaml"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(config_dict, sort_keys=False), encoding="utf-8")
-    return path
+def latest(output_dir: str | Path) -> Path | None:
+    """The complete checkpoint with the highest step, or None."""
+    return next(iter(complete(output_dir)), None)
 
 
 def rng_state() -> dict:
+    """The RNG states as tensors and plain data (loadable with `weights_only=True`)."""
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -85,42 +101,63 @@ def save(
     """Write the checkpoint after `step` completed optimizer steps (every rank calls this); returns its directory.
 
     `policy` is the `PolicyModule`, bare or under DDP / FSDP2: model and optimizer state are gathered whole
-    (FSDP2 shards are collected), rank 0 writes them, and each rank writes its own RNG states."""
+    (FSDP2 shards are collected), rank 0 writes them, and each rank writes its own RNG states. A failure removes the
+    `.tmp/` folder; no space left on the device is a `DiskFull` that says so."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
     final = checkpoint_dir(output_dir, step)
     tmp = final.with_name(final.name + ".tmp")
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
     model_state = get_model_state_dict(policy, options=full) if parallel.mode == "fsdp" else None
     optimizer_state = get_optimizer_state_dict(policy, optimizer, options=full)
-    if parallel.is_main:
+    try:
+        if parallel.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            _save_models(tmp, unwrap(policy).model, model_state, tokenizer, ref_model)
+            state = {
+                "step": step,
+                "optimizer": optimizer_state,
+                "data": data_state,
+                "components": components_state,
+                "config": config_dict,
+            }
+            _save_torch(state, tmp / TRAINER_STATE_FILE)
+        _barrier(parallel)
+        _save_torch(rng_state(), tmp / f"rng_rank{parallel.rank}.pt")
+        _barrier(parallel)
+        if parallel.is_main:
+            _fsync_tree(tmp)
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            _fsync(final.parent)
+    except BaseException as error:
         shutil.rmtree(tmp, ignore_errors=True)
-        bars = hf_logging.is_progress_bar_enabled()
-        hf_logging.disable_progress_bar()  # no "Writing model shards" bar under the training bar
-        model = unwrap(policy).model
-        if model_state is None:
-            model.save_pretrained(tmp)
-        else:
-            model.save_pretrained(tmp, state_dict={k.removeprefix(_MODEL_PREFIX): v for k, v in model_state.items()})
-        if bars:
-            hf_logging.enable_progress_bar()
-        tokenizer.save_pretrained(tmp)
-        if ref_model is not None:
-            save_model(ref_model, str(tmp / "ref_model.safetensors"))
-        state = {
-            "step": step,
-            "optimizer": optimizer_state,
-            "data": data_state,
-            "components": components_state,
-            "config": config_dict,
-        }
-        torch.save(state, tmp / "trainer_state.pt")
-    _barrier(parallel)
-    torch.save(rng_state(), tmp / f"rng_rank{parallel.rank}.pt")
-    _barrier(parallel)
-    if parallel.is_main:
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
+        if _disk_full(error):
+            raise DiskFull(
+                errno.ENOSPC,
+                f"no space left on the device while writing checkpoint {final} (its partial files are removed): "
+                f"free space in {final.parent} (or checkpoint less often, --checkpoint-every), then --resume "
+                "continues from the previous checkpoint",
+            ) from error
+        raise
     _barrier(parallel)
     return final
+
+
+def read(path: str | Path, rank: int, *, lora: bool, ref_model: bool) -> dict:
+    """Check every file of checkpoint `path` that this rank will load and read its `.pt` files: the trainer state
+    (step, optimizer, data, components, config) with this rank's RNG states under "rng". Nothing is restored yet.
+    An `UnreadableCheckpoint` names the first file that is missing, truncated, corrupt, or not plain data."""
+    path = Path(path)
+    for name in [ADAPTER_FILE if lora else MODEL_FILE] + ([REF_MODEL_FILE] if ref_model else []):
+        _check_safetensors(path / name)
+    state = _load_torch(path / TRAINER_STATE_FILE)
+    if not isinstance(state, dict) or not {"step", "optimizer", "data"} <= set(state):
+        raise UnreadableCheckpoint(path / TRAINER_STATE_FILE, "not a trainer state (step, optimizer, data)")
+    rng = _load_torch(path / f"rng_rank{rank}.pt")
+    if not isinstance(rng, dict) or not {"torch", "python"} <= set(rng):
+        raise UnreadableCheckpoint(path / f"rng_rank{rank}.pt", "not an RNG state (torch, python)")
+    return {**state, "rng": rng}
 
 
 def load_weights(path: str | Path, model: nn.Module, ref_model: nn.Module | None) -> None:
@@ -131,19 +168,112 @@ def load_weights(path: str | Path, model: nn.Module, ref_model: nn.Module | None
 
         set_peft_model_state_dict(model, load_file(path / ADAPTER_FILE))
     else:
-        load_model(model, str(path / "model.safetensors"))
+        load_model(model, str(path / MODEL_FILE))
     if ref_model is not None:
-        load_model(ref_model, str(path / "ref_model.safetensors"))
+        load_model(ref_model, str(path / REF_MODEL_FILE))
 
 
-def load_state(path: str | Path, policy: nn.Module, optimizer: torch.optim.Optimizer, parallel: ParallelState) -> dict:
-    """Restore the optimizer and this rank's RNG states in place; returns the trainer state (step, data,
-    components)."""
-    path = Path(path)
-    state = torch.load(path / "trainer_state.pt", weights_only=True)
+def load_state(state: dict, policy: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Restore the optimizer and this rank's RNG states in place from `read`'s result."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
     set_optimizer_state_dict(policy, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
-    set_rng_state(torch.load(path / f"rng_rank{parallel.rank}.pt", weights_only=False))
-    return state
+    set_rng_state(state["rng"])
+
+
+# ------------------------------------------------------------------------------------------------ files
+def _save_models(tmp: Path, model: nn.Module, model_state: dict | None, tokenizer, ref_model) -> None:
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # no "Writing model shards" bar under the training bar
+    try:
+        if model_state is None:
+            model.save_pretrained(tmp)
+        else:
+            model.save_pretrained(tmp, state_dict={k.removeprefix(_MODEL_PREFIX): v for k, v in model_state.items()})
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    tokenizer.save_pretrained(tmp)
+    if ref_model is not None:
+        save_model(ref_model, str(tmp / REF_MODEL_FILE))
+
+
+def _save_torch(obj, file: Path) -> None:
+    """`torch.save` through a Python file, so that a failed write raises the OSError (ENOSPC, ...) behind it."""
+    with open(file, "wb") as f:
+        torch.save(obj, f)
+
+
+def _load_torch(file: Path):
+    if not file.is_file():
+        raise UnreadableCheckpoint(file, "missing")
+    try:
+        return torch.load(file, weights_only=True)
+    except Exception as error:  # noqa: BLE001 — any failure means this file cannot be used
+        text = " ".join(str(error).split())
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", text)
+        if found:
+            reason = (
+                f"holds a reference to {found.group(1)}, not only tensors and plain data; refused (it could run code)"
+            )
+        else:
+            detail = re.search(r"WeightsUnpickler error: (.*?)(?: Check the documentation|$)", text)
+            first = detail.group(1) if detail else text.split(". ")[0][:200]
+            reason = f"unreadable, truncated or corrupt ({type(error).__name__}: {first})"
+        raise UnreadableCheckpoint(file, reason) from None
+
+
+def _check_safetensors(file: Path) -> None:
+    """The file's header parses and its tensors' data fit the file's size exactly (a truncated file fails)."""
+    if not file.is_file():
+        raise UnreadableCheckpoint(file, "missing")
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        prefix = f.read(8)
+        header_size = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else -1
+        if not 0 < header_size <= size - 8:
+            raise UnreadableCheckpoint(file, f"truncated or corrupt: {size} bytes, no complete safetensors header")
+        try:
+            header = json.loads(f.read(header_size))
+            end = max([t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"], default=0)
+        except (ValueError, KeyError, TypeError, IndexError) as error:
+            raise UnreadableCheckpoint(file, f"corrupt safetensors header ({error})") from None
+    if 8 + header_size + end != size:
+        raise UnreadableCheckpoint(
+            file, f"truncated or corrupt: {size} bytes, its header needs {8 + header_size + end}"
+        )
+
+
+def _fsync_tree(root: Path) -> None:
+    """fsync every file under `root`, then the directories: their contents reach the disk before the rename."""
+    for directory, _, files in os.walk(root):
+        for name in files:
+            _fsync(Path(directory) / name)
+        _fsync(Path(directory))
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _disk_full(error: BaseException) -> bool:
+    """Whether `error`, or an error behind it, is a full disk (or quota): writers wrap the OSError differently
+    (torch.save: a RuntimeError whose context is the OSError; safetensors: the OS message in its own error)."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(error) or "os error 28" in str(error):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def _barrier(parallel: ParallelState) -> None:

@@ -176,6 +176,8 @@ class PresetComponents:
         group_ids = torch.unique(round.batch.group_ids.cpu(), return_inverse=True)[1]  # [B] dense
         rewards, terms = self.rewards(round)  # [B], [B, K]
         metrics = RewardBatch(rewards, round.scores.columns, round.scores.names).metrics(group_ids)
+        if round.scores.over_limit is not None:  # completions over a reward's size or time limit, scored 0
+            metrics["rewards/over_limit"] = float(round.scores.over_limit.sum())
         if not self.rewards.identity:
             metrics["rewards/task"] = round.scores.rewards.mean().item()
         weights = collected.sequence_weights

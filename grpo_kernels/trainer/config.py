@@ -2,20 +2,28 @@
 
 The command line is generated from the fields: `--output-dir runs/x` (or `--output_dir`), `--steps 100`,
 `--resume` / `--no-resume`; the loss options are `LossOptions`' own fields, flat (`--loss-type dapo`, `--beta 0.04`,
-`--epsilon-high 0.28`). `None` is written `none`. Precedence, lowest first: the defaults, a paper preset (`--preset
-dapo`: its loss options and advantage estimator here; its rewards, with `math_answer` standing for the task's
-reward, its sampler and its regularizers are built by the trainer, `components.py`), a YAML file (`--config
-file.yaml`: TrainConfig fields as keys, loss options under `loss:`), then the flags.
+`--epsilon-high 0.28`). `None` is written `none`. Each option's help is the comment next to its field (here, and in
+`grpo_kernels/options.py` for the loss options), with its choices. Precedence, lowest first: the defaults (with
+`--resume`: the run's own `config.yaml`), a paper preset (`--preset dapo`: its loss options and advantage estimator
+here; its rewards, with `math_answer` standing for the task's reward, its sampler and its regularizers are built by
+the trainer, `components.py`), a YAML file (`--config file.yaml`: TrainConfig fields as keys, loss options under
+`loss:`), then the flags. `check_config` refuses values out of range, naming the option.
 The default preset is `grpo` (DeepSeekMath: ε = 0.2, β = 0.04 with the k3 estimator against a frozen reference,
 group z-score advantages), so the demo shows a KL; `--preset none` starts from `LossOptions()` (TRL's defaults).
 `TrainConfig.max_completion_length` is the generation budget and, unless `loss.max_completion_length` is set, also
 Dr.GRPO's normaliser (as in TRL).
+Nothing here imports transformers or the trainer, so `--help` stays fast.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
+import inspect
+import io
+import textwrap
+import tokenize
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,70 +33,81 @@ import yaml
 
 from grpo_kernels import presets
 from grpo_kernels.advantages import ADVANTAGES
-from grpo_kernels.options import LossOptions
-from grpo_kernels.trainer.components import ADVANTAGE_INPUTS, missing_advantage_inputs
+from grpo_kernels.options import IMPORTANCE_SAMPLING_LEVELS, KL_ESTIMATORS, LOSS_AGG_MODES, LOSS_TYPES, LossOptions
+from grpo_kernels.trainer.cli import Parser
+from grpo_kernels.trainer.logging import REPORT_TO
+from grpo_kernels.trainer.parallel import PARALLEL_MODES
+from grpo_kernels.trainer.update import IS_MODES
 
 PER_STEP_LOSS_OPTIONS = ("num_items_in_batch", "num_sequences_in_batch")  # set by the trainer at each step
 DEFAULT_PRESET = "grpo"
+ROLLOUTS = ("hf", "vllm")
 
 
 @dataclass
 class TrainConfig:
     """Options of `grpo_kernels.trainer.train`; the defaults train the tiny demo policy on CPU in a few minutes."""
 
-    # run
-    output_dir: str = "runs/demo"  # metrics.jsonl, metrics.png, config.yaml, checkpoints/
-    seed: int = 0
+    # ---- run
+    output_dir: str = "runs/demo"  # the run's directory: config.yaml, metrics.jsonl, metrics.png, checkpoints/
+    overwrite: bool = False  # a new run into a non-empty output_dir clears it first (without it: an error)
+    seed: int = 0  # seed of the weights, the prompts and the sampling
     steps: int = 600  # optimizer steps of the outer loop (each: one rollout batch, num_iterations updates)
-    resume: bool = False  # continue from the latest checkpoint in output_dir
+    resume: bool = False  # continue the run in output_dir from its latest complete checkpoint, with its config.yaml
+    # (only the options in run_dir.RESUMABLE, such as steps, may differ from it)
+    start_if_no_checkpoint: bool = False  # with resume: start the run afresh when output_dir has no checkpoint yet
+    # (without it: an error)
     checkpoint_every: int = 200  # steps between checkpoints (step 0, the initial policy, too); 0 = only the last
     eval_every: int = 25  # steps between greedy evaluations on every prompt of the task; the last step always
-    device: str = "auto"  # "auto": cuda when available (under torchrun: cuda:LOCAL_RANK), else cpu
-    parallel: str = "auto"  # under torchrun: "ddp" (auto) or "fsdp" (FSDP2); "none" for one process
-    report_to: str = "none"  # "tensorboard" or "wandb" besides the JSONL (needs the package)
-    torch_threads: int | None = 1  # CPU threads of torch ops (None: torch's default); 1 is fastest for tiny models
-    # policy
+    device: str = "auto"  # auto (cuda when available; under torchrun cuda:LOCAL_RANK), cpu, cuda or cuda:N
+    parallel: str = "auto"  # under torchrun: ddp (what auto picks) or fsdp (FSDP2); none for one process
+    report_to: str = "none"  # an experiment tracker besides metrics.jsonl (needs its package)
+    torch_threads: int | None = 1  # CPU threads of torch ops (none: torch's default); 1 is fastest for tiny models
+    # ---- policy
     model: str = "tiny"  # "tiny": a Llama built from the three sizes below; else a Hugging Face name or local path
-    hidden_size: int = 64
-    num_layers: int = 2
-    num_heads: int = 4
+    hidden_size: int = 64  # the tiny Llama's hidden size
+    num_layers: int = 2  # the tiny Llama's decoder layers
+    num_heads: int = 4  # the tiny Llama's attention heads (they divide hidden_size)
     lora: bool = False  # train LoRA adapters (peft) instead of every weight
-    lora_r: int = 16
-    lora_alpha: int = 32
+    lora_r: int = 16  # the LoRA adapters' rank (their inner dimension)
+    lora_alpha: int = 32  # LoRA scaling numerator (peft's lora_alpha)
     lora_target_modules: str = "all-linear"  # peft's target_modules: a comma-separated list or "all-linear"
-    # data
-    dataset: str = "addition"  # "addition" (generated), "countdown" (generated), "gsm8k", or a path to a .jsonl
+    # ---- data
+    dataset: str = "addition"  # addition (generated, the demo), countdown (generated), gsm8k (Hugging Face hub),
+    # or a path to a .jsonl file of {"prompt", "answer"[, "split"]} lines
     max_sum: int = 9  # addition: prompts a+b= with single digits and a + b <= max_sum (9: one-digit answers)
     eval_size: int = 256  # at most this many held-out prompts per evaluation
-    # rollout
-    rollout: str = "hf"  # "hf" (transformers generate) or "vllm" (colocated vLLM; CUDA)
-    prompts_per_step: int = 16
-    num_generations: int = 16  # G completions per prompt (TRL's name)
-    max_completion_length: int | None = None  # generation budget in tokens (TRL's name); None: the dataset's
+    # ---- rollout
+    rollout: str = "hf"  # the generation engine: hf (transformers generate) or vllm (colocated vLLM; CUDA)
+    prompts_per_step: int = 16  # prompts per optimizer step, over all ranks
+    num_generations: int = 16  # G completions per prompt (TRL's name); group statistics need at least 2
+    max_completion_length: int | None = None  # generation budget in tokens (TRL's name); none: the dataset's
     # (addition 3, countdown 16, gsm8k 256, jsonl 64)
-    vllm_gpu_memory_utilization: float = 0.3
-    vllm_enable_sleep_mode: bool = True
-    vllm_importance_sampling_correction: bool = True  # TRL's names and defaults from here on
-    vllm_importance_sampling_mode: str = "sequence_mask"  # token_truncate, token_mask, sequence_truncate, sequence_mask
-    vllm_importance_sampling_clip_max: float | None = 3.0
-    vllm_importance_sampling_clip_min: float | None = None
-    # algorithm
+    vllm_gpu_memory_utilization: float = 0.3  # vLLM's share of the GPU memory, in (0, 1]
+    vllm_enable_sleep_mode: bool = True  # vLLM frees its memory between rollouts
+    vllm_importance_sampling_correction: bool = True  # reweigh by π_old / π_vllm (TRL's names and defaults on)
+    vllm_importance_sampling_mode: str = "sequence_mask"  # how the correction's ratio is truncated or masked
+    vllm_importance_sampling_clip_max: float | None = 3.0  # the correction's upper cap (none: no cap)
+    vllm_importance_sampling_clip_min: float | None = None  # the correction's lower cap (none: no cap)
+    # ---- algorithm
     preset: str | None = DEFAULT_PRESET  # paper preset (configs/papers/<name>.yaml) or preset YAML: the trainer
     # builds its rewards, sampler and regularizers; its loss options and advantage come in through `apply_preset`
     # (the command line's `--preset` calls it; setting this field alone does not change `loss` or `advantage`)
-    advantage: str = "grpo"  # an ADVANTAGES name
-    advantage_kwargs: dict[str, Any] = field(default_factory=dict)  # its hyperparameters
+    advantage: str = "grpo"  # the advantage estimator (an ADVANTAGES name)
+    advantage_kwargs: dict[str, Any] = field(default_factory=dict)  # its hyperparameters, as a YAML mapping
     num_iterations: int = 1  # μ: optimizer updates per rollout batch (TRL's name)
     gradient_accumulation_steps: int = 1  # micro-batches per optimizer update on each rank (TRL's name)
-    learning_rate: float = 1.0e-3
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
+    learning_rate: float = 1.0e-3  # AdamW's learning rate
+    weight_decay: float = 0.0  # AdamW's weight decay
+    max_grad_norm: float = 1.0  # gradients are clipped to this global norm
     sync_ref_model: bool = False  # refresh the reference model from the policy (TR-DPO mixing, TRL's names)
-    ref_model_sync_steps: int = 512
-    ref_model_mixup_alpha: float = 0.6
+    ref_model_sync_steps: int = 512  # steps between refreshes of the reference model
+    ref_model_mixup_alpha: float = 0.6  # π_ref ← α·π_θ + (1 − α)·π_ref at each refresh, α in [0, 1]
     loss: LossOptions = field(default_factory=lambda: presets.load(DEFAULT_PRESET).loss)  # the preset's
-    # logging
-    progress: bool = True  # live progress bar (rich, else tqdm)
+    # ---- logging
+    progress: bool = True  # progress: a live bar in a terminal, else a line every progress_every steps / seconds
+    progress_every: int = 50  # without a terminal: a progress line every this many steps (0: never) ...
+    progress_seconds: float = 60.0  # ... or this many seconds, whichever comes first (0: never)
     plot: bool = True  # metrics.png at the end (needs matplotlib)
 
     def to_dict(self) -> dict[str, Any]:
@@ -114,6 +133,8 @@ def advantage_function(config: TrainConfig) -> Callable[..., Any]:
     mean_logp, entropy, mask; GDPO's reward matrix). One that needs another (Stratified-GRPO's `strata`, PVPO's
     `reference_value`) and does not get it from `advantage_kwargs` is a ValueError here, before any work.
     """
+    from grpo_kernels.trainer.components import ADVANTAGE_INPUTS, missing_advantage_inputs
+
     fn = ADVANTAGES.get(config.advantage)
     missing = missing_advantage_inputs(fn, config.advantage_kwargs)
     if missing:
@@ -158,7 +179,102 @@ def apply_preset(config: TrainConfig, name: str | None) -> TrainConfig:
     )
 
 
+# ------------------------------------------------------------------------------------------------ value checks
+_AT_LEAST = {  # field -> its smallest value (None, where the field allows it, is always accepted)
+    "seed": 0,
+    "steps": 1,
+    "checkpoint_every": 0,
+    "eval_every": 0,
+    "torch_threads": 1,
+    "hidden_size": 1,
+    "num_layers": 1,
+    "num_heads": 1,
+    "lora_r": 1,
+    "lora_alpha": 1,
+    "max_sum": 0,
+    "eval_size": 1,
+    "prompts_per_step": 1,
+    "num_generations": 2,
+    "max_completion_length": 1,
+    "vllm_importance_sampling_clip_min": 0.0,
+    "num_iterations": 1,
+    "gradient_accumulation_steps": 1,
+    "weight_decay": 0.0,
+    "ref_model_sync_steps": 1,
+    "ref_model_mixup_alpha": 0.0,
+    "progress_every": 0,
+    "progress_seconds": 0.0,
+}
+_POSITIVE = ("learning_rate", "max_grad_norm", "vllm_gpu_memory_utilization", "vllm_importance_sampling_clip_max")
+_AT_MOST = {"vllm_gpu_memory_utilization": 1.0, "ref_model_mixup_alpha": 1.0}
+
+
+def choices() -> dict[str, Sequence[str]]:
+    """The valid values of the options that have a closed set of them."""
+    return {
+        "parallel": PARALLEL_MODES,
+        "report_to": REPORT_TO,
+        "rollout": ROLLOUTS,
+        "advantage": ADVANTAGES.names(),
+        "vllm_importance_sampling_mode": IS_MODES,
+        "loss_type": LOSS_TYPES,
+        "importance_sampling_level": IMPORTANCE_SAMPLING_LEVELS,
+        "kl_estimator": KL_ESTIMATORS,
+        "loss_agg_mode": LOSS_AGG_MODES,
+    }
+
+
+def check_config(config: TrainConfig) -> None:
+    """A ValueError (TypeError for a wrong type) naming the first option whose value is out of range or not one of
+    its choices. The loss options check themselves (`LossOptions`); the dataset, preset and device are checked where
+    they are used (`build_task`, `presets.load`, `init_parallel`)."""
+    for f in dataclasses.fields(TrainConfig):
+        value = getattr(config, f.name)
+        if f.name == "loss" or (value is None and "None" in f.type):
+            continue
+        expected = f.type.split("|")[0].strip().split("[")[0]
+        types = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,), "dict": (dict,)}[expected]
+        if not isinstance(value, types) or (expected in ("int", "float") and isinstance(value, bool)):
+            raise TypeError(f"{f.name} must be {f.type.replace('None', 'none')}, got {value!r}")
+        if f.name in _AT_LEAST and value < _AT_LEAST[f.name]:
+            raise ValueError(f"{f.name} must be >= {_AT_LEAST[f.name]}, got {value!r}")
+        if f.name in _POSITIVE and not value > 0:
+            raise ValueError(f"{f.name} must be > 0, got {value!r}")
+        if f.name in _AT_MOST and value > _AT_MOST[f.name]:
+            raise ValueError(f"{f.name} must be <= {_AT_MOST[f.name]}, got {value!r}")
+    for name, valid in choices().items():
+        value = getattr(config, name) if hasattr(config, name) else getattr(config.loss, name)
+        if value is not None and value not in valid:
+            raise ValueError(f"{name} must be one of {list(valid)}, got {value!r}")
+    if config.model == "tiny" and config.hidden_size % config.num_heads:
+        raise ValueError(f"num_heads ({config.num_heads}) must divide hidden_size ({config.hidden_size})")
+    if config.resume and config.overwrite:
+        raise ValueError("resume and overwrite contradict each other: --resume continues the run in output_dir")
+
+
 # --------------------------------------------------------------------------------------------------- command line
+def field_docs(cls: type) -> dict[str, str]:
+    """Each field of dataclass `cls` -> the comment on its line and the comment lines right below it (its help);
+    `# ---- ...` lines head sections and belong to no field."""
+    source = textwrap.dedent(inspect.getsource(cls))
+    comments = {  # line -> (comment text, alone on its line)
+        token.start[0]: (token.string.lstrip("#").strip(), not token.line[: token.start[1]].strip())
+        for token in tokenize.generate_tokens(io.StringIO(source).readline)
+        if token.type == tokenize.COMMENT
+    }
+    docs = {}
+    for node in ast.parse(source).body[0].body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            line = node.end_lineno
+            text, alone = comments.get(line, ("", False))
+            parts = [] if alone else [text]
+            while line + 1 in comments and comments[line + 1][1] and not comments[line + 1][0].startswith("----"):
+                line += 1
+                parts.append(comments[line][0])
+            docs[node.target.id] = " ".join(p for p in parts if p)
+    return docs
+
+
 def _converter(annotation: str):
     """A string -> value function for a field's annotation (`int`, `float | None`, `dict[str, Any]`, ...)."""
     parts = [p.strip() for p in annotation.split("|")]
@@ -171,53 +287,118 @@ def _converter(annotation: str):
             return None
         return parse(text)
 
-    convert.__name__ = base  # argparse names the type in its errors
+    convert.__name__ = base.split("[")[0]  # argparse names the type in its errors
     return convert
 
 
-def _add_field(parser: argparse.ArgumentParser, name: str, annotation: str, default: Any, help_text: str) -> None:
-    flags = [f"--{name.replace('_', '-')}"] + ([f"--{name}"] if "_" in name else [])
-    help_text = f"{help_text} (default: {default!r})"
+_METAVARS = {"int": "N", "float": "X", "str": "TEXT", "dict": "YAML"}
+
+
+def _add_field(parser, name: str, annotation: str, default: Any, doc: str, valid: Sequence[str] | None) -> None:
+    flag = f"--{name.replace('_', '-')}"
+    shown = "none" if default is None else default
+    extra = f"; one of: {', '.join(valid)}" if valid else ""
+    help_text = f"{doc} (default: {shown}{extra})".replace("%", "%%")
+    base = annotation.split("|")[0].strip().split("[")[0]
+    kwargs: dict[str, Any] = dict(dest=name)
     if annotation == "bool":
-        parser.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction, help=help_text)
+        kwargs["action"] = argparse.BooleanOptionalAction
     else:
-        parser.add_argument(*flags, dest=name, type=_converter(annotation), metavar=name.upper(), help=help_text)
+        kwargs.update(type=_converter(annotation), metavar=_METAVARS.get(base, "VALUE"))
+    parser.add_argument(flag, help=help_text, **kwargs)
+    if "_" in name:  # the field's own spelling (and --no-<field> for a bool) works too, unlisted
+        parser.add_argument(f"--{name}", help=argparse.SUPPRESS, **kwargs)
+
+
+DESCRIPTION = """\
+GRPO with the fused kernels. No arguments: the embedded CPU demo (a tiny Llama learns single-digit addition from
+reward alone). A run lives in --output-dir: config.yaml, metrics.jsonl, metrics.png, checkpoints/. A new run needs
+an empty or absent directory (--overwrite clears it); --resume continues the run there with its own config.yaml, of
+which only where it stops and how it logs may change (--steps, --checkpoint-every, --eval-every, --progress-every,
+...). Option values: none for None; the loss options are those of grpo_kernels.LossOptions. Errors are one line
+(--debug shows the traceback)."""
+
+EPILOG = """\
+examples:
+  python -m grpo_kernels.train --preset dapo --output-dir runs/dapo --steps 100
+  python -m grpo_kernels.train --output-dir runs/dapo --resume --steps 200
+  python -m grpo_kernels.train --dataset countdown --config my_run.yaml"""
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="python -m grpo_kernels.train",
-        description="GRPO with the fused kernels. No arguments: the embedded CPU demo (tiny Llama, digit addition).",
+        usage="%(prog)s [options]",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         argument_default=argparse.SUPPRESS,  # only the flags given come back, so they override preset and YAML
     )
-    parser.add_argument("--config", dest="config_file", metavar="YAML", help="a YAML file of TrainConfig fields")
-    train_fields = parser.add_argument_group("trainer")
-    defaults = TrainConfig()
+    parser.add_argument(
+        "--config",
+        dest="config_file",
+        metavar="YAML",
+        help="a YAML file of TrainConfig fields (loss options under loss:)",
+    )
+    valid = {
+        **choices(),
+        "preset": [*presets.available(), "none", "a preset YAML file"],
+        "device": ["auto", "cpu", "cuda", "cuda:N"],
+        "dataset": ["addition", "countdown", "gsm8k", "a .jsonl path"],
+    }
+    train_fields = parser.add_argument_group("trainer options (TrainConfig fields)")
+    defaults, docs = TrainConfig(), field_docs(TrainConfig)
     for f in dataclasses.fields(TrainConfig):
         if f.name != "loss":
-            _add_field(train_fields, f.name, f.type, getattr(defaults, f.name), "TrainConfig." + f.name)
-    loss_fields = parser.add_argument_group("loss options (LossOptions fields)")
+            _add_field(train_fields, f.name, f.type, getattr(defaults, f.name), docs[f.name], valid.get(f.name))
+    loss_fields = parser.add_argument_group("loss options (LossOptions fields; defaults: the grpo preset's)")
     taken = {f.name for f in dataclasses.fields(TrainConfig)}
+    loss_docs = field_docs(LossOptions)
     for f in dataclasses.fields(LossOptions):
         if f.name not in PER_STEP_LOSS_OPTIONS and f.name not in taken:
-            _add_field(loss_fields, f.name, f.type, getattr(defaults.loss, f.name), "LossOptions." + f.name)
+            default = getattr(defaults.loss, f.name)
+            _add_field(loss_fields, f.name, f.type, default, loss_docs.get(f.name, ""), valid.get(f.name))
     return parser
 
 
+def yaml_mapping(path: Path) -> dict[str, Any]:
+    """The mapping in YAML file `path` (empty: {}); a ValueError naming the file otherwise."""
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as error:
+        raise ValueError(f"{path}: not valid YAML ({' '.join(str(error).split())})") from None
+    if not isinstance(data, Mapping):
+        raise TypeError(f"{path}: must be a mapping of TrainConfig fields, got {type(data).__name__}")
+    return dict(data)
+
+
+def _read_yaml(config_file: str | None) -> dict[str, Any]:
+    if config_file is None:
+        return {}
+    if not Path(config_file).is_file():
+        raise FileNotFoundError(f"--config {config_file}: no such file")
+    return yaml_mapping(Path(config_file))
+
+
 def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
-    """TrainConfig from the command line: defaults < --preset < --config YAML < flags."""
+    """TrainConfig from the command line: defaults < --preset < --config YAML < flags, checked (`check_config`).
+    With `--resume`, the run's `config.yaml` in the output directory replaces the defaults, so the run continues
+    with its own configuration; the trainer then refuses any difference outside `run_dir.RESUMABLE`."""
     args = vars(build_parser().parse_args(argv))
-    data: dict[str, Any] = {}
+    args.pop("debug", None)
     config_file = args.pop("config_file", None)
-    if config_file is not None:
-        data = yaml.safe_load(Path(config_file).read_text(encoding="utf-8")) or {}
-        if not isinstance(data, Mapping):
-            raise TypeError(f"{config_file}: must be a mapping of TrainConfig fields, got {type(data).__name__}")
+    data = _read_yaml(config_file)
     config = TrainConfig()
+    if args.get("resume", data.get("resume", False)):
+        from grpo_kernels.trainer.run_dir import load_run_config
+
+        config = load_run_config(args.get("output_dir", data.get("output_dir", config.output_dir))) or config
     if "preset" in args or "preset" in data:
         config = apply_preset(config, args["preset"] if "preset" in args else data["preset"])
     config = from_dict({k: v for k, v in data.items() if k != "preset"}, config, where=str(config_file))
     loss_names = {f.name for f in dataclasses.fields(LossOptions)} - {f.name for f in dataclasses.fields(TrainConfig)}
     flags = {k: v for k, v in args.items() if k not in loss_names and k != "preset"}
     loss_flags = {k: v for k, v in args.items() if k in loss_names}
-    return from_dict({**flags, "loss": loss_flags or None}, config, where="command line")
+    config = from_dict({**flags, "loss": loss_flags or None}, config, where="command line")
+    check_config(config)
+    return config

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
 from grpo_kernels.trainer.rollout import completion_mask, decode_completions
-from grpo_kernels.trainer.tasks import Task
+
+if TYPE_CHECKING:  # the tasks (and their reward libraries) are not needed to import this
+    from grpo_kernels.trainer.tasks import Task
 
 EVAL_BATCH_SIZE = 64  # prompts per `generate` call: bounds memory on large eval sets (GSM8K)
 

@@ -1,14 +1,17 @@
-"""Metrics: one JSON line per step (always), a live progress bar, a summary table and a PNG of the curves.
+"""Metrics: one JSON line per step (always), a start line, progress, a summary table and a PNG of the curves.
 
-The progress bar and the table use `rich` when it is installed, else `tqdm` (a transformers dependency) and plain
-text; the plot needs `matplotlib` (skipped with a note otherwise). A run that does not resume starts a new JSONL;
-on resume the JSONL keeps the lines up to the checkpoint's step and appends after them.
+Progress is a live bar in a terminal, and a plain line every `progress_every` steps or `progress_seconds` seconds
+otherwise (output redirected to a file, a batch job), so a log shows the run advancing. The progress bar and the
+table use `rich` when it is installed, else `tqdm` (a transformers dependency) and plain text; the plot needs
+`matplotlib` (skipped with a note otherwise). A run that does not resume starts a new JSONL; on resume the JSONL
+keeps the lines up to the checkpoint's step and appends after them.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -17,6 +20,17 @@ PLOT_FILE = "metrics.png"
 LIVE = ("reward", "rewards/answer", "kl", "entropy")  # shown in the progress bar
 SUMMARY = ("reward", "rewards/answer", "rewards/closeness", "rewards/format", "eval/answer", "kl", "entropy")
 PLOTS = (("reward", "rewards/answer", "eval/answer"), ("kl",), ("entropy",), ("completion_length",))
+
+
+def start_line(config, step: int, resumed_from: Path | None, config_file: Path) -> str:
+    """The line a run starts with: the run (its directory's name), what it trains, and where it writes."""
+    run = f"GRPO run {Path(config.output_dir).name!r}"
+    where = f"resuming from {resumed_from} (step {step})" if resumed_from is not None else "from step 0"
+    return (
+        f"{run}, {where} to step {config.steps}: preset {config.preset or 'none'} (loss_type {config.loss.loss_type}, "
+        f"beta {config.loss.beta:g}), model {config.model}, dataset {config.dataset}, seed {config.seed}; "
+        f"config {config_file}, output {config.output_dir}"
+    )
 
 
 def read_metrics(output_dir: str | Path) -> list[dict]:
@@ -35,6 +49,7 @@ def read_metrics(output_dir: str | Path) -> list[dict]:
 
 class MetricsLogger:
     """Writes `metrics.jsonl` under `output_dir`; with `progress`, a live bar of reward / accuracy / KL / entropy;
+    without a terminal, a progress line every `progress_every` steps or `progress_seconds` seconds (0: never);
     with `report_to` ("tensorboard", "wandb"), the same records there. `write=False` (ranks other than 0 under
     torchrun) keeps the history and writes nothing."""
 
@@ -47,6 +62,8 @@ class MetricsLogger:
         write: bool = True,
         report_to: str = "none",
         run_config: dict | None = None,
+        progress_every: int = 50,
+        progress_seconds: float = 60.0,
     ) -> None:
         self.output_dir = Path(output_dir)
         self.history = [m for m in read_metrics(self.output_dir) if m["step"] <= start_step]
@@ -56,7 +73,12 @@ class MetricsLogger:
             self.path.write_text("".join(json.dumps(m) + "\n" for m in self.history), encoding="utf-8")
         self.start_time = time.perf_counter()
         self.start_step, self.total_steps = start_step, total_steps
-        self.bar = _Bar(total_steps, start_step) if progress and write else None
+        self.bar = None
+        if progress and write:
+            terminal = sys.stdout.isatty()
+            self.bar = (
+                _Bar(total_steps, start_step) if terminal else _Lines(total_steps, progress_every, progress_seconds)
+            )
         self.tracker = tracker(report_to, self.output_dir, run_config or {}) if write else None
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
@@ -68,7 +90,7 @@ class MetricsLogger:
         if self.tracker is not None:
             self.tracker.log(step, metrics)
         if self.bar is not None:
-            self.bar.update({k.split("/")[-1]: metrics[k] for k in LIVE if k in metrics})
+            self.bar.update({k.split("/")[-1]: metrics[k] for k in LIVE if k in metrics}, step)
 
     def close(self, plot: bool = True) -> str:
         """Stop the bar, print the summary table, write the plot; returns the table's text."""
@@ -205,7 +227,7 @@ class _Bar:
         self.rich.start()
         self.bar = self.rich.add_task("train", total=total, completed=done, live="")
 
-    def update(self, live: dict[str, float]) -> None:
+    def update(self, live: dict[str, float], step: int) -> None:
         text = " ".join(f"{k}={v:.3f}" for k, v in live.items())
         if self.rich is None:
             self.bar.set_postfix_str(text, refresh=False)
@@ -218,3 +240,28 @@ class _Bar:
             self.bar.close()
         else:
             self.rich.stop()
+
+
+class _Lines:
+    """Progress without a terminal: one line every `every` steps or `seconds` seconds (whichever comes first; 0
+    turns either off), and at the last step."""
+
+    def __init__(self, total: int, every: int, seconds: float) -> None:
+        self.total, self.every, self.seconds = total, every, seconds
+        self.start = self.last = time.perf_counter()
+        self.steps = 0
+
+    def update(self, live: dict[str, float], step: int) -> None:
+        now = time.perf_counter()
+        self.steps += 1
+        due = (self.every and step % self.every == 0) or (self.seconds and now - self.last >= self.seconds)
+        if not (due or step == self.total):
+            return
+        self.last = now
+        elapsed = now - self.start
+        left = elapsed / self.steps * (self.total - step)
+        values = " ".join(f"{k}={v:.3f}" for k, v in live.items())
+        print(f"step {step}/{self.total} {values} ({elapsed:.0f} s, about {left:.0f} s left)", flush=True)
+
+    def close(self) -> None:
+        pass

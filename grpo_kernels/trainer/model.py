@@ -7,6 +7,8 @@ same ids a real tokenizer would give.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from torch import nn
@@ -63,12 +65,30 @@ def load_policy(config, alphabet: str, max_prompt_length: int):
         max_length = max_prompt_length + config.max_completion_length
         model = build_tiny_llama(tokenizer, config.hidden_size, config.num_layers, config.num_heads, max_length)
         return model, tokenizer
+    return load_pretrained(config.model)
+
+
+def load_pretrained(name: str):
+    """(model, tokenizer) of a Hugging Face model directory or hub name, float32, left padding. A path that does not
+    exist, or a name that is neither a directory nor loadable from the hub, is a ValueError naming it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(config.model, padding_side="left")
+    path, checkpoint = Path(name).expanduser(), "a trainer checkpoint is <run>/checkpoints/step_NNNNNN"
+    hub_id = not name.startswith((".", "/", "~")) and name.count("/") <= 1  # "gpt2", "Qwen/Qwen2.5-0.5B"
+    if not path.exists() and not hub_id:
+        raise ValueError(f"model {name!r}: no such directory ({checkpoint})")
+    if path.exists() and not (path / "config.json").is_file():
+        raise ValueError(f"model {name!r}: not a model directory, it has no config.json ({checkpoint})")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name, padding_side="left")
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)
+    except OSError as error:  # not a model directory, not on the hub, offline
+        reason = " ".join(str(error).split())[:300]
+        raise ValueError(
+            f"model {name!r}: not a model directory, and not loadable from the Hugging Face hub ({reason})"
+        ) from error
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(config.model, dtype=torch.float32)
     return model, tokenizer
 
 

@@ -40,6 +40,7 @@ def init_parallel(mode: str, device: str) -> ParallelState:
     """Join torchrun's process group when WORLD_SIZE > 1 (once per process); resolve `mode` and the device."""
     if mode not in PARALLEL_MODES:
         raise ValueError(f"parallel must be one of {PARALLEL_MODES}, got {mode!r}")
+    check_device(device)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     cuda = torch.cuda.is_available() if device == "auto" else device.startswith("cuda")
     if world_size == 1:
@@ -54,6 +55,23 @@ def init_parallel(mode: str, device: str) -> ParallelState:
     if cuda:
         torch.cuda.set_device(local_rank)
     return ParallelState(dist.get_rank(), dist.get_world_size(), _device(device, cuda, local_rank), _mode(mode))
+
+
+def check_device(device: str) -> None:
+    """A ValueError for a device that torch does not know, or that this machine or this torch build cannot use."""
+    if device == "auto":
+        return
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {device!r}") from None
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else "a CUDA build, but no GPU is visible"
+        raise ValueError(
+            f"device {device!r}: CUDA is not available (torch {torch.__version__} is {build}); use cpu or auto"
+        )
+    if parsed.type == "cuda" and parsed.index is not None and parsed.index >= torch.cuda.device_count():
+        raise ValueError(f"device {device!r}: this machine has {torch.cuda.device_count()} GPU(s)")
 
 
 def _mode(mode: str) -> str:

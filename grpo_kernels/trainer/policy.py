@@ -8,13 +8,14 @@ as forward methods, so the sharded parameters are gathered for them too.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from grpo_kernels.api import fused_linear_grpo_loss
-from grpo_kernels.hf import completion_hidden_states, lm_head, policy_logprobs
+from grpo_kernels.integrations.hf import completion_hidden_states, lm_head, logit_transform, policy_logprobs
 from grpo_kernels.options import LossOptions
 
 
@@ -56,8 +57,11 @@ class PolicyModule(nn.Module):
         self.model = model
 
     def forward(self, batch: UpdateBatch, options: LossOptions) -> tuple[Tensor, dict[str, Tensor]]:
-        """(loss, metrics) of the fused lm_head + GRPO loss on `batch`; the [B, T, V] logits are never stored."""
+        """(loss, metrics) of the fused lm_head + GRPO loss on `batch`; the [B, T, V] logits are never stored.
+        The model's own logit scaling and soft-capping (Gemma 2/3, Cohere, Granite) apply, as in `logprobs`."""
         weight, bias = lm_head(self.model)
+        scale, softcap = logit_transform(self.model)
+        options = dataclasses.replace(options, logit_scale=scale, final_logit_softcapping=softcap)
         mask = batch.completion_mask
         hidden = completion_hidden_states(self.model, batch.input_ids, batch.attention_mask, mask.shape[1])  # [B, T, H]
         out = fused_linear_grpo_loss(

@@ -158,7 +158,7 @@ def select(round: Round, rows: Tensor) -> Round:
         name: value[rows.to(value.device)] if isinstance(value, Tensor) else [value[i] for i in rows.tolist()]
         for name, value in vars(batch).items()
     }
-    scores = RewardBatch(round.scores.rewards[rows], round.scores.columns[rows], round.scores.names)
+    scores = round.scores.select(rows)
     return Round(round.prompts, RolloutBatch(**fields), scores)
 
 
@@ -183,11 +183,7 @@ def concat(rounds: list[Round], shared_prompts: bool = False) -> Round:
         completions=[text for b in batches for text in b.completions],
         truncated=torch.cat([b.truncated for b in batches]),  # [B]
     )
-    scores = RewardBatch(
-        torch.cat([r.scores.rewards for r in rounds]),  # [B]
-        torch.cat([r.scores.columns for r in rounds]),  # [B, K]
-        rounds[0].scores.names,
-    )
+    scores = RewardBatch.cat([r.scores for r in rounds])
     prompts = rounds[0].prompts if shared_prompts else [p for r in rounds for p in r.prompts]
     return Round(prompts, batch, scores)
 

@@ -1,6 +1,8 @@
 """GRPOTrainer: the GRPO loop, readable top to bottom in `training_step`: prompts -> G rollouts each -> rewards ->
 advantages -> old-policy and reference log-probs (fused, no grad) -> μ fused-loss updates -> weight sync -> metrics;
-`train` adds periodic evaluation and checkpoints.
+`train` adds periodic evaluation and checkpoints. The run directory's rules (a new run needs an empty
+`output_dir`; `resume` continues the run there with its own configuration, from its latest readable checkpoint) are
+`run_dir.py`'s.
 
 Nothing here depends on the loss type or the advantage estimator, which are configuration (`TrainConfig.loss`,
 `TrainConfig.advantage`, or a `--preset`). Under torchrun each rank runs this same loop on its share of the prompts
@@ -16,11 +18,11 @@ import time
 import torch
 from torch import Tensor, nn
 
-from grpo_kernels.trainer import checkpoint
+from grpo_kernels.trainer import checkpoint, run_dir
 from grpo_kernels.trainer.components import PresetComponents, StepSamples, gather_inputs, local_part
-from grpo_kernels.trainer.config import TrainConfig, advantage_function, loss_options
+from grpo_kernels.trainer.config import ROLLOUTS, TrainConfig, advantage_function, check_config, loss_options
 from grpo_kernels.trainer.evaluate import evaluate
-from grpo_kernels.trainer.logging import MetricsLogger
+from grpo_kernels.trainer.logging import MetricsLogger, read_metrics, start_line
 from grpo_kernels.trainer.model import TINY, apply_lora, load_policy
 from grpo_kernels.trainer.parallel import (
     init_parallel,
@@ -39,8 +41,9 @@ class GRPOTrainer:
     """GRPO on a Hugging Face causal LM with the fused kernels; `GRPOTrainer(TrainConfig(...)).train()`.
 
     `model` / `tokenizer` default to `config.model` (the tiny demo Llama, or a Hugging Face name or path), `task`
-    to `config.dataset`, `rollout` to `config.rollout` on the policy. `config.resume` continues from the latest
-    checkpoint in `config.output_dir`.
+    to `config.dataset`, `rollout` to `config.rollout` on the policy. `config.resume` continues the run in
+    `config.output_dir` from its latest readable checkpoint; a configuration that is not that run's (outside
+    `run_dir.RESUMABLE`), or a new run into a non-empty directory, is a ValueError before any model is built.
     """
 
     def __init__(
@@ -52,6 +55,7 @@ class GRPOTrainer:
         task=None,
         rollout: Rollout | None = None,
     ) -> None:
+        check_config(config)
         self.parallel = init_parallel(config.parallel, config.device)
         torch.manual_seed(config.seed)
         random.seed(config.seed)
@@ -62,6 +66,8 @@ class GRPOTrainer:
         self.options = loss_options(config)
         self.components = PresetComponents(config, self.task, self.parallel)  # a ValueError for what it cannot apply
         self.advantage_fn = advantage_function(config)
+        start = run_dir.prepare(config, self.parallel, ref_model=self.options.beta != 0.0)
+        self.resumed_from = None if start is None else start.path
         if model is None:
             model, tokenizer = load_policy(config, self.task.alphabet, self.task.max_prompt_length)
         model = model.to(self.parallel.device)
@@ -73,17 +79,16 @@ class GRPOTrainer:
         self.model, self.tokenizer = model, tokenizer
         self.prompts = PromptStream(self.task, config.seed)
         self.step = 0
-        latest = checkpoint.latest(config.output_dir) if config.resume else None
-        if latest is not None:  # weights before wrapping: FSDP2 shards what it is given
-            checkpoint.load_weights(latest, self.model, self.ref_model)
+        if start is not None:  # weights before wrapping: FSDP2 shards what it is given
+            checkpoint.load_weights(start.path, self.model, self.ref_model)
         self.policy = wrap_policy(PolicyModule(self.model), self.parallel)
         trainable = [p for p in self.policy.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate, weight_decay=config.weight_decay)
-        if latest is not None:
-            state = checkpoint.load_state(latest, self.policy, self.optimizer, self.parallel)
-            self.prompts.load_state_dict(state["data"])
-            self.components.load_state_dict(state.get("components", {}))  # absent before λ was kept
-            self.step = state["step"]
+        if start is not None:
+            checkpoint.load_state(start.state, self.policy, self.optimizer)
+            self.prompts.load_state_dict(start.state["data"])
+            self.components.load_state_dict(start.state.get("components", {}))  # absent before λ was kept
+            self.step = start.step
         elif self.parallel.world_size > 1:  # same initial weights on every rank, different samples
             torch.manual_seed(config.seed + self.parallel.rank)
         self.rollout = rollout if rollout is not None else build_rollout(config, unwrap(self.policy), tokenizer)
@@ -91,19 +96,28 @@ class GRPOTrainer:
     # ------------------------------------------------------------------------------------------------ the loop
     def train(self) -> list[dict]:
         """Run up to `config.steps` optimizer steps; returns every step's metrics (also in `metrics.jsonl`)."""
-        config = self.config
+        config, main = self.config, self.parallel.is_main
+        if self.step >= config.steps:
+            if main:
+                done = f"run {config.output_dir!r} is at step {self.step} of {config.steps}"
+                print(f"{done}: nothing to do (a larger --steps continues it)", flush=True)
+            return [m for m in read_metrics(config.output_dir) if m["step"] <= self.step]
         threads = torch.get_num_threads()
         torch.set_num_threads(config.torch_threads or threads)
-        if self.parallel.is_main:
-            checkpoint.save_config(config.output_dir, config.to_dict())
+        if main:  # what `--resume` continues with (and a valid `--config` for a new run)
+            invocation = dict(resume=False, overwrite=False, start_if_no_checkpoint=False)
+            config_file = run_dir.save_config(config.output_dir, dataclasses.replace(config, **invocation).to_dict())
+            print(start_line(config, self.step, self.resumed_from, config_file), flush=True)
         logger = MetricsLogger(
             config.output_dir,
             config.steps,
             self.step,
             progress=config.progress,
-            write=self.parallel.is_main,
+            write=main,
             report_to=config.report_to,
             run_config=config.to_dict(),
+            progress_every=config.progress_every,
+            progress_seconds=config.progress_seconds,
         )
         if self.step == 0 and config.checkpoint_every:  # the initial policy, for `grpo_kernels.evaluate --compare`
             self.save_checkpoint()
@@ -229,7 +243,7 @@ def build_rollout(config: TrainConfig, model: nn.Module, tokenizer) -> Rollout:
             enable_sleep_mode=config.vllm_enable_sleep_mode,
             seed=config.seed,
         )
-    raise ValueError(f"rollout must be 'hf' or 'vllm', got {config.rollout!r}")
+    raise ValueError(f"rollout must be one of {list(ROLLOUTS)}, got {config.rollout!r}")
 
 
 def train(config: TrainConfig) -> list[dict]:

@@ -53,13 +53,30 @@ def _ids_and_mask(targets: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
     return targets.to(torch.int64).contiguous(), mask.to(torch.bool).contiguous()
 
 
+def _softcap(softcap: float | None) -> float | None:
+    return None if softcap is None else float(softcap)
+
+
 def token_logprobs_fwd(
-    logits: Tensor, targets: Tensor, mask: Tensor, temperature: float, with_entropy: bool
-) -> tuple[Tensor, Tensor, Tensor | None]:
-    """logits [B, T, V] (last stride 1), targets [B, T], mask [B, T] bool -> logp, lse, entropy|None, [B, T] fp32."""
+    logits: Tensor,
+    targets: Tensor,
+    mask: Tensor,
+    temperature: float,
+    with_entropy: bool,
+    *,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    stats: tuple[str, ...] = (),
+) -> tuple[Tensor, Tensor, Tensor | None, dict[str, Tensor]]:
+    """logits [B, T, V] (last stride 1), targets [B, T], mask [B, T] bool -> logp, lse, entropy|None, [B, T] fp32,
+    and no statistics: asking for any (`stats`) is an error on this backend."""
+    if stats:
+        raise ValueError(f"backend='cuda' does not compute {list(stats)}; use backend='triton' or 'torch'")
     targets, mask = _ids_and_mask(targets, mask)
-    logp, lse, entropy = ops().token_logprobs_fwd(logits, targets, mask, float(temperature), bool(with_entropy))
-    return logp, lse, (entropy if with_entropy else None)
+    logp, lse, entropy = ops().token_logprobs_fwd(
+        logits, targets, mask, float(temperature), bool(with_entropy), float(logit_scale), _softcap(softcap)
+    )
+    return logp, lse, (entropy if with_entropy else None), {}
 
 
 def token_logprobs_bwd(
@@ -72,6 +89,9 @@ def token_logprobs_bwd(
     grad_entropy: Tensor | None,
     temperature: float,
     out: Tensor,
+    *,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
 ) -> None:
     """Write dL/dlogits into `out` (may be `logits` itself; last strides 1); masked rows get 0."""
     targets, mask = _ids_and_mask(targets, mask)
@@ -84,6 +104,8 @@ def token_logprobs_bwd(
         _f32(grad_logp),
         _f32(grad_entropy),
         float(temperature),
+        float(logit_scale),
+        _softcap(softcap),
         out,
     )
 
@@ -100,6 +122,9 @@ def grpo_loss_fwd(
     epilogue,
     temperature: float,
     with_entropy: bool,
+    *,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor]:
     """One pass: logp, lse, entropy|None, weighted per-token loss, weighted dL/dlogp, each [B, T] float32.
 
@@ -129,5 +154,7 @@ def grpo_loss_fwd(
         float(epilogue.tau_neg),
         float(temperature),
         bool(with_entropy),
+        float(logit_scale),
+        _softcap(softcap),
     )
     return logp, lse, (entropy if with_entropy else None), loss, dlogp

@@ -7,18 +7,36 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from grpo_kernels import checks
 from grpo_kernels.options import LossOptions
 from grpo_kernels.vocab import backends, token_logprobs_torch
+
+TOKEN_STATS = ("log_sum_sq_probs", "mean_logits", "is_top1")  # optional outputs of the pass (TRL's names)
+STATS_BACKENDS = ("torch", "triton")  # the backends that compute them
 
 
 @dataclass(frozen=True)
 class VocabPassOptions:
-    """How to run the pass: a concrete backend, temperature, whether to compute entropy, in-place backward."""
+    """How to run the pass: a concrete backend, temperature, whether to compute entropy, in-place backward, the
+    logit transform (z = c·tanh(s·x/c) before the temperature, TRL's order), the extra statistics asked and the
+    check of each kept row's lse / logp (None: `check_finite=False`)."""
 
     backend: str
     temperature: float = 1.0
     with_entropy: bool = False
     inplace: bool = True
+    logit_scale: float = 1.0
+    final_logit_softcapping: float | None = None
+    stats: tuple[str, ...] = ()
+    finite: checks.RowCheck | None = checks.RowCheck()
+
+    def transform(self) -> dict:
+        """The backends' keyword arguments for the logit transform."""
+        return transform_kwargs(self.logit_scale, self.final_logit_softcapping)
+
+
+def transform_kwargs(logit_scale: float, final_logit_softcapping: float | None) -> dict:
+    return {"logit_scale": logit_scale, "softcap": final_logit_softcapping}
 
 
 @dataclass(frozen=True)
@@ -41,7 +59,7 @@ class TokenEpilogue:
     def from_options(cls, kind: str, options: LossOptions) -> TokenEpilogue:
         return cls(
             kind,
-            options.epsilon_low,
+            options.epsilon,
             options.clip_high,
             options.delta,
             options.clip_ratio_c,
@@ -82,43 +100,59 @@ def _fused_kernels(backend: str):
 
 
 class _TokenLogprobsFunction(torch.autograd.Function):
-    """logits [B, T, V] -> (logp [B, T], entropy [B, T] or empty); saves O(B·T) statistics, never [B, T, V]."""
+    """logits [B, T, V] -> (logp [B, T], entropy [B, T] or empty, *the asked statistics [B, T], not differentiable);
+    saves O(B·T) statistics, never [B, T, V]."""
 
     @staticmethod
     def forward(ctx, logits: Tensor, targets: Tensor, mask: Tensor, opts: VocabPassOptions):
+        check_not_overwritten(logits)
         if opts.backend in ("triton", "cuda") and logits.stride(-1) != 1:
             logits = logits.contiguous()
         kernels = _kernels(opts.backend)
         backends.launches[opts.backend] += 1
-        logp, lse, entropy = kernels.token_logprobs_fwd(logits, targets, mask, opts.temperature, opts.with_entropy)
+        logp, lse, entropy, stats = kernels.token_logprobs_fwd(
+            logits, targets, mask, opts.temperature, opts.with_entropy, **opts.transform(), stats=opts.stats
+        )
+        logp = checked_rows(opts.finite, lse, logp, mask)
+        stats = [stats[name] for name in opts.stats]
         if entropy is None:
             entropy = logp.new_empty(0)
-            ctx.mark_non_differentiable(entropy)
+        ctx.mark_non_differentiable(*stats, *([] if opts.with_entropy else [entropy]))  # one call: each replaces
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(logits, targets, mask, lse, entropy)
         ctx.opts = opts
         ctx.consumed = False
-        return logp, entropy
+        return logp, entropy, *stats
 
     @staticmethod
-    def backward(ctx, grad_logp: Tensor | None, grad_entropy: Tensor | None):
+    def backward(ctx, grad_logp: Tensor | None, grad_entropy: Tensor | None, *_grad_stats):
         opts: VocabPassOptions = ctx.opts
         _consume(ctx)
         logits, targets, mask, lse, entropy = ctx.saved_tensors
         if not opts.with_entropy:
             grad_entropy, entropy = None, None
+        version = logits._version
         out = _in_place_or_new(ctx, logits)
         backends.launches[opts.backend] += 1
         _kernels(opts.backend).token_logprobs_bwd(
-            logits, targets, mask, lse, entropy, grad_logp, grad_entropy, opts.temperature, out
+            logits, targets, mask, lse, entropy, grad_logp, grad_entropy, opts.temperature, out, **opts.transform()
         )
+        _mark_overwritten(ctx, logits, version)
         return out, None, None, None
 
 
 def vocab_pass(logits: Tensor, targets: Tensor, mask: Tensor, opts: VocabPassOptions) -> tuple[Tensor, Tensor | None]:
     """Run the pass on checked [B, T, V] logits; returns logp [B, T] and entropy [B, T] (None if not asked)."""
-    logp, entropy = _TokenLogprobsFunction.apply(logits, targets, mask, opts)
+    logp, entropy, *_ = _TokenLogprobsFunction.apply(logits, targets, mask, opts)
     return logp, (entropy if opts.with_entropy else None)
+
+
+def vocab_pass_with_stats(logits: Tensor, targets: Tensor, mask: Tensor, opts: VocabPassOptions) -> dict[str, Tensor]:
+    """`vocab_pass` returning {"logp", "entropy" (if asked), each of `opts.stats`}, all [B, T]; the statistics
+    (see `token_logprobs`) carry no gradient."""
+    logp, entropy, *stats = _TokenLogprobsFunction.apply(logits, targets, mask, opts)
+    out = {"logp": logp} | ({"entropy": entropy} if opts.with_entropy else {})
+    return out | dict(zip(opts.stats, stats, strict=True))
 
 
 def _consume(ctx) -> None:
@@ -139,12 +173,75 @@ def _in_place_or_new(ctx, logits: Tensor) -> Tensor:
     return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
 
+# The in-place contract: an in-place backward leaves dL/dlogits in the logits' buffer, and records on its storage
+# the version counter it left and the bytes it wrote. A later pass over those bytes at that version (the same
+# tensor, or any view of the buffer not written since) is an error; a write (a new forward, copy_) bumps the
+# version and clears it. Spans keep micro-batches carved from one buffer apart.
+_OVERWRITTEN = "_grpo_kernels_overwritten"  # storage attribute: (version, ((first byte, last byte), ...))
+
+
+def _byte_span(x: Tensor) -> tuple[int, int]:
+    """The first and last byte of its storage that x may touch (an empty x: an empty span)."""
+    size = x.element_size()
+    extent = sum((n - 1) * s for n, s in zip(x.shape, x.stride(), strict=True)) + 1 if x.numel() else 0
+    return x.storage_offset() * size, (x.storage_offset() + extent) * size - 1
+
+
+def _mark_overwritten(ctx, logits: Tensor, version: int) -> None:
+    """After an in-place backward that found the logits at `version`: record what it overwrote."""
+    if not ctx.opts.inplace:
+        return
+    storage = logits.untyped_storage()
+    recorded, spans = getattr(storage, _OVERWRITTEN, (None, ()))
+    spans = spans if recorded == version else ()  # written since: the older spans hold new values
+    setattr(storage, _OVERWRITTEN, (logits._version, (*spans, _byte_span(logits))))
+
+
+def check_not_overwritten(logits: Tensor) -> None:
+    """ValueError if an in-place backward overwrote these logits with their gradient and nothing wrote them since."""
+    recorded, spans = getattr(logits.untyped_storage(), _OVERWRITTEN, (None, ()))
+    if recorded != logits._version:
+        return
+    first, last = _byte_span(logits)
+    if any(first <= end and start <= last for start, end in spans):
+        raise ValueError(
+            "logits hold the gradient an earlier in-place backward wrote into them (inplace=True consumes the "
+            "logits); compute the logits again, or pass inplace=False to the call whose backward consumed them"
+        )
+
+
+def checked_rows(finite: checks.RowCheck | None, lse: Tensor, logp: Tensor, kept: Tensor | None) -> Tensor:
+    """The pass's logp, its kept rows checked (`check_row_stats`); unchecked (finite=None), NaN where the row's lse
+    is not finite, so that a loss on it is NaN too, never finite over non-finite gradients."""
+    if finite is not None:
+        checks.check_row_stats(lse, logp, kept, finite)
+        return logp
+    bad = ~torch.isfinite(lse) if kept is None else ~torch.isfinite(lse) & kept
+    return logp.masked_fill(bad, float("nan"))
+
+
+def poisoned(loss: Tensor, bad: Tensor) -> Tensor:
+    """`loss`, or NaN when a `bad` flag is set (a kept row whose gradient is not finite); no host sync."""
+    return torch.where(bad.any(), torch.full_like(loss, float("nan")), loss)
+
+
+def nonfinite_rows(lse: Tensor, logp: Tensor, *per_row: Tensor | None) -> Tensor:
+    """Rows with a non-finite lse, a NaN logp or a non-finite value in any of `per_row` (dL/dlogp, dL/dH, the
+    loss's inputs; None passes), each of lse's shape or broadcast to it."""
+    total = lse.clone()  # a sum is finite iff its terms are (these are O(1e4) at most: no overflow)
+    for x in per_row:
+        if x is not None:
+            total.add_(x)
+    return ~torch.isfinite(total) | torch.isnan(logp)
+
+
 class _FusedTokenLossFunction(torch.autograd.Function):
     """logits [B, T, V] -> (loss, logp [B, T], entropy [B, T] or empty) with the token-level loss formed in the
     forward pass's epilogue; the backward scales the saved dL/dlogp and runs the vocabulary backward."""
 
     @staticmethod
     def forward(ctx, logits, targets, mask, weights, advantages, old_logp, ref_logp, is_ratio, opts, epilogue):
+        check_not_overwritten(logits)
         if logits.stride(-1) != 1:
             logits = logits.contiguous()
         backends.launches[opts.backend] += 1
@@ -161,23 +258,30 @@ class _FusedTokenLossFunction(torch.autograd.Function):
             epilogue,
             opts.temperature,
             opts.with_entropy,
+            **opts.transform(),
         )
+        logp = checked_rows(opts.finite, lse, logp, mask)
         entropy = logp.new_empty(0) if entropy is None else entropy
         ctx.mark_non_differentiable(logp, entropy)
         ctx.save_for_backward(logits, targets, mask, lse, dlogp)
         ctx.opts = opts
         ctx.consumed = False
-        return loss.sum(), logp, entropy
+        # the epilogue's min/max drop NaN: a kept row with a non-finite input or dL/dlogits makes the loss NaN (as
+        # the PyTorch algebra does), never a finite loss over NaN gradients
+        bad = nonfinite_rows(lse, logp, dlogp, weights, advantages, old_logp, ref_logp, is_ratio) & mask
+        return poisoned(loss.sum(), bad), logp, entropy
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_logp, _grad_entropy):
         _consume(ctx)
         logits, targets, mask, lse, dlogp = ctx.saved_tensors
+        version = logits._version
         out = _in_place_or_new(ctx, logits)
         backends.launches[ctx.opts.backend] += 1
         _kernels(ctx.opts.backend).token_logprobs_bwd(
-            logits, targets, mask, lse, None, dlogp * grad_loss, None, ctx.opts.temperature, out
+            logits, targets, mask, lse, None, dlogp * grad_loss, None, ctx.opts.temperature, out, **ctx.opts.transform()
         )
+        _mark_overwritten(ctx, logits, version)
         return out, *(None,) * 9
 
 

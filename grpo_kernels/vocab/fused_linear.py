@@ -18,8 +18,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from grpo_kernels import checks
 from grpo_kernels.vocab import backends
-from grpo_kernels.vocab.function import _kernels
+from grpo_kernels.vocab.function import _kernels, checked_rows, nonfinite_rows, poisoned, transform_kwargs
 
 # CPU: each chunk's GEMMs stream all of W (and dW) once, so a chunk needs a few hundred rows to keep them
 # compute-bound. Measured on 2 cores, B·T = 2048, H = 896, fused-linear forward + backward: V = 151,936 took
@@ -27,6 +28,9 @@ from grpo_kernels.vocab.function import _kernels
 # 2.5 / 2.5 / 1.8 / 2.1 / 1.9 s (128 to 2,048 rows).
 CPU_CHUNK_ROWS = 512
 CPU_CHUNK_BYTES = 1 << 28  # at most 256 MiB of logits per chunk
+LINEAR_ROWS = checks.RowCheck(
+    "hidden @ weight.T + bias", "NaN or inf in hidden, weight or bias, or their product overflowing"
+)  # how a non-finite row is blamed (the logits are never stored)
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,14 @@ class FusedLinearOptions:
     temperature: float = 1.0
     with_entropy: bool = False
     chunk_size: int | None = None  # rows per chunk; None: from V, H and free memory
+    logit_scale: float = 1.0  # the logit transform, as in VocabPassOptions
+    final_logit_softcapping: float | None = None
+    stats: tuple[str, ...] = ()  # extra non-differentiable statistics (function.TOKEN_STATS)
+    finite: checks.RowCheck | None = LINEAR_ROWS  # the check of each row's lse / logp; None: check_finite=False
+
+    def transform(self) -> dict:
+        """The backends' keyword arguments for the logit transform."""
+        return transform_kwargs(self.logit_scale, self.final_logit_softcapping)
 
 
 def chunk_rows(num_rows: int, vocab: int, hidden: int, device: torch.device, chunk_size: int | None) -> int:
@@ -53,6 +65,11 @@ def chunk_rows(num_rows: int, vocab: int, hidden: int, device: torch.device, chu
 def _chunks(num_rows: int, rows: int):
     for start in range(0, num_rows, rows):
         yield slice(start, min(start + rows, num_rows))
+
+
+def _cat(parts: list[Tensor], like: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """The chunks' per-row values as one [M] tensor; no chunks (M = 0, every token masked): an empty one."""
+    return torch.cat(parts) if parts else torch.empty(0, dtype=dtype, device=like.device)
 
 
 def _logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, buffer: Tensor) -> Tensor:
@@ -93,7 +110,8 @@ class _GradientSink:
 
 
 class _FusedLinearLogprobsFunction(torch.autograd.Function):
-    """(hidden [M, H], weight [V, H], bias [V] | None, targets [M]) -> logp [M], entropy [M] or empty."""
+    """(hidden [M, H], weight [V, H], bias [V] | None, targets [M]) -> logp [M], entropy [M] or empty, and each
+    asked statistic [M] (not differentiable)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, opts: FusedLinearOptions):
@@ -102,26 +120,38 @@ class _FusedLinearLogprobsFunction(torch.autograd.Function):
         rows = chunk_rows(M, V, weight.shape[1], hidden.device, opts.chunk_size)
         ones = torch.ones((1, rows), dtype=torch.bool, device=hidden.device)
         buffer = weight.new_empty(rows, weight.shape[0])  # [rows, V]
-        stats = [], [], []
+        logps, lses, entropies = [], [], []
+        stats = {name: [] for name in opts.stats}
         for r in _chunks(M, rows):
             backends.launches[opts.backend] += 1
             z = _logits(hidden[r], weight, bias, buffer)  # [1, c, V]
-            chunk = kernels.token_logprobs_fwd(
-                z, targets[None, r], ones[:, : z.shape[1]], opts.temperature, opts.with_entropy
+            logp, lse, entropy, chunk_stats = kernels.token_logprobs_fwd(
+                z,
+                targets[None, r],
+                ones[:, : z.shape[1]],
+                opts.temperature,
+                opts.with_entropy,
+                **opts.transform(),
+                stats=opts.stats,
             )
-            for acc, x in zip(stats, chunk, strict=True):
-                acc.append(x)
-        logp, lse = torch.cat(stats[0], 1)[0], torch.cat(stats[1], 1)[0]  # [M]
-        entropy = torch.cat(stats[2], 1)[0] if opts.with_entropy else logp.new_empty(0)  # [M]
-        if not opts.with_entropy:
-            ctx.mark_non_differentiable(entropy)
+            logps.append(logp[0])
+            lses.append(lse[0])
+            if opts.with_entropy:
+                entropies.append(entropy[0])
+            for name, acc in stats.items():
+                acc.append(chunk_stats[name][0])
+        logp, lse = _cat(logps, hidden), _cat(lses, hidden)  # [M] each
+        logp = checked_rows(opts.finite, lse, logp, None)
+        entropy = _cat(entropies, hidden) if opts.with_entropy else logp.new_empty(0)  # [M]
+        stats = [_cat(acc, hidden, torch.bool if name == "is_top1" else torch.float32) for name, acc in stats.items()]
+        ctx.mark_non_differentiable(*stats, *([] if opts.with_entropy else [entropy]))  # one call: each replaces
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
         ctx.opts, ctx.rows = opts, rows
-        return logp, entropy
+        return logp, entropy, *stats
 
     @staticmethod
-    def backward(ctx, grad_logp, grad_entropy):
+    def backward(ctx, grad_logp, grad_entropy, *_grad_stats):
         hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
         opts, rows = ctx.opts, ctx.rows
         kernels = _kernels(opts.backend)
@@ -143,6 +173,7 @@ class _FusedLinearLogprobsFunction(torch.autograd.Function):
                 None if grad_entropy is None else grad_entropy[None, r],
                 opts.temperature,
                 z,
+                **opts.transform(),
             )
             sink.add(r, z[0], hidden[r], weight)
         return (*sink.result(weight, bias), None, None)
@@ -163,15 +194,16 @@ class _FusedLinearTokenLossFunction(torch.autograd.Function):
         ones = torch.ones((1, rows), dtype=torch.bool, device=hidden.device)
         sink = _GradientSink(hidden, weight, bias, ctx.needs_input_grad[:3])
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        logps, entropies = [], []
+        bad = torch.zeros((), dtype=torch.bool, device=hidden.device)  # a row with a non-finite dL/dlogits
+        logps, lses, entropies = [], [], []
         buffer = weight.new_empty(rows, weight.shape[0])  # [rows, V]
         backends.launches["fused_linear_token_loss"] += 1
         for r in _chunks(M, rows):
             backends.launches[opts.backend] += 2
             z = _logits(hidden[r], weight, bias, buffer)  # [1, c, V]
             mask = ones[:, : z.shape[1]]
-            logp, lse, entropy = kernels.token_logprobs_fwd(
-                z, targets[None, r], mask, opts.temperature, opts.with_entropy
+            logp, lse, entropy, _ = kernels.token_logprobs_fwd(
+                z, targets[None, r], mask, opts.temperature, opts.with_entropy, **opts.transform()
             )
             with torch.enable_grad():  # dL/dlogp (and dL/dH) of this chunk's share, on O(c) tensors
                 leaves = [logp[0].detach().requires_grad_()]
@@ -192,14 +224,18 @@ class _FusedLinearTokenLossFunction(torch.autograd.Function):
                 grad_entropy,
                 opts.temperature,
                 z,
+                **opts.transform(),
             )
             sink.add(r, z[0], hidden[r], weight)
+            bad |= nonfinite_rows(lse, logp, grad_logp, grad_entropy).any()
             logps.append(logp[0])
+            lses.append(lse[0])
             entropies.append(entropy[0] if opts.with_entropy else logp.new_empty(0))
         ctx.sink, ctx.weight_like = sink, (weight, bias)
-        logp, entropy = torch.cat(logps), torch.cat(entropies)
+        logp, entropy = _cat(logps, hidden), _cat(entropies, hidden)
+        logp = checked_rows(opts.finite, _cat(lses, hidden), logp, None)
         ctx.mark_non_differentiable(logp, entropy)
-        return loss, logp, entropy
+        return poisoned(loss, bad), logp, entropy
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_logp, _grad_entropy):
@@ -210,8 +246,15 @@ class _FusedLinearTokenLossFunction(torch.autograd.Function):
 
 def fused_linear_logprobs(hidden, weight, bias, targets, opts: FusedLinearOptions) -> tuple[Tensor, Tensor | None]:
     """logp [M] and entropy [M] (None unless asked) of the kept rows; differentiable in hidden, weight, bias."""
-    logp, entropy = _FusedLinearLogprobsFunction.apply(hidden, weight, bias, targets, opts)
+    logp, entropy, *_ = _FusedLinearLogprobsFunction.apply(hidden, weight, bias, targets, opts)
     return logp, (entropy if opts.with_entropy else None)
+
+
+def fused_linear_logprobs_with_stats(hidden, weight, bias, targets, opts: FusedLinearOptions) -> dict[str, Tensor]:
+    """`fused_linear_logprobs` returning {"logp", "entropy" (if asked), each of `opts.stats`}, all [M]."""
+    logp, entropy, *stats = _FusedLinearLogprobsFunction.apply(hidden, weight, bias, targets, opts)
+    out = {"logp": logp} | ({"entropy": entropy} if opts.with_entropy else {})
+    return out | dict(zip(opts.stats, stats, strict=True))
 
 
 def fused_linear_token_loss(hidden, weight, bias, targets, opts: FusedLinearOptions, chunk_loss: ChunkLoss):

@@ -11,7 +11,12 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from grpo_kernels.vocab.token_logprobs_triton import block_v_for, num_warps_for, row_logprob_stats
+from grpo_kernels.vocab.token_logprobs_triton import (
+    block_v_for,
+    num_warps_for,
+    row_logprob_stats,
+    transform_coefficients,
+)
 
 EPILOGUES = {"clip": 0, "cispo": 1, "sapo": 2, "gpg": 3}  # PolicyLoss.epilogue -> the kernel's POLICY constant
 KL_KINDS = {"k1": 0, "k2": 1, "k3": 2, "low_var_kl": 3}
@@ -54,7 +59,8 @@ def _grpo_loss_fwd_kernel(
     dlogp_ptr,
     T,
     V,
-    inv_temperature,
+    a,
+    b,
     eps_low,
     eps_high,
     delta,
@@ -62,6 +68,7 @@ def _grpo_loss_fwd_kernel(
     beta,
     tau_pos,
     tau_neg,
+    HAS_SOFTCAP: tl.constexpr,
     POLICY: tl.constexpr,
     HAS_OLD: tl.constexpr,
     HAS_DELTA: tl.constexpr,
@@ -81,12 +88,14 @@ def _grpo_loss_fwd_kernel(
     loss = tl.zeros((), tl.float32)
     dlogp = tl.zeros((), tl.float32)
     if tl.load(mask_ptr + row) != 0:
-        b = row // T
-        t = row - b * T
-        row_ptr = logits_ptr + b * stride_b + t * stride_t
+        seq = row // T
+        t = row - seq * T
+        row_ptr = logits_ptr + seq * stride_b + t * stride_t
         target = tl.load(targets_ptr + row)
-        logp, lse, entropy = row_logprob_stats(row_ptr, target, V, inv_temperature, WITH_ENTROPY, BLOCK_V)
-        adv = tl.load(adv_ptr + b * adv_stride_b + t * adv_stride_t)
+        logp, lse, entropy, _, _, _ = row_logprob_stats(
+            row_ptr, target, V, a, b, HAS_SOFTCAP, WITH_ENTROPY, False, False, False, BLOCK_V
+        )
+        adv = tl.load(adv_ptr + seq * adv_stride_b + t * adv_stride_t)
         # ρ = exp(clamp(logp − old, ±20)); d ρ / d logp = ρ inside the clamp, 0 outside (on-policy: ρ = 1)
         ratio = tl.full((), 1.0, tl.float32)
         d_ratio = ratio
@@ -127,7 +136,7 @@ def _grpo_loss_fwd_kernel(
             loss = -adv * logp
             dlogp = -adv
         if HAS_IS:
-            is_weight = tl.load(is_ptr + b * is_stride_b + t * is_stride_t)
+            is_weight = tl.load(is_ptr + seq * is_stride_b + t * is_stride_t)
             loss = loss * is_weight
             dlogp = dlogp * is_weight
         if HAS_KL:  # β·KL estimator of d = ref − logp (losses/kl.py)
@@ -173,6 +182,9 @@ def grpo_loss_fwd(
     epilogue,
     temperature: float,
     with_entropy: bool,
+    *,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor]:
     """One pass: logp, lse, entropy|None, weighted per-token loss, weighted dL/dlogp, each [B, T] float32.
 
@@ -183,6 +195,7 @@ def grpo_loss_fwd(
     logp = weights.new_empty((B, T))  # [B, T]
     lse, loss, dlogp = (weights.new_empty((B, T)) for _ in range(3))  # [B, T] each
     entropy = weights.new_empty((B, T)) if with_entropy else None  # [B, T]
+    a, b = transform_coefficients(temperature, logit_scale, softcap)
     block_v = block_v_for(V)
     _grpo_loss_fwd_kernel[(B * T,)](
         logits,
@@ -206,7 +219,8 @@ def grpo_loss_fwd(
         dlogp,
         T,
         V,
-        1.0 / temperature,
+        a,
+        b,
         epilogue.eps_low,
         epilogue.eps_high,
         1.0 if epilogue.delta is None else epilogue.delta,
@@ -214,6 +228,7 @@ def grpo_loss_fwd(
         epilogue.beta,
         epilogue.tau_pos,
         epilogue.tau_neg,
+        HAS_SOFTCAP=softcap is not None,
         POLICY=EPILOGUES[epilogue.kind],
         HAS_OLD=old_logp is not None,
         HAS_DELTA=epilogue.delta is not None,

@@ -61,22 +61,42 @@ def _scratch(logits: Tensor) -> Tensor:
     return torch.empty(_chunk_rows(logits), logits.shape[-1], dtype=dtype, device=logits.device)
 
 
-def token_logprobs_fwd(
-    logits: Tensor, targets: Tensor, mask: Tensor, temperature: float, with_entropy: bool
-) -> tuple[Tensor, Tensor, Tensor | None]:
-    """logits [B, T, V], targets [B, T], mask [B, T] bool -> logp, lse, entropy (or None), each [B, T].
+def transform_(z: Tensor, temperature: float, logit_scale: float, softcap: float | None) -> Tensor:
+    """In place on a compute-dtype buffer: z ← s·z, then c·tanh(z/c) when soft-capped, then z/T (TRL's order)."""
+    if softcap is not None:
+        return z.mul_(logit_scale / softcap).tanh_().mul_(softcap / temperature)
+    if logit_scale != 1.0:
+        z.mul_(logit_scale)
+    return z.div_(temperature) if temperature != 1.0 else z
 
-    Masked rows get 0.
+
+def token_logprobs_fwd(
+    logits: Tensor,
+    targets: Tensor,
+    mask: Tensor,
+    temperature: float,
+    with_entropy: bool,
+    *,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    stats: tuple[str, ...] = (),
+) -> tuple[Tensor, Tensor, Tensor | None, dict[str, Tensor]]:
+    """logits [B, T, V], targets [B, T], mask [B, T] bool -> logp, lse, entropy (or None), each [B, T], and the
+    requested `stats` by name ([B, T] each; `is_top1` bool), all of the transformed logits (`transform_`).
+
+    Masked rows get 0 (False).
     """
     dtype = compute_dtype(logits.dtype)
     logp = torch.zeros(mask.shape, dtype=dtype, device=logits.device)  # [B, T]
     lse = torch.zeros_like(logp)  # [B, T]
     entropy = torch.zeros_like(logp) if with_entropy else None  # [B, T]
+    out = {name: torch.zeros_like(logp, dtype=torch.bool if name == "is_top1" else dtype) for name in stats}
     flat_targets, flat_mask = _kept_targets(targets, mask), mask.reshape(-1)  # [B·T, 1], [B·T]
     z_buf, log_q_buf = _scratch(logits), _scratch(logits)  # [C, V] each
+    identity = temperature == 1.0 and logit_scale == 1.0 and softcap is None
     for rows, z in _windows(logits, mask):
-        if z.dtype != dtype or temperature != 1.0:
-            z = z_buf[: z.shape[0]].copy_(z).div_(temperature)  # [C, V]; the caller's logits are read only
+        if z.dtype != dtype or not identity:  # [C, V]; the caller's logits are read only
+            z = transform_(z_buf[: z.shape[0]].copy_(z), temperature, logit_scale, softcap)
         target = flat_targets[rows]  # [C, 1]
         log_q = torch.log_softmax(z, dim=-1, out=log_q_buf[: z.shape[0]])  # [C, V]: one fused pass
         row_logp = log_q.gather(1, target).squeeze(1)  # [C]
@@ -86,13 +106,19 @@ def token_logprobs_fwd(
             row_lse[unlikely] = torch.logsumexp(z[unlikely], dim=-1)
         lse.view(-1)[rows] = row_lse
         logp.view(-1)[rows] = row_logp
+        if "mean_logits" in out:
+            out["mean_logits"].view(-1)[rows] = z.sum(-1) / z.shape[-1]
+        if "is_top1" in out:  # argmax gives the first maximum: a tie with an earlier token is not a top-1
+            out["is_top1"].view(-1)[rows] = z.argmax(-1) == target.squeeze(1)
         if entropy is not None:  # H = −Σ q log q, with 0 · log 0 = 0 for -inf logits (the NaN of 0 · −inf)
             q_log_q = torch.exp(log_q, out=z_buf[: z.shape[0]]).mul_(log_q).nan_to_num_(nan=0.0)  # [C, V]
             entropy.view(-1)[rows] = -q_log_q.sum(-1)
-    for stat in (logp, lse, entropy):
+        if "log_sum_sq_probs" in out:  # log Σ q²: Σ q² ≥ 1/V, so squaring in the compute dtype loses nothing
+            out["log_sum_sq_probs"].view(-1)[rows] = torch.exp(log_q, out=z_buf[: z.shape[0]]).square_().sum(-1).log_()
+    for stat in (logp, lse, entropy, *out.values()):
         if stat is not None:
-            stat.masked_fill_(~mask, 0.0)  # the masked rows computed inside windows
-    return logp, lse, entropy
+            stat.masked_fill_(~mask, 0)  # the masked rows computed inside windows
+    return logp, lse, entropy, out
 
 
 def token_logprobs_bwd(
@@ -105,10 +131,14 @@ def token_logprobs_bwd(
     grad_entropy: Tensor | None,
     temperature: float,
     out: Tensor,
+    *,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
 ) -> None:
     """Write dL/dlogits into `out` (which may be `logits` itself): per kept row
 
-    g·(onehot − q)/T  +  g_H·(−q·(log q + H))/T,  q = softmax(logits/T);  masked rows get 0.
+    (g·(onehot − q) + g_H·(−q·(log q + H)))·dz/dx,  q = softmax(z),  z = transform(x) (`transform_`),
+    dz/dx = s/T, or s/T·sech²(s·x/c) when soft-capped;  masked rows get 0.
     When `out` is the logits in float32 (or float64), each window is rewritten in place.
     """
     dtype = compute_dtype(logits.dtype)
@@ -120,10 +150,16 @@ def token_logprobs_bwd(
     log_q_buf = None if in_place else _scratch(logits)  # [C, V]
     out_flat = _flat(out)  # [B·T, V] (out is the logits or a contiguous buffer), or None for strided logits
     q_buf = _scratch(logits) if grad_entropy is not None else None  # [C, V]
+    slope_buf = _scratch(logits) if softcap is not None else None  # [C, V]: dz/dx
+    slope = logit_scale / temperature  # dz/dx without soft-capping
     for rows, z in _windows(logits, mask):
         log_q = z if in_place else log_q_buf[: z.shape[0]].copy_(z)  # [C, V], overwritten by the gradient
-        if temperature != 1.0:
-            log_q.div_(temperature)
+        if softcap is not None:  # y = s·x/c -> z = c/T·tanh y in log_q, dz/dx = s/T·sech² y in slope_buf
+            y = torch.mul(log_q, logit_scale / softcap, out=slope_buf[: z.shape[0]])
+            torch.tanh(y, out=log_q).mul_(softcap / temperature)
+            y.cosh_().square_().reciprocal_().mul_(slope)  # sech² = 1/cosh², not 1 − tanh² (cancels near ±1)
+        elif slope != 1.0:
+            transform_(log_q, temperature, logit_scale, None)
         log_q.sub_(lse[rows])
         g = g_all[rows]  # [C, 1]
         if grad_entropy is None:
@@ -133,7 +169,11 @@ def token_logprobs_bwd(
             log_q.add_(entropy[rows]).mul_(q).masked_fill_(q == 0, 0.0)  # q·(log q + H)
             grad = log_q.mul_(-grad_entropy[rows]).sub_(q.mul_(g))
         grad.scatter_add_(1, flat_targets[rows], g)
-        if temperature != 1.0:
+        if softcap is not None:
+            grad.mul_(slope_buf[: z.shape[0]])
+        elif logit_scale != 1.0:
+            grad.mul_(slope)
+        elif temperature != 1.0:
             grad.div_(temperature)
         if not in_place:  # a window never crosses a sequence unless the logits flatten
             T = mask.shape[1]

@@ -23,7 +23,8 @@ from torch import Tensor
 
 from grpo_kernels.checks import check_texts
 from grpo_kernels.rewards import REWARDS
-from grpo_kernels.trainer.tasks.records import Prompt, RewardBatch
+from grpo_kernels.rewards.limits import score_texts
+from grpo_kernels.trainer.tasks.records import Prompt, RewardBatch, score_columns
 
 _NUMBER = re.compile(r"\d+")
 
@@ -31,23 +32,29 @@ _NUMBER = re.compile(r"\d+")
 def exact_answer(completions: list[str], answers: Sequence[str], **kwargs) -> Tensor:
     """1.0 where the completion is exactly the answer (surrounding whitespace ignored), else 0.0. [B] float32."""
     completions = check_texts("completions", completions)
-    return torch.tensor([float(c.strip() == a) for c, a in zip(completions, answers, strict=True)])
+    return score_texts(lambda c, a: c.strip() == a, completions, answers)
+
+
+def _closeness(completion: str, answer: str) -> float:
+    text = completion.strip()
+    if not _NUMBER.fullmatch(text):
+        return 0.0
+    digits = text.lstrip("0") or "0"
+    if len(digits) > len(answer) + 1:  # ŷ >= 10^(len(answer) + 1) > y + 10: 0, without parsing ŷ
+        return 0.0
+    return max(0.0, 1.0 - abs(int(digits) - int(answer)) / 10.0)
 
 
 def closeness(completions: list[str], answers: Sequence[str], **kwargs) -> Tensor:
     """max(0, 1 − |ŷ − y| / 10) where the completion is a number ŷ, else 0.0: partial credit. [B] float32."""
     completions = check_texts("completions", completions)
-    scores = [
-        max(0.0, 1.0 - abs(int(c) - int(a)) / 10.0) if _NUMBER.fullmatch(c.strip()) else 0.0
-        for c, a in zip(completions, answers, strict=True)
-    ]
-    return torch.tensor(scores)
+    return score_texts(_closeness, completions, answers)
 
 
 def number_format(completions: list[str], truncated: Tensor, **kwargs) -> Tensor:
     """1.0 where the completion is only digits and ended with `<eos>` (not `truncated`), else 0.0. [B] float32."""
     completions = check_texts("completions", completions)
-    digits = torch.tensor([_NUMBER.fullmatch(c) is not None for c in completions])
+    digits = score_texts(lambda c: _NUMBER.fullmatch(c) is not None, completions).bool()  # [B]
     return (digits & ~truncated.cpu()).float()
 
 
@@ -87,5 +94,4 @@ class AdditionTask:
         return [Prompt(f"{x}+{y}=", str(x + y)) for x, y in pairs]
 
     def score(self, completions: list[str], answers: Sequence[str], truncated: Tensor) -> RewardBatch:
-        columns = self.reward_fn(completions, answers=answers, truncated=truncated)  # [B, K]
-        return RewardBatch(columns @ self.reward_fn.weights, columns, self.reward_names)
+        return score_columns(self.reward_fn, self.reward_names, completions, answers=answers, truncated=truncated)

@@ -32,12 +32,14 @@ from grpo_kernels.checks import check_texts
 from grpo_kernels.rewards import REWARDS
 from grpo_kernels.rewards.countdown import equation_value
 from grpo_kernels.rewards.extraction import answer_tag
-from grpo_kernels.trainer.tasks.records import EVAL_SIZE, Prompt, RewardBatch
+from grpo_kernels.rewards.limits import score_texts, too_long
+from grpo_kernels.trainer.tasks.records import EVAL_SIZE, Prompt, RewardBatch, score_columns
 
 EVAL_SEED = 1234  # the held-out set's generator: independent of the run's seed, so runs are compared on one set
 EVAL_BUCKETS = 10  # one problem in EVAL_BUCKETS is held out
 MAX_DRAWS_PER_EVAL_PROMPT = 100  # gives up when the problem space has too few distinct held-out problems
-_EQUATION = re.compile(r"[\d+\-*/()\s]*\d[\d+\-*/()\s]*")
+_EQUATION = re.compile(r"[\d+\-*/()\s]+")  # with at least one digit (_DIGIT); two linear scans
+_DIGIT = re.compile(r"\d")
 _EQUATION_CHARS = "0123456789+-*/() "
 
 
@@ -57,24 +59,30 @@ def countdown_answer(completions: list[str], answers: Sequence[str], **kwargs) -
     """`REWARDS["countdown"]` on the equation (tagged, or the whole completion). [B] float32."""
     completions = check_texts("completions", completions)
     targets, numbers = _problems(answers)
-    tagged = [f"<answer>{_equation(c)}</answer>" for c in completions]
+    tagged = [c if too_long(c) else f"<answer>{_equation(c)}</answer>" for c in completions]  # too long: counted there
     return REWARDS.get("countdown")(tagged, targets=targets, numbers=numbers)
+
+
+def _closeness(completion: str, target: int, numbers: list[int]) -> float:
+    value = equation_value(_equation(completion), numbers)
+    return 0.0 if value is None else max(0.0, 1.0 - float(abs(value - Fraction(target))) / 10.0)
 
 
 def countdown_closeness(completions: list[str], answers: Sequence[str], **kwargs) -> Tensor:
     """max(0, 1 − |v − target| / 10) where the equation uses each number once and has value v, else 0. [B] float32."""
     completions = check_texts("completions", completions)
-    scores = []
-    for completion, target, numbers in zip(completions, *_problems(answers), strict=True):
-        value = equation_value(_equation(completion), numbers)
-        scores.append(0.0 if value is None else max(0.0, 1.0 - float(abs(value - Fraction(target))) / 10.0))
-    return torch.tensor(scores)
+    return score_texts(_closeness, completions, *_problems(answers))
+
+
+def _well_formed(completion: str) -> bool:
+    equation = _equation(completion)
+    return _EQUATION.fullmatch(equation) is not None and _DIGIT.search(equation) is not None
 
 
 def equation_format(completions: list[str], truncated: Tensor, **kwargs) -> Tensor:
     """1.0 where the equation is digits, `+ - * / ( )` and spaces and the completion ended with `<eos>`. [B] float32."""
     completions = check_texts("completions", completions)
-    well_formed = torch.tensor([_EQUATION.fullmatch(_equation(c)) is not None for c in completions])  # [B]
+    well_formed = score_texts(_well_formed, completions).bool()  # [B]
     return (well_formed & ~truncated.cpu()).float()
 
 
@@ -140,8 +148,7 @@ class CountdownTask:
         raise ValueError(f"eval_size {self.eval_size} is more than the {len(prompts)} held-out problems found")
 
     def score(self, completions: list[str], answers: Sequence[str], truncated: Tensor) -> RewardBatch:
-        columns = self.reward_fn(completions, answers=answers, truncated=truncated)  # [B, K]
-        return RewardBatch(columns @ self.reward_fn.weights, columns, self.reward_names)
+        return score_columns(self.reward_fn, self.reward_names, completions, answers=answers, truncated=truncated)
 
     def _draw(self, generator: torch.Generator) -> Prompt:
         """One problem: random numbers reduced pairwise by random exact operations to a target in 1..max_target."""

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from grpo_kernels.rewards import REWARDS
-from grpo_kernels.trainer.tasks.records import EVAL_SIZE, Prompt, RewardBatch
+from grpo_kernels.trainer.tasks.records import EVAL_SIZE, Prompt, RewardBatch, score_columns
 
 TextReward = Callable[..., Tensor]  # fn(completions, answers=..., truncated=...) -> [B] float32
 
@@ -73,5 +73,4 @@ class DatasetTask:
         return self.test[: self.eval_size]
 
     def score(self, completions: list[str], answers: Sequence[str], truncated: Tensor) -> RewardBatch:
-        columns = self.reward_fn(completions, answers=list(answers), truncated=truncated)  # [B, K]
-        return RewardBatch(columns @ self.reward_fn.weights, columns, self.reward_names)
+        return score_columns(self.reward_fn, self.reward_names, completions, answers=list(answers), truncated=truncated)

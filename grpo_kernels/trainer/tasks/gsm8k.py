@@ -8,12 +8,12 @@ number after `####`); `format` is 1 when the completion has a number and ended w
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from grpo_kernels.checks import check_texts
 from grpo_kernels.rewards import REWARDS
 from grpo_kernels.rewards.extraction import last_number
+from grpo_kernels.rewards.limits import score_texts
 from grpo_kernels.trainer.tasks.dataset import DatasetTask
 from grpo_kernels.trainer.tasks.records import EVAL_SIZE, Prompt
 
@@ -24,7 +24,7 @@ _LOCAL = 'or pass --dataset path/to/file.jsonl with one {"prompt": ..., "answer"
 def number_present(completions: list[str], truncated: Tensor, **kwargs) -> Tensor:
     """1.0 where the completion has a number and ended with `<eos>` (not `truncated`), else 0.0. [B] float32."""
     completions = check_texts("completions", completions)
-    has_number = torch.tensor([last_number(c) is not None for c in completions])  # [B]
+    has_number = score_texts(lambda c: last_number(c) is not None, completions).bool()  # [B]
     return (has_number & ~truncated.cpu()).float()
 
 
@@ -37,7 +37,7 @@ def load_gsm8k(eval_size: int = EVAL_SIZE) -> DatasetTask:
     try:
         splits = datasets.load_dataset(HUB_NAME, HUB_CONFIG)
     except Exception as error:  # offline, hub down, no access: many error types, one cause to report
-        raise RuntimeError(
+        raise ConnectionError(  # an OSError: the CLI's one-line user error
             f"could not load {HUB_NAME!r} from the Hugging Face hub ({type(error).__name__}: {error}); check the "
             f"network or the datasets cache (HF_DATASETS_OFFLINE=1 uses a cached copy), {_LOCAL}"
         ) from error

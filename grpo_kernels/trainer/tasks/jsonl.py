@@ -4,8 +4,11 @@ With no `"split": "test"` line, the last 10 % of the lines without a split (at l
 evaluation. Columns: `answer` is 1 when the completion's final answer (the `<answer>` tag or `\\boxed{}` when
 present, else the whole completion, stripped) equals the answer as text or as a decimal number, or, for an answer
 with a digit or a LaTeX command and math-verify installed (the `math` extra), is mathematically equal to it
-(`REWARDS["math_answer"]`: `1/2` = `0.5`); `format` is 1 when that final answer is not empty and the completion
-ended with `<eos>`.
+(`math_answer.verify_answers`, under its size and time limits: `1/2` = `0.5`); `format` is 1 when that final answer
+is not empty and the completion ended with `<eos>`.
+
+The file is read one line at a time; a line longer than `MAX_LINE_BYTES` (1 MiB) is an error naming the file and
+line, as is any line that is not a JSON object with a prompt and an answer.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
@@ -21,12 +24,13 @@ import torch
 from torch import Tensor
 
 from grpo_kernels.checks import check_texts
-from grpo_kernels.rewards import REWARDS
-from grpo_kernels.rewards.math_answer import final_answer
+from grpo_kernels.rewards.limits import over_limit, score_texts, too_long
+from grpo_kernels.rewards.math_answer import final_answer, verify_answers
 from grpo_kernels.trainer.tasks.dataset import DatasetTask
 from grpo_kernels.trainer.tasks.records import EVAL_SIZE, Prompt
 
 HELD_OUT_FRACTION = 0.1
+MAX_LINE_BYTES = 1 << 20  # longest line read (1 MiB, newline excluded): a longer one is an error naming the line
 SPLITS = ("train", "test")
 _MATH = re.compile(r"\d|\\")  # a digit or a backslash: an answer math-verify should judge
 
@@ -43,36 +47,46 @@ def _decimal(text: str) -> Decimal | None:
     return value if value.is_finite() else None
 
 
-def _math_equal(prediction: str, answer: str) -> bool:
-    """math-verify's verdict for a math answer (one with a digit or a LaTeX command: math-verify reads words as
-    case-blind products of symbols, `paris` = `Paris`); False when it is not installed or cannot read the answer."""
-    if not _MATH.search(answer) or importlib.util.find_spec("math_verify") is None:
-        return False
-    try:
-        return bool(REWARDS.get("math_answer")([f"\\boxed{{{prediction}}}"], [answer]).item())
-    except ValueError:  # an answer math-verify cannot parse: only the text comparison applies
-        return False
-
-
-def _correct(prediction: str, answer: str) -> bool:
+def _text_verdict(prediction: str, answer: str) -> bool | None:
+    """True / False when the text or the decimal comparison decides, None when math-verify should judge: a non-empty
+    prediction and a math answer (one with a digit or a LaTeX command: math-verify reads words as case-blind
+    products of symbols, `paris` = `Paris`)."""
     if prediction == answer:
         return True
     numbers = _decimal(prediction), _decimal(answer)
     if None not in numbers:
         return numbers[0] == numbers[1]
-    return bool(prediction) and _math_equal(prediction, answer)
+    return None if prediction and _MATH.search(answer) else False
 
 
 def matches_answer(completions: list[str], answers: Sequence[str], **kwargs) -> Tensor:
-    """1.0 where the final answer equals the answer as text, as a decimal, or mathematically. [B] float32."""
+    """1.0 where the final answer equals the answer as text, as a decimal, or mathematically (math-verify, when
+    installed; an answer it cannot parse gets the text comparison only). [B] float32. A completion over
+    `limits.MAX_COMPLETION_CHARS`, or a math check over `math_answer`'s limits, scores 0 and is counted."""
     completions = check_texts("completions", completions)
-    return torch.tensor([float(_correct(_prediction(c), a.strip())) for c, a in zip(completions, answers, strict=True)])
+    scores = [0.0] * len(completions)
+    math_rows: list[tuple[int, str, str]] = []  # (row, prediction, answer) left to math-verify
+    for i, (completion, answer) in enumerate(zip(completions, answers, strict=True)):
+        if too_long(completion):
+            scores[i] = over_limit(i)
+            continue
+        prediction, answer = _prediction(completion), answer.strip()
+        verdict = _text_verdict(prediction, answer)
+        if verdict is None:
+            math_rows.append((i, prediction, answer))
+        else:
+            scores[i] = float(verdict)
+    if math_rows and importlib.util.find_spec("math_verify") is not None:
+        rows, predictions, golds = zip(*math_rows, strict=True)
+        for i, verdict in zip(rows, verify_answers(list(golds), list(predictions)), strict=True):
+            scores[i] = over_limit(i) if verdict == "over_limit" else float(verdict == "equal")
+    return torch.tensor(scores, dtype=torch.float32)
 
 
 def answer_present(completions: list[str], truncated: Tensor, **kwargs) -> Tensor:
     """1.0 where the final answer is not empty and the completion ended with `<eos>`, else 0.0. [B] float32."""
     completions = check_texts("completions", completions)
-    present = torch.tensor([bool(_prediction(c)) for c in completions])  # [B]
+    present = score_texts(lambda c: bool(_prediction(c)), completions).bool()  # [B]
     return (present & ~truncated.cpu()).float()
 
 
@@ -85,17 +99,30 @@ def _field(record: dict, key: str, where: str) -> str:
     return value
 
 
+def _lines(path: Path) -> Iterator[tuple[str, str]]:
+    """(where, text) of each line, read one at a time; a line over `MAX_LINE_BYTES` or not UTF-8 is a ValueError."""
+    with path.open("rb") as f:
+        for number, line in enumerate(iter(lambda: f.readline(MAX_LINE_BYTES + 1), b""), start=1):
+            where = f"{path}, line {number}"
+            if len(line) > MAX_LINE_BYTES and not line.endswith(b"\n"):
+                raise ValueError(f"{where}: longer than {MAX_LINE_BYTES} bytes (MAX_LINE_BYTES); split or shorten it")
+            try:
+                yield where, line.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise ValueError(f"{where}: not UTF-8 ({error.reason} at byte {error.start})") from None
+
+
 def read_jsonl(path: str | Path) -> tuple[list[Prompt], list[Prompt]]:
-    """(train, test) prompts of a JSONL file; a line that is not a JSON object with `prompt` and `answer` (or has
-    a `split` other than train / test) is a ValueError naming the file and line number."""
+    """(train, test) prompts of a JSONL file, read line by line; a line over `MAX_LINE_BYTES`, not UTF-8, or not a
+    JSON object with `prompt` and `answer` (or with a `split` other than train / test) is a ValueError naming the
+    file and line number."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"dataset file {str(path)!r} does not exist")
     splits: dict[str | None, list[Prompt]] = {"train": [], "test": [], None: []}
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for where, line in _lines(path):
         if not line.strip():
             continue
-        where = f"{path}, line {number}"
         try:
             record = json.loads(line)
         except json.JSONDecodeError as error:

@@ -10,6 +10,8 @@ import torch
 from torch import Tensor
 
 from grpo_kernels.groups import group_index, group_varies
+from grpo_kernels.rewards import MultiReward
+from grpo_kernels.rewards.limits import over_limit_rows
 
 EVAL_SIZE = 256  # held-out prompts evaluated when no size is given (TrainConfig.eval_size's default)
 
@@ -24,21 +26,49 @@ class Prompt:
 
 @dataclass(frozen=True)
 class RewardBatch:
-    """Per-completion rewards [B] (the weighted sum) and the reward columns [B, K] they came from."""
+    """Per-completion rewards [B] (the weighted sum), the reward columns [B, K] they came from, and which completions
+    went over a reward's size or time limit [B] (scored 0 there; see grpo_kernels.rewards.limits)."""
 
     rewards: Tensor  # [B]
     columns: Tensor  # [B, K]
     names: tuple[str, ...]
+    over_limit: Tensor | None = None  # [B] bool
+
+    def select(self, rows: Tensor) -> RewardBatch:
+        """The rows `rows` (indices [b]), in that order."""
+        over_limit = None if self.over_limit is None else self.over_limit[rows.cpu()]  # [b]
+        return RewardBatch(self.rewards[rows], self.columns[rows], self.names, over_limit)
+
+    @staticmethod
+    def cat(batches: Sequence[RewardBatch]) -> RewardBatch:
+        """The batches' rows in order (`over_limit` only when every batch has it)."""
+        flags = [b.over_limit for b in batches]
+        over_limit = None if any(f is None for f in flags) else torch.cat(flags)  # [B]
+        rewards = torch.cat([b.rewards for b in batches])  # [B]
+        return RewardBatch(rewards, torch.cat([b.columns for b in batches]), batches[0].names, over_limit)
 
     def metrics(self, group_ids: Tensor | None = None) -> dict[str, float]:
         """Means of the reward and of each column; with `group_ids` [B] also the fraction of completions whose group
-        has all-equal rewards (`frac_reward_zero_std`: they get zero advantages, no learning signal)."""
+        has all-equal rewards (`frac_reward_zero_std`: they get zero advantages, no learning signal). The trainer
+        logs `over_limit`'s count next to these as `rewards/over_limit`."""
         out = {"reward": self.rewards.mean().item(), "reward_std": self.rewards.std().item()}
         out.update({f"rewards/{name}": self.columns[:, k].mean().item() for k, name in enumerate(self.names)})
         if group_ids is not None:
             index = group_index(group_ids.cpu(), len(self.rewards))  # [B]
             out["frac_reward_zero_std"] = 1.0 - group_varies(self.rewards, index).float().mean().item()
         return out
+
+
+def score_columns(reward_fn: MultiReward, names: tuple[str, ...], completions: list[str], **kwargs) -> RewardBatch:
+    """A task's scores: `reward_fn` (a `MultiReward`) on the completions, its weighted sum, and the completions that
+    went over a reward's limit (`limits.over_limit_rows`). A completion over any reward's limit scores 0 in every
+    column (its format, say, earns nothing either)."""
+    with over_limit_rows() as rows:
+        columns = reward_fn(completions, **kwargs)  # [B, K]
+    over_limit = torch.zeros(len(completions), dtype=torch.bool)  # [B]
+    over_limit[sorted(rows)] = True
+    columns = columns.masked_fill(over_limit[:, None].to(columns.device), 0.0)  # [B, K]
+    return RewardBatch(columns @ reward_fn.weights, columns, names, over_limit)
 
 
 class Task(Protocol):

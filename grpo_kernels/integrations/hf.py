@@ -1,7 +1,8 @@
 """Hugging Face causal LMs without their logits: the completion positions' final hidden states and the lm_head.
 
-For Llama, Qwen2/3, Mistral, Gemma and any `*ForCausalLM` whose logits are `lm_head(final_hidden)`: the decoder
-runs as usual, the lm_head never does; `policy_logprobs` then takes the fused lm_head + vocabulary pass.
+For any `*ForCausalLM` whose logits are `lm_head(final_hidden)`, optionally scaled and soft-capped (Llama, Qwen2/3,
+Mistral, Gemma 2/3, Cohere, Granite, Falcon-H1, ...): the decoder runs as usual, the lm_head never does;
+`policy_logprobs` then takes the fused lm_head + vocabulary pass, which applies the model's logit transform.
 Layout (TRL's): `input_ids = prompt ‖ completion`, `[B, P + T]`; `completion_mask [B, T]` covers the last T.
 """
 
@@ -11,23 +12,36 @@ from torch import Tensor, nn
 
 from grpo_kernels.api import fused_linear_token_logprobs
 
-# config attributes that change logits beyond lm_head(h): soft-capping (Gemma 2/3), scaling (Cohere, Granite)
-_LOGIT_TRANSFORMS = {"final_logit_softcapping": None, "logit_scale": 1.0, "logits_scaling": 1.0}
+
+def logit_transform(model: nn.Module) -> tuple[float, float | None]:
+    """(logit_scale, final_logit_softcapping) of a causal LM, read from its (text) config as TRL 1.16 reads it.
+
+    The model's logits are `c·tanh(s·lm_head(h)/c)` (just `s·lm_head(h)` when c is None):
+    - soft-capping c: `final_logit_softcapping` (Gemma 2, Gemma 3 when set);
+    - scale s: `logit_scale` (Cohere; None means unscaled), else `output_multiplier`, else `lm_head_multiplier`
+      (Falcon-H1), else `logits_scaling`, by which Granite divides (s = 1/x) and HyperCLOVA X multiplies;
+      1.0 when none is set.
+    """
+    config = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    softcap = getattr(text, "final_logit_softcapping", None)
+    scale = None
+    for name in ("logit_scale", "output_multiplier", "lm_head_multiplier"):
+        scale = getattr(text, name, None)
+        if scale is not None:
+            break
+    if scale is None and getattr(text, "logits_scaling", None) is not None:
+        scaling = text.logits_scaling
+        scale = scaling if getattr(text, "model_type", None) == "hyperclovax" else 1 / scaling
+    return (1.0 if scale is None else float(scale)), (None if softcap is None else float(softcap))
 
 
 def lm_head(model: nn.Module) -> tuple[Tensor, Tensor | None]:
     """The output projection's (weight [V, H], bias [V] | None); tied embeddings give the embedding matrix.
 
-    Raises ValueError for models whose logits are not a plain linear map of the final hidden state.
+    The logits are this projection followed by `logit_transform(model)`. Raises ValueError when the output
+    embeddings are not an nn.Linear.
     """
-    config = getattr(model, "config", None)
-    for name, neutral in _LOGIT_TRANSFORMS.items():
-        value = getattr(config, name, neutral)
-        if value is not None and value != neutral:
-            raise ValueError(
-                f"{type(model).__name__} transforms its logits ({name}={value}); the fused lm_head does not apply "
-                "that transform: compute logits with the model and use grpo_loss instead"
-            )
     head = model.get_output_embeddings()
     if not isinstance(head, nn.Linear):
         raise ValueError(f"{type(model).__name__}'s output embeddings are {type(head).__name__}, not an nn.Linear")
@@ -52,14 +66,16 @@ def policy_logprobs(
     chunk_size: int | None = None,
     backend: str = "auto",
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """log π(completion token) [B, T] (and entropy) for a causal LM, through the fused lm_head: no [B, T, V]
-    logits. Differentiable w.r.t. the model's parameters; 0 where `completion_mask` is 0."""
+    """log π(completion token) [B, T] (and entropy) for a causal LM, through the fused lm_head with the model's
+    logit transform (`logit_transform`): no [B, T, V] logits. Differentiable w.r.t. the model's parameters; 0 where
+    `completion_mask` is 0."""
     num_completion = completion_mask.shape[1]
     if input_ids.shape[1] <= num_completion:
         raise ValueError(
             f"input_ids must hold a prompt before the {num_completion} completion tokens, got {list(input_ids.shape)}"
         )
     weight, bias = lm_head(model)
+    logit_scale, softcap = logit_transform(model)
     hidden = completion_hidden_states(model, input_ids, attention_mask, num_completion)  # [B, T, H]
     return fused_linear_token_logprobs(
         hidden,
@@ -67,6 +83,8 @@ def policy_logprobs(
         input_ids[:, -num_completion:],
         bias=bias,
         temperature=temperature,
+        logit_scale=logit_scale,
+        final_logit_softcapping=softcap,
         with_entropy=with_entropy,
         mask=completion_mask,
         chunk_size=chunk_size,

@@ -1,0 +1,101 @@
+"""What `check_finite` costs: forward + backward of `grpo_loss` (logits) or `fused_linear_grpo_loss` (hidden +
+lm_head) at N = 2,048 tokens, dapo with β = 0.04, with and without the checks in interleaved rounds (median), and
+the checks' own O(N) work timed alone.
+
+    python -m benchmarks.check_finite_cost --case logits --rounds 9
+    python -m benchmarks.check_finite_cost --case linear --rounds 7
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import grpo_kernels as gk
+from grpo_kernels import checks
+from grpo_kernels.loss_inputs import LossInputs
+from grpo_kernels.options import LossOptions
+
+B, T, H = 8, 256, 896
+VOCABS = (32000, 151936)
+
+
+def make_step(case: str, V: int):
+    """A closure `step(check) -> seconds` for one fwd + bwd, plus the inputs the checks look at."""
+    targets = torch.randint(0, V, (B, T))
+    mask = torch.rand(B, T) > 0.1  # [B, T]
+    adv = torch.randn(B)
+    if case == "logits":
+        master = torch.randn(B, T, V)
+        logits = master.clone().requires_grad_()
+        with torch.no_grad():
+            logp = gk.token_logprobs(master, targets)  # [B, T]
+
+        def call(check: bool):
+            with torch.no_grad():
+                logits.copy_(master)  # the in-place backward consumed the buffer: restore it, untimed
+            logits.grad = None
+            start = time.perf_counter()
+            out = gk.grpo_loss(logits, targets, adv, old, ref, mask, beta=0.04, backend="torch", check_finite=check)
+            out.loss.backward()
+            return time.perf_counter() - start
+
+    else:
+        hidden = torch.randn(B, T, H, requires_grad=True)
+        weight = (torch.randn(V, H) / H**0.5).requires_grad_()
+        with torch.no_grad():
+            logp = gk.fused_linear_token_logprobs(hidden, weight, targets)  # [B, T]
+
+        def call(check: bool):
+            hidden.grad = weight.grad = None
+            start = time.perf_counter()
+            out = gk.fused_linear_grpo_loss(
+                hidden, weight, targets, adv, old, ref, mask, beta=0.04, backend="torch", check_finite=check
+            )
+            out.loss.backward()
+            return time.perf_counter() - start
+
+    old, ref = logp + 0.1 * torch.randn(B, T), logp + 0.1 * torch.randn(B, T)
+    return call, (targets, adv, old, ref, mask, logp)
+
+
+def checks_alone(V: int, targets, adv, old, ref, mask, logp, repeats: int = 200) -> float:
+    """Seconds per call of the checks' own work: the side inputs and the row statistics."""
+    options = LossOptions(beta=0.04)
+    inputs = LossInputs.check(
+        (B, T), V, torch.device("cpu"), targets, adv, old, ref, mask, None, None, None, None, options
+    )
+    lse = torch.randn(B, T)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        inputs.check_finite(options)
+        checks.check_row_stats(lse, logp, mask, checks.RowCheck(zero_prob_ok=False))
+    return (time.perf_counter() - start) / repeats
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--case", choices=("logits", "linear"), default="logits")
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    for V in VOCABS:
+        step, tensors = make_step(args.case, V)
+        step(True), step(False)  # warm-up
+        times = {True: [], False: []}
+        for i in range(args.rounds):
+            for check in (True, False) if i % 2 == 0 else (False, True):
+                times[check].append(step(check))
+        on, off = statistics.median(times[True]), statistics.median(times[False])
+        alone = checks_alone(V, *tensors)
+        print(
+            f"{args.case} V={V}: fwd+bwd median of {args.rounds}: check_finite=True {on * 1e3:.1f} ms, "
+            f"False {off * 1e3:.1f} ms ({(on / off - 1) * 100:+.2f}%); the checks alone {alone * 1e6:.0f} us"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,289 @@
+"""verl (0.9.1): this project's policy losses in verl's policy-loss registry, and a drop-in for verl's fused
+log-prob + entropy entry point.
+
+    from grpo_kernels.integrations import verl as gk_verl
+
+    gk_verl.register()             # then actor_rollout_ref.actor.policy_loss.loss_mode=gk_dapo (gk_<loss_type>)
+    gk_verl.patch_fused_kernels()  # with actor_rollout_ref.model.use_fused_kernels=True, fused_kernels_backend=triton
+
+Both act in the process that calls them, and verl computes its losses in its Ray workers: call them there too, e.g.
+from a module named in `VERL_USE_EXTERNAL_MODULES` (verl imports those in every process that imports verl).
+verl is imported lazily; without it these functions raise an ImportError naming `pip install "grpo-kernels[verl]"`.
+
+verl hands a policy loss log-probs, not logits, so a registered loss is the loss algebra alone on `[B, T]`
+(`build_terms` + `compute_loss`): no vocabulary pass. How verl's call maps onto `LossOptions`:
+- `config.clip_ratio_low` / `clip_ratio_high` (each `clip_ratio` when None) -> `epsilon` / `epsilon_high`;
+  `config.clip_ratio_c` -> `clip_ratio_c` (dual clip) for the clipped surrogates that verl's `vanilla` dual-clips,
+  i.e. all of `CLIPPED_SURROGATE_TYPES` but `gspo_token` (verl's `gspo` has none); `tau_pos` / `tau_neg` -> sapo's
+  temperatures; `policy_loss.clip_cov_*`, `kl_cov_ratio`, `ppo_kl_coef` -> the same names (None: verl's fallbacks).
+- `loss_agg_mode` and `config.global_batch_info` (`dp_size`, `batch_num_tokens`, `global_batch_size`,
+  `loss_scale_factor`) -> `loss_agg_mode`, `num_items_in_batch`, `num_sequences_in_batch`, `loss_scale_factor`, and
+  the loss times `dp_size` (verl's agg_loss: DDP averages the ranks' gradients). verl 0.9.1's
+  `seq-mean-token-sum-norm` also divides by the sequence count, which `LossOptions.loss_scale_factor` takes here.
+- `rollout_is_weights` -> `is_ratio`. `cispo` is verl's two-sided form (`cispo_two_sided=True`).
+- Where verl's function of the same loss fixes the aggregation, so does ours: `sapo` always `seq-mean-token-mean`,
+  `gmpo` (verl `geo_mean`) the mean over the micro-batch's sequences whatever `loss_agg_mode`, without dp_size.
+Loss types that differ only in their normaliser (grpo, bnpo, dr_grpo, dapo, luspo) are therefore one loss here.
+verl's KL loss (`use_kl_loss`) and entropy bonus (`entropy_coeff`) stay verl's: they are not in this call.
+Differences from verl's functions, at numerical extremes only: log-ratios are clamped to ±20 everywhere (verl:
+vanilla, sapo, cispo the same; gspo at +10; clip_cov, kl_cov, geo_mean not at all), and means over no tokens are 0.
+`tests/test_verl.py` holds each registered loss to verl's own function of the same kind.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from grpo_kernels.api import fused_linear_token_logprobs
+from grpo_kernels.losses.loss import compute_loss
+from grpo_kernels.losses.terms import build_terms
+from grpo_kernels.options import CLIPPED_SURROGATE_TYPES, LOSS_TYPES, LossOptions
+
+INSTALL = 'pip install "grpo-kernels[verl]"'
+PREFIX = "gk_"
+# LossOptions a registered loss may fix (`register(**loss_options)`): everything else comes from verl's call, or
+# needs what that call does not carry (logits, entropies, ref log-probs: beta, entropy_coef, top_entropy_quantile).
+EXTRA_OPTIONS = (
+    "delta",
+    "importance_sampling_level",
+    "off_policy_mask_threshold",
+    "vespo_k_pos",
+    "vespo_lambda_pos",
+    "vespo_k_neg",
+    "vespo_lambda_neg",
+)
+_VERL_POLICY_DEFAULTS = {  # verl's fallbacks when config.policy_loss holds None (compute_policy_loss_clip_cov/kl_cov)
+    "clip_cov_ratio": 0.0002,
+    "clip_cov_lb": 1.0,
+    "clip_cov_ub": 5.0,
+    "kl_cov_ratio": 0.0002,
+    "ppo_kl_coef": 1.0,
+}
+PolicyLossFn = Callable[..., tuple[Tensor, dict[str, Any]]]
+
+
+def _verl(module: str) -> ModuleType:
+    """Import a verl module; a missing verl is an ImportError naming the extra that installs it."""
+    try:
+        importlib.import_module("verl")
+    except ModuleNotFoundError as error:
+        if error.name != "verl":
+            raise
+        raise ImportError(f"grpo_kernels.integrations.verl needs verl (tested with 0.9.1): {INSTALL}") from error
+    return importlib.import_module(module)
+
+
+# ------------------------------------------------------------------------------------------------ policy losses
+
+
+def policy_loss_fn(loss_type: str, **loss_options) -> PolicyLossFn:
+    """`loss_type` as a verl policy loss: `fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
+    config, rollout_is_weights) -> (pg_loss, metrics)`, verl 0.9.1's `PolicyLossFn`.
+
+    Tensors `[B, T]` (advantages `[B, T]` or `[B]`; rollout_is_weights `[B, T]` or `[B]`); `config` is verl's actor
+    config (`ActorConfig`, or any mapping with its fields). `loss_options` fix the `EXTRA_OPTIONS` fields. Returns the
+    0-dim loss (differentiable w.r.t. log_prob) and float metrics under verl's names: `actor/ppo_kl` (the masked mean
+    of old − new log-prob; kl_cov: of |new − old|), `actor/pg_clipfrac` and `actor/pg_clipfrac_lower` with the meaning
+    verl's loss of the same kind gives them.
+    """
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+    refused = sorted(set(loss_options) - set(EXTRA_OPTIONS))
+    if refused:
+        raise TypeError(
+            f"{refused} cannot be fixed for a verl policy loss: verl's call sets them or lacks their inputs "
+            f"(verl's own use_kl_loss / entropy_coeff add KL and entropy terms); allowed: {EXTRA_OPTIONS}"
+        )
+    LossOptions(**_placeholder(loss_type), **loss_options)  # invalid combinations fail here, not mid-training
+
+    def fn(
+        old_log_prob: Tensor,
+        log_prob: Tensor,
+        advantages: Tensor,
+        response_mask: Tensor,
+        loss_agg_mode: str = "token-mean",
+        config: Any = None,
+        rollout_is_weights: Tensor | None = None,
+    ) -> tuple[Tensor, dict[str, Any]]:
+        if config is None:
+            raise ValueError(f"{PREFIX}{loss_type} needs verl's actor config (config=...), got None")
+        for name, x in (("old_log_prob", old_log_prob), ("response_mask", response_mask)):
+            if x.shape != log_prob.shape:
+                raise ValueError(f"{name} must be [B, T] = {list(log_prob.shape)}, got {list(x.shape)}")
+        options, dp_size = options_from_config(loss_type, config, loss_agg_mode, response_mask, loss_options)
+        terms = build_terms(log_prob, old_log_prob, None, advantages, response_mask, None, rollout_is_weights, options)
+        output, _ = compute_loss(terms, options)
+        return output.loss * dp_size, _verl_metrics(loss_type, output.metrics, terms)
+
+    fn.__name__ = fn.__qualname__ = f"{PREFIX}{loss_type}"
+    fn.__doc__ = f"grpo-kernels' {loss_type!r} loss with verl's policy-loss signature (policy_loss_fn)."
+    fn.grpo_kernels_loss_type = loss_type
+    return fn
+
+
+def register(loss_types: tuple[str, ...] = LOSS_TYPES, prefix: str = PREFIX, **loss_options) -> tuple[str, ...]:
+    """Add `prefix + loss_type` for each of `loss_types` to verl's policy-loss registry (`register_policy_loss`);
+    returns the names. `loss_options` (`EXTRA_OPTIONS`) apply to all of them. Registering again replaces this
+    project's earlier entries; a name verl or someone else already holds is a ValueError."""
+    core_algos = _verl("verl.trainer.ppo.core_algos")
+    names = []
+    for loss_type in loss_types:
+        name = f"{prefix}{loss_type}"
+        held = core_algos.POLICY_LOSS_REGISTRY.get(name)
+        if held is not None and not hasattr(held, "grpo_kernels_loss_type"):
+            raise ValueError(f"verl's policy-loss registry already holds {name!r} ({held}): choose another prefix")
+        core_algos.register_policy_loss(name)(policy_loss_fn(loss_type, **loss_options))
+        names.append(name)
+    return tuple(names)
+
+
+def _get(config: Any, name: str, default: Any = None) -> Any:
+    """config.name (a verl BaseConfig, an omegaconf DictConfig or a dict), `default` when absent or None."""
+    value = config.get(name, None) if hasattr(config, "get") else getattr(config, name, None)
+    return default if value is None else value
+
+
+def _placeholder(loss_type: str) -> dict:
+    """What LossOptions needs of a loss type that verl's call fills in per batch (dr_grpo's length)."""
+    return {"loss_type": loss_type, "max_completion_length": 1} if loss_type == "dr_grpo" else {"loss_type": loss_type}
+
+
+def options_from_config(
+    loss_type: str, config: Any, loss_agg_mode: str, response_mask: Tensor, loss_options: dict
+) -> tuple[LossOptions, int]:
+    """The LossOptions of one verl call, and the factor dp_size the loss is multiplied by (see the module doc)."""
+    clip = _get(config, "clip_ratio", 0.2)
+    fields = dict(
+        loss_options,
+        loss_type=loss_type,
+        epsilon=_get(config, "clip_ratio_low", clip),
+        epsilon_high=_get(config, "clip_ratio_high", clip),
+    )
+    if loss_type == "dr_grpo":  # its own normaliser is overridden by loss_agg_mode below; LossOptions needs a length
+        fields["max_completion_length"] = response_mask.shape[-1]
+    if loss_type in CLIPPED_SURROGATE_TYPES and loss_type != "gspo_token":
+        fields["clip_ratio_c"] = _get(config, "clip_ratio_c", 3.0)
+    if loss_type == "sapo":
+        fields.update(
+            sapo_temperature_pos=_get(config, "tau_pos", 1.0), sapo_temperature_neg=_get(config, "tau_neg", 1.05)
+        )
+    if loss_type == "cispo":
+        fields["cispo_two_sided"] = True
+    policy = _get(config, "policy_loss", {})
+    names = {"clip_cov": ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"), "kl_cov": ("kl_cov_ratio", "ppo_kl_coef")}
+    for name in names.get(loss_type, ()):
+        fields[name] = _get(policy, name, _VERL_POLICY_DEFAULTS[name])
+    if loss_type == "gmpo":  # verl geo_mean: torch.mean over the sequences, whatever the mode and the global batch
+        return LossOptions(**fields), 1
+    mode = "seq-mean-token-mean" if loss_type == "sapo" else loss_agg_mode
+    info = _get(config, "global_batch_info", {})
+    dp_size = int(_get(info, "dp_size", 1))
+    tokens, sequences = _get(info, "batch_num_tokens"), _get(info, "global_batch_size")
+    if dp_size > 1 and mode == "token-mean" and tokens is None:
+        raise ValueError("(global) batch_num_tokens is required in config.global_batch_info when dp_size > 1")
+    if dp_size > 1 and mode.startswith("seq-mean") and sequences is None:
+        raise ValueError("global_batch_size is required in config.global_batch_info when dp_size > 1")
+    factor = _get(info, "loss_scale_factor")
+    if mode == "seq-mean-token-sum-norm":  # verl 0.9.1: Σ_b Σ_t L / (S · factor); LossOptions: Σ L / factor
+        count = int((response_mask.sum(-1) > 0).sum()) if sequences is None else sequences
+        factor = (response_mask.shape[-1] if factor is None else factor) * max(count, 1)
+    fields.update(loss_agg_mode=mode, num_items_in_batch=tokens, num_sequences_in_batch=sequences)
+    return LossOptions(**fields, loss_scale_factor=factor), dp_size
+
+
+def _verl_metrics(loss_type: str, metrics: dict[str, Tensor], terms) -> dict[str, Any]:
+    """Our metrics under verl's names, with the meaning verl's loss of the same kind gives each (floats, as verl)."""
+    if loss_type == "kl_cov":
+        return {"actor/ppo_kl": metrics["ppo_kl_abs"].item()}
+    mask = terms.mask
+    ppo_kl = (-terms.token_log_ratio.detach() * mask).sum() / mask.sum().clamp(min=1.0)
+    out = {"actor/ppo_kl": ppo_kl.item()}
+    if loss_type == "clip_cov":
+        out["actor/pg_clipfrac"] = metrics["pg_clipfrac"].item()
+    elif loss_type == "gmpo":  # geo_mean: log-space clip at A > 0, and at A < 0
+        out["actor/pg_clipfrac"] = metrics["clip_ratio/high_mean"].item()
+        out["actor/pg_clipfrac_lower"] = metrics["clip_ratio/low_mean"].item()
+    elif loss_type == "sapo":  # a soft gate: verl reports 0 for both
+        out["actor/pg_clipfrac"] = out["actor/pg_clipfrac_lower"] = 0.0
+    elif loss_type == "vespo":
+        out["actor/vespo/phi_seq_mean"] = metrics["vespo/phi_seq_mean"].item()
+    elif loss_type != "gpg":  # the clipped surrogates and cispo: clipped tokens, and where the dual clip binds
+        out["actor/pg_clipfrac"] = metrics["clip_ratio/region_mean"].item()
+        dual = metrics.get("clip_ratio/dual_mean")
+        out["actor/pg_clipfrac_lower"] = 0.0 if dual is None else dual.item()
+    return out
+
+
+# ------------------------------------------------------------------------------------- fused log-prob + entropy
+
+
+def linear_cross_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    temperature: float = 1.0,
+    reduction: str = "none",
+    dist_process_group: Any = None,
+) -> tuple[Tensor, Tensor]:
+    """Drop-in for verl's `verl.utils.kernel.linear_cross_entropy.linear_cross_entropy` (its fused log-prob +
+    entropy pass under `use_fused_kernels`), on `fused_linear_token_logprobs(..., with_entropy=True)`.
+
+    hidden `[..., H]` (verl: `[B, T, H]` or `[N, H]`), weight `[V, H]`, labels `[...]` token ids in [0, V),
+    softmax((hidden @ weight.T) / temperature). Returns float32 `(logprobs, entropy)` as verl's does: logprobs
+    `[N]` (N = all leading dims, flattened) for reduction "none", their sum or mean (0-dim) for "sum" / "mean";
+    entropy `[N]` always. Differentiable w.r.t. hidden and weight; the `[N, V]` logits are never stored.
+    A `dist_process_group` of more than one rank means a vocabulary-sharded weight: not supported yet (issue 17);
+    a group of one rank (Megatron passes its tensor-parallel group, also at size 1) holds the whole vocabulary.
+    """
+    if reduction not in ("none", "sum", "mean"):
+        raise ValueError(f"reduction must be 'none', 'sum' or 'mean', got {reduction!r}")
+    if dist_process_group is not None and torch.distributed.get_world_size(dist_process_group) > 1:
+        raise NotImplementedError(
+            "linear_cross_entropy: a dist_process_group of more than one rank (a vocabulary-parallel lm_head) is "
+            "not supported yet: grpo-kernels issue 17 (vocabulary-parallel fused pass). Use tensor parallel size 1, "
+            "or unpatch_fused_kernels() to keep verl's kernel."
+        )
+    logp, entropy = fused_linear_token_logprobs(
+        hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), temperature=temperature, with_entropy=True
+    )  # [N], [N]
+    if reduction == "sum":
+        logp = logp.sum()
+    elif reduction == "mean":
+        logp = logp.mean()
+    return logp, entropy
+
+
+_ORIGINAL: dict[str, Callable] = {}  # "linear_cross_entropy" -> verl's function while patched
+
+
+def patch_fused_kernels() -> None:
+    """Swap verl's `linear_cross_entropy` for this module's everywhere verl holds it: its home module (verl's HF
+    model forwards import it from there at each call) and every loaded `verl.*` module that imported it (Megatron's
+    fused forwards); modules imported later pick up ours from the home module. Idempotent; `unpatch_fused_kernels`
+    restores verl's. verl's `fused_kernels_backend="torch"` path (FusedLinearForPPO) does not use it."""
+    home = _verl("verl.utils.kernel.linear_cross_entropy")
+    original = _ORIGINAL.setdefault("linear_cross_entropy", home.linear_cross_entropy)
+    for module in _verl_modules():
+        if getattr(module, "linear_cross_entropy", None) is original:
+            module.linear_cross_entropy = linear_cross_entropy
+
+
+def unpatch_fused_kernels() -> None:
+    """Put verl's `linear_cross_entropy` back wherever `patch_fused_kernels` (or an import after it) put ours."""
+    original = _ORIGINAL.pop("linear_cross_entropy", None)
+    if original is None:
+        return
+    for module in _verl_modules():
+        if getattr(module, "linear_cross_entropy", None) is linear_cross_entropy:
+            module.linear_cross_entropy = original
+
+
+def _verl_modules() -> list[ModuleType]:
+    return [m for name, m in list(sys.modules.items()) if name.startswith("verl.") and isinstance(m, ModuleType)]

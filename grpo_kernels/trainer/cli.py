@@ -1,0 +1,60 @@
+"""What the two commands (`python -m grpo_kernels.train`, `python -m grpo_kernels.evaluate`) share: a parser whose
+errors are one line, and `run`, which turns a user error into `error: <what to do>` and exit status 2.
+
+A user error is an exception of a type in `USER_ERRORS`, raised anywhere in the command: the library names the
+argument, the expected and the received value, and that line is what the user sees. `--debug` shows the traceback
+instead. Warnings (a checkpoint skipped as unreadable, ...) print as one `warning: ...` line each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from collections.abc import Callable, Sequence
+from typing import NoReturn
+
+USER_ERRORS = (ValueError, TypeError, OSError, ImportError)  # a bad option, a missing file, a missing package
+EXIT_USER_ERROR = 2  # argparse's status for a bad command line
+EXIT_INTERRUPTED = 130
+DEBUG_FLAG = "--debug"
+
+
+class Parser(argparse.ArgumentParser):
+    """An `ArgumentParser` whose errors are one line, `error: ...`, without the (long) usage."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.add_argument(DEBUG_FLAG, action="store_true", help="show the traceback of an error (else one line)")
+
+    def error(self, message: str) -> NoReturn:
+        print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(EXIT_USER_ERROR)
+
+
+def run(command: Callable[[Sequence[str]], object], argv: Sequence[str] | None = None) -> None:
+    """Call `command(argv)`: a user error prints `error: ...` on stderr and exits with status 2, Ctrl-C exits with
+    130, both in one line; with `--debug` among the arguments they raise as usual."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if DEBUG_FLAG in argv:
+        command(argv)
+        return
+    with warnings.catch_warnings():
+        warnings.showwarning = _one_line_warning
+        try:
+            command(argv)
+        except USER_ERRORS as error:
+            print(f"error: {one_line(error)}", file=sys.stderr)
+            sys.exit(EXIT_USER_ERROR)
+        except KeyboardInterrupt:
+            print("interrupted (--resume continues from the last checkpoint)", file=sys.stderr)
+            sys.exit(EXIT_INTERRUPTED)
+
+
+def one_line(error: BaseException) -> str:
+    """The error's message on one line."""
+    return " ".join(str(error).split()) or type(error).__name__
+
+
+def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    print(f"warning: {one_line(message if isinstance(message, Warning) else Warning(message))}", file=sys.stderr)
