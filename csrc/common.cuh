@@ -5,6 +5,12 @@
 //   entropy sum), the logit gradient of one element,
 //   the token-level loss epilogue (a transcription of vocab/grpo_loss_triton.py, itself of losses/).
 // Device only (under nvcc): dtype conversion, 16-byte packs, warp-shuffle and block reductions of an LseState.
+//
+// Per element, the exponentials and the soft-cap's reciprocal are the fast intrinsics on the device (fast_exp:
+// __expf, one MUFU.EX2 after a multiply by log2 e, within 2 + 1.17|x| ulp, so ~2 ulp for the terms that carry the
+// sums; fast_div: __fdividef), and the accurate expf / division on the host, so the CPU test checks the same formulas
+// with exact primitives. Once-per-row logs (lse, entropy) and the epilogue keep the accurate logf / expf. Whether
+// the entropy (or its gradient) is computed is a template parameter: no per-element test.
 #pragma once
 
 #include <math.h>  // expf, logf, fmaxf, ... in the global namespace, for host and device
@@ -27,8 +33,38 @@
 namespace grpo_kernels {
 
 constexpr float kFloat32Lowest = -3.4028234663852886e38f;  // running-max start: finite, so no inf - inf
+constexpr float kExpFloor = -256.0f;  // e^x is 0 in float32 below it: x clamped there keeps 0 * x finite at -inf
 constexpr float kLogRatioClamp = 20.0f;                    // |log ratio| and |ref - logp| bound (losses/terms.py)
 constexpr float kLowVarKlClamp = 10.0f;                    // low_var_kl: k3 clamped to +-10
+
+GK_HD float fast_exp(float x) {
+#if defined(__CUDA_ARCH__)
+  return __expf(x);
+#else
+  return expf(x);
+#endif
+}
+
+GK_HD float fast_div(float x, float y) {
+#if defined(__CUDA_ARCH__)
+  return __fdividef(x, y);
+#else
+  return x / y;
+#endif
+}
+
+// (tanh y, sech^2 y) from one exponential: tanh|y| = (1 - e) / (1 + e), sech^2 y = 4e / (1 + e)^2, e = e^(-2|y|);
+// sech^2 keeps its relative precision where 1 - tanh^2 y would cancel (|y| >~ 4). +-inf give +-1 and 0.
+struct TanhSech2 {
+  float tanh;
+  float sech2;
+};
+
+GK_HD TanhSech2 tanh_sech2(float y) {
+  const float e = fast_exp(-2.0f * fabsf(y));
+  const float r = fast_div(1.0f, 1.0f + e);
+  return {copysignf((1.0f - e) * r, y), 4.0f * e * r * r};
+}
 
 // ---------------------------------------------------------------------------------------------------------------
 // The logit transform (kernels.h LogitMap), specialised on kSoftcap so the plain pass keeps its one multiply.
@@ -36,7 +72,7 @@ constexpr float kLowVarKlClamp = 10.0f;                    // low_var_kl: k3 cla
 template <bool kSoftcap>
 GK_HD float map_logit(float x, const LogitMap& map) {
   if constexpr (kSoftcap) {
-    return map.b * tanhf(map.a * x);
+    return map.b * tanh_sech2(map.a * x).tanh;
   } else {
     return map.a * x;
   }
@@ -54,32 +90,35 @@ struct LseState {
 
 GK_HD LseState lse_init() { return {kFloat32Lowest, 0.0f, 0.0f}; }
 
-// Fold N more values (already transformed: map_logit): one rescale per N values, N exps.
-template <int N>
-GK_HD void lse_fold(LseState& st, const float (&z)[N], bool with_entropy) {
+// Fold N more values (already transformed: map_logit): one rescale per N values, N exps; the entropy sum t only
+// with kEntropy.
+template <bool kEntropy, int N>
+GK_HD void lse_fold(LseState& st, const float (&z)[N]) {
   float m_new = st.m;
 GK_UNROLL
   for (int i = 0; i < N; ++i) m_new = fmaxf(m_new, z[i]);
   float s = 0.0f, t = 0.0f;
 GK_UNROLL
   for (int i = 0; i < N; ++i) {
-    const float e = expf(z[i] - m_new);
+    const float d = z[i] - m_new;
+    const float e = fast_exp(d);
     s += e;
-    if (with_entropy && e > 0.0f) t += e * (z[i] - m_new);  // 0 * log 0 = 0 for -inf logits
+    if constexpr (kEntropy) t = fmaf(e, fmaxf(d, kExpFloor), t);  // 0 * log 0 = 0 for -inf logits
   }
-  const float scale = expf(st.m - m_new);
-  if (with_entropy) {  // sum e^(z - m_new)(z - m_new) over the old values = scale * (t + s * (m - m_new))
-    st.t = (st.s > 0.0f ? scale * (st.t + st.s * (st.m - m_new)) : 0.0f) + t;
+  const float dm = st.m - m_new;
+  const float scale = fast_exp(dm);
+  if constexpr (kEntropy) {  // sum e^(z - m_new)(z - m_new) over the old values = scale * (t + s * (m - m_new))
+    st.t = fmaf(scale, fmaf(st.s, fmaxf(dm, kExpFloor), st.t), t);
   }
-  st.s = st.s * scale + s;
+  st.s = fmaf(st.s, scale, s);
   st.m = m_new;
 }
 
 // The state of the union of two disjoint sets of values (commutative, associative up to rounding).
 GK_HD LseState lse_merge(const LseState& a, const LseState& b) {
   const float m = fmaxf(a.m, b.m);
-  const float ea = expf(a.m - m);
-  const float eb = expf(b.m - m);
+  const float ea = fast_exp(a.m - m);
+  const float eb = fast_exp(b.m - m);
   LseState r;
   r.m = m;
   r.s = a.s * ea + b.s * eb;
@@ -93,22 +132,20 @@ GK_HD float lse_entropy(const LseState& st) { return logf(st.s) - st.t / st.s; }
 
 // dL/dx for one raw logit x of a row with log-sum-exp `lse` (of z = map_logit(x)):
 //   (g * (onehot - q) - g_h * q * (log q + H)) * dz/dx,  q = e^(z - lse);  0 * log 0 = 0;
-//   dz/dx = a, or a * b * sech^2(a * x) with soft-capping; sech^2 y = 4e / (1 + e)^2 with e = e^(-2|y|), which
-//   keeps its relative precision where 1 - tanh^2 y would cancel (|y| >~ 4).
-// Without an entropy gradient pass g_h = 0 (and any finite h): the second term is then exactly 0.
-template <bool kSoftcap>
+//   dz/dx = a, or a * b * sech^2(a * x) with soft-capping (tanh_sech2).
+// The entropy term only with kEntropy (a gradient of the entropy is given).
+template <bool kSoftcap, bool kEntropy>
 GK_HD float logit_grad(float x, bool is_target, float lse, float g, float g_h, float h, const LogitMap& map) {
   float z = map.a * x, slope = map.a;
   if constexpr (kSoftcap) {
-    const float e = expf(-2.0f * fabsf(z));
-    const float r = 1.0f / (1.0f + e);
-    slope *= map.b * 4.0f * e * r * r;
-    z = map.b * tanhf(z);
+    const TanhSech2 th = tanh_sech2(z);
+    slope *= map.b * th.sech2;
+    z = map.b * th.tanh;
   }
   const float log_q = z - lse;
-  const float q = expf(log_q);
+  const float q = fast_exp(log_q);
   float grad = (is_target ? g : 0.0f) - g * q;
-  grad -= g_h * q * (q > 0.0f ? log_q + h : 0.0f);
+  if constexpr (kEntropy) grad -= g_h * q * (fmaxf(log_q, kExpFloor) + h);
   return grad * slope;
 }
 

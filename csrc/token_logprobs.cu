@@ -4,7 +4,8 @@
 // running max, sum-exp and entropy sum, common.cuh), then the target's log-prob; grpo_loss_fwd also forms the
 // token-level loss and dL/dlogp in its epilogue. Backward: one pass writing (g (onehot - q) - g_H q (log q + H))
 // dz/dx, in place when `out` is the logits. Every kernel is specialised on kSoftcap (the tanh and its derivative
-// only where a soft-cap is set).
+// only where a soft-cap is set) and on kEntropy (the entropy sum forward, its gradient backward, only when asked).
+// Per element the exponentials are fast intrinsics (common.cuh fast_exp).
 //
 // Layout: one warp per row for V <= kWarpRowMaxV (8 rows per block), else one 512-thread block per row; the
 // grid is 1-D, sized to the resident blocks, and strides over rows (no 65535 limit, 64-bit offsets). Loads and
@@ -37,14 +38,14 @@ struct RowGroup {
 };
 
 // This thread's state over its share of one row: scalar head, 16-byte packs (two loads in flight), scalar tail.
-template <typename T, int kThreads, bool kSoftcap>
-__device__ LseState row_partial(const T* row, int64_t V, const LogitMap& map, bool with_entropy, int lane) {
+template <typename T, int kThreads, bool kSoftcap, bool kEntropy>
+__device__ LseState row_partial(const T* row, int64_t V, const LogitMap& map, int lane) {
   constexpr int kN = Pack<T>::kN;
   LseState st = lse_init();
   const int64_t head = unaligned_head(row, V);
   if (lane < head) {
     const float z[1] = {map_logit<kSoftcap>(to_float(row[lane]), map)};
-    lse_fold(st, z, with_entropy);
+    lse_fold<kEntropy>(st, z);
   }
   const Pack<T>* body = reinterpret_cast<const Pack<T>*>(row + head);
   const int64_t packs = (V - head) / kN;
@@ -55,24 +56,24 @@ __device__ LseState row_partial(const T* row, int64_t V, const LogitMap& map, bo
     float za[kN], zb[kN];
     unpack<kSoftcap>(a, map, za);
     unpack<kSoftcap>(b, map, zb);
-    lse_fold(st, za, with_entropy);
-    lse_fold(st, zb, with_entropy);
+    lse_fold<kEntropy>(st, za);
+    lse_fold<kEntropy>(st, zb);
   }
   if (i < packs) {
     const Pack<T> a = body[i];  // a register copy: one 16-byte load, not kN narrow ones
     float z[kN];
     unpack<kSoftcap>(a, map, z);
-    lse_fold(st, z, with_entropy);
+    lse_fold<kEntropy>(st, z);
   }
   for (int64_t c = head + packs * kN + lane; c < V; c += kThreads) {
     const float z[1] = {map_logit<kSoftcap>(to_float(row[c]), map)};
-    lse_fold(st, z, with_entropy);
+    lse_fold<kEntropy>(st, z);
   }
   return st;
 }
 
 // Forward over rows; with kFused the token-level loss epilogue too.
-template <typename T, int kThreads, bool kSoftcap, bool kFused>
+template <typename T, int kThreads, bool kSoftcap, bool kEntropy, bool kFused>
 __device__ void vocab_fwd_rows(const GrpoLossFwdParams& p) {
   using G = RowGroup<kThreads>;
   __shared__ LseState scratch[G::kWarps];
@@ -86,11 +87,11 @@ __device__ void vocab_fwd_rows(const GrpoLossFwdParams& p) {
     if (v.mask[row]) {  // the same for every thread of the row, so group_merge's barriers are reached by all
       const int64_t b = row / v.T, t = row - b * v.T;
       const T* r = logits + b * v.stride_b + t * v.stride_t;
-      LseState st = row_partial<T, kThreads, kSoftcap>(r, v.V, v.map, v.entropy != nullptr, lane);
+      LseState st = row_partial<T, kThreads, kSoftcap, kEntropy>(r, v.V, v.map, lane);
       st = group_merge<kThreads>(st, scratch);
       if (lane == 0) {
         lse = lse_value(st);
-        entropy = lse_entropy(st);
+        if constexpr (kEntropy) entropy = lse_entropy(st);
         logp = map_logit<kSoftcap>(to_float(r[v.targets[row]]), v.map) - lse;
         if constexpr (kFused) {
           const float adv = p.advantages[b * p.adv_stride_b + t * p.adv_stride_t];
@@ -105,7 +106,7 @@ __device__ void vocab_fwd_rows(const GrpoLossFwdParams& p) {
     if (lane == 0) {
       v.logp[row] = logp;
       v.lse[row] = lse;
-      if (v.entropy != nullptr) v.entropy[row] = entropy;
+      if constexpr (kEntropy) v.entropy[row] = entropy;
       if constexpr (kFused) {
         p.token_loss[row] = token.loss;
         p.dlogp[row] = token.dlogp;
@@ -114,15 +115,15 @@ __device__ void vocab_fwd_rows(const GrpoLossFwdParams& p) {
   }
 }
 
-template <typename T, int kThreads, bool kSoftcap>
+template <typename T, int kThreads, bool kSoftcap, bool kEntropy>
 __global__ void __launch_bounds__(RowGroup<kThreads>::kBlockThreads)
     token_logprobs_fwd_kernel(const GrpoLossFwdParams p) {
-  vocab_fwd_rows<T, kThreads, kSoftcap, false>(p);
+  vocab_fwd_rows<T, kThreads, kSoftcap, kEntropy, false>(p);
 }
 
-template <typename T, int kThreads, bool kSoftcap>
+template <typename T, int kThreads, bool kSoftcap, bool kEntropy>
 __global__ void __launch_bounds__(RowGroup<kThreads>::kBlockThreads) grpo_loss_fwd_kernel(const GrpoLossFwdParams p) {
-  vocab_fwd_rows<T, kThreads, kSoftcap, true>(p);
+  vocab_fwd_rows<T, kThreads, kSoftcap, kEntropy, true>(p);
 }
 
 // out[c] = f(in[c], c) over one row, in place when in == out: each element is read and written by one thread.
@@ -172,7 +173,7 @@ __device__ void zero_row(T* out, int64_t V, int lane) {
   for (int64_t c = head + packs * kN + lane; c < V; c += kThreads) out[c] = from_float<T>(0.0f);
 }
 
-template <typename T, int kThreads, bool kSoftcap>
+template <typename T, int kThreads, bool kSoftcap, bool kEntropy>
 __global__ void __launch_bounds__(RowGroup<kThreads>::kBlockThreads)
     token_logprobs_bwd_kernel(const TokenLogprobsBwdParams p) {
   using G = RowGroup<kThreads>;
@@ -191,11 +192,11 @@ __global__ void __launch_bounds__(RowGroup<kThreads>::kBlockThreads)
     const float lse = p.lse[row];
     const int64_t target = p.targets[row];
     const float g = p.grad_logp != nullptr ? p.grad_logp[row] : 0.0f;
-    const float g_h = p.grad_entropy != nullptr ? p.grad_entropy[row] : 0.0f;
-    const float h = p.grad_entropy != nullptr ? p.entropy[row] : 0.0f;
+    const float g_h = kEntropy ? p.grad_entropy[row] : 0.0f;
+    const float h = kEntropy ? p.entropy[row] : 0.0f;
     const LogitMap map = p.map;
     map_row<T, kThreads>(in_row, out_row, p.V, lane, [=](float x, int64_t c) {
-      return logit_grad<kSoftcap>(x, c == target, lse, g, g_h, h, map);
+      return logit_grad<kSoftcap, kEntropy>(x, c == target, lse, g, g_h, h, map);
     });
   }
 }
@@ -216,13 +217,18 @@ cudaError_t launch(void (*kernel)(Params), const Params& p, int64_t rows, cudaSt
   return cudaGetLastError();
 }
 
-// Call f(T*{}, std::integral_constant<int, kThreads>{}, std::bool_constant<kSoftcap>{}) for the logits' dtype,
-// the row layout V warrants and whether a soft-cap is set.
+// Call f(T*{}, std::integral_constant<int, kThreads>{}, std::bool_constant<kSoftcap>{},
+// std::bool_constant<kEntropy>{}) for the logits' dtype, the row layout V warrants, whether a soft-cap is set and
+// whether the entropy (forward) or its gradient (backward) is asked.
 template <typename F>
-cudaError_t dispatch(DType dtype, int64_t V, bool softcap, F&& f) {
+cudaError_t dispatch(DType dtype, int64_t V, bool softcap, bool entropy, F&& f) {
+  const auto by_entropy = [&](auto tag, auto threads, auto cap) {
+    if (entropy) return f(tag, threads, cap, std::true_type{});
+    return f(tag, threads, cap, std::false_type{});
+  };
   const auto by_cap = [&](auto tag, auto threads) {
-    if (softcap) return f(tag, threads, std::true_type{});
-    return f(tag, threads, std::false_type{});
+    if (softcap) return by_entropy(tag, threads, std::true_type{});
+    return by_entropy(tag, threads, std::false_type{});
   };
   const auto by_width = [&](auto tag) {
     if (V <= kWarpRowMaxV) return by_cap(tag, std::integral_constant<int, 32>{});
@@ -246,30 +252,37 @@ cudaError_t token_logprobs_fwd(const TokenLogprobsFwdParams& params, cudaStream_
   if (rows == 0) return cudaSuccess;
   GrpoLossFwdParams p;
   p.vocab = params;
-  return dispatch(params.dtype, params.V, params.map.softcap, [&](auto tag, auto threads, auto softcap) {
+  const bool entropy = params.entropy != nullptr;
+  return dispatch(params.dtype, params.V, params.map.softcap, entropy, [&](auto tag, auto threads, auto cap, auto ent) {
     using T = std::remove_pointer_t<decltype(tag)>;
     constexpr int kThreads = decltype(threads)::value;
-    return launch<kThreads>(token_logprobs_fwd_kernel<T, kThreads, decltype(softcap)::value>, p, rows, stream);
+    return launch<kThreads>(token_logprobs_fwd_kernel<T, kThreads, decltype(cap)::value, decltype(ent)::value>, p,
+                            rows, stream);
   });
 }
 
 cudaError_t grpo_loss_fwd(const GrpoLossFwdParams& p, cudaStream_t stream) {
   const int64_t rows = p.vocab.B * p.vocab.T;
   if (rows == 0) return cudaSuccess;
-  return dispatch(p.vocab.dtype, p.vocab.V, p.vocab.map.softcap, [&](auto tag, auto threads, auto softcap) {
+  const bool entropy = p.vocab.entropy != nullptr;
+  return dispatch(p.vocab.dtype, p.vocab.V, p.vocab.map.softcap, entropy, [&](auto tag, auto threads, auto cap,
+                                                                              auto ent) {
     using T = std::remove_pointer_t<decltype(tag)>;
     constexpr int kThreads = decltype(threads)::value;
-    return launch<kThreads>(grpo_loss_fwd_kernel<T, kThreads, decltype(softcap)::value>, p, rows, stream);
+    return launch<kThreads>(grpo_loss_fwd_kernel<T, kThreads, decltype(cap)::value, decltype(ent)::value>, p, rows,
+                            stream);
   });
 }
 
 cudaError_t token_logprobs_bwd(const TokenLogprobsBwdParams& p, cudaStream_t stream) {
   const int64_t rows = p.B * p.T;
   if (rows == 0) return cudaSuccess;
-  return dispatch(p.dtype, p.V, p.map.softcap, [&](auto tag, auto threads, auto softcap) {
+  const bool entropy = p.grad_entropy != nullptr;  // bindings.cpp: grad_entropy comes with the entropy
+  return dispatch(p.dtype, p.V, p.map.softcap, entropy, [&](auto tag, auto threads, auto cap, auto ent) {
     using T = std::remove_pointer_t<decltype(tag)>;
     constexpr int kThreads = decltype(threads)::value;
-    return launch<kThreads>(token_logprobs_bwd_kernel<T, kThreads, decltype(softcap)::value>, p, rows, stream);
+    return launch<kThreads>(token_logprobs_bwd_kernel<T, kThreads, decltype(cap)::value, decltype(ent)::value>, p,
+                            rows, stream);
   });
 }
 

@@ -19,6 +19,7 @@ from grpo_kernels.vocab.function import (
     TokenEpilogue,
     VocabPassOptions,
     fused_token_loss,
+    poisoned,
     vocab_pass,
     vocab_pass_with_stats,
 )
@@ -64,8 +65,10 @@ def token_logprobs(
     the statistics carry no gradient (as in TRL) and are 0 / False at masked rows.
 
     `check_finite=True`: a kept row whose log-sum-exp is not finite (NaN or ±inf logits, or an overflowing
-    transform) is a ValueError naming its index, found from the pass's O(N) statistics (one host sync). A target
-    whose logit is -inf gets logp = -inf, as in TRL. `check_finite=False` skips the check; such rows then give NaN.
+    transform) is a ValueError naming its index, found from the pass's O(N) statistics. A target whose logit is
+    -inf gets logp = -inf, as in TRL. The checks that read values (target range and mask values before the pass,
+    the rows after it) cost two host syncs. `check_finite=False` skips them all, so the call never waits on the
+    device (it can be captured in a CUDA graph): such rows, and kept targets outside [0, V), then give NaN.
     Calling it on logits an in-place backward has overwritten is a ValueError.
     """
     checks.check_temperature(temperature)
@@ -76,7 +79,9 @@ def token_logprobs(
     backend = resolve_backend(backend, logits.device)
     stats = checks.check_stats(stats, backend)
     checks.check_logits(rows, backend)
-    mask = _checked_mask(mask, rows, targets)
+    with checks.one_sync(check_finite):
+        mask = _checked_mask(mask, rows, targets)
+    targets, invalid = _safe_targets(targets, mask, rows.shape[-1], check_finite)
     opts = VocabPassOptions(
         backend,
         temperature,
@@ -89,8 +94,10 @@ def token_logprobs(
     )
     if stats:
         out = vocab_pass_with_stats(rows, targets, mask, opts)
+        out["logp"] = _poison(out["logp"], invalid)
         return {name: x[0] for name, x in out.items()} if squeeze else out
     logp, entropy = vocab_pass(rows, targets, mask, opts)
+    logp = _poison(logp, invalid)
     if squeeze:
         logp, entropy = logp[0], None if entropy is None else entropy[0]
     return (logp, entropy) if with_entropy else logp
@@ -114,7 +121,9 @@ def fused_linear_token_logprobs(
 ) -> Tensor | tuple[Tensor, Tensor] | dict[str, Tensor]:
     """`token_logprobs(hidden @ weight.T + bias, targets)` without the `[N, V]` logits: chunks of rows go
     through the lm_head GEMM and the vocabulary pass one at a time. hidden `[B, T, H]` or `[N, H]`, weight
-    `[V, H]`, bias `[V]`; differentiable w.r.t. hidden, weight and bias. Masked rows are gathered out first.
+    `[V, H]`, bias `[V]`; differentiable w.r.t. hidden, weight and bias. Masked rows are gathered out first: their
+    count is read on the host with the checks' first sync (with `check_finite=False` that read is the one sync;
+    inside a CUDA graph capture every row runs instead, masked, and nothing is read).
     `logit_scale`, `final_logit_softcapping`, `stats` (a dict result) and `check_finite` as in `token_logprobs`
     (a non-finite row names hidden, weight and bias); every token masked, B = 0 or T = 0 give zeros."""
     checks.check_temperature(temperature)
@@ -126,8 +135,13 @@ def fused_linear_token_logprobs(
     stats = checks.check_stats(stats, backend)
     checks.check_linear(rows, weight, bias, backend)
     checks.check_chunk_size(chunk_size)
-    mask = _checked_mask(mask, rows, targets, vocab=weight.shape[0])
-    kept = mask.nonzero(as_tuple=True)
+    all_rows = _all_rows(check_finite, hidden.device)
+    with checks.one_sync(check_finite) as reads:
+        mask = _checked_mask(mask, rows, targets, vocab=weight.shape[0])
+        if not all_rows:
+            reads.read(mask.sum())  # the kept-row count sizes the gather: read with the checks
+    targets, invalid = _safe_targets(targets, mask, weight.shape[0], check_finite)
+    kept, row_mask = _kept_rows(mask, None if all_rows else reads.numbers[0])
     opts = FusedLinearOptions(
         backend,
         temperature,
@@ -139,11 +153,16 @@ def fused_linear_token_logprobs(
         _row_check(check_finite, LINEAR_ROWS, squeeze, kept),
     )
     if stats:
-        out = fused_linear_logprobs_with_stats(rows[kept], weight, bias, targets[kept], opts)
+        out = fused_linear_logprobs_with_stats(
+            _take(rows, kept, row_mask), weight, bias, _take(targets, kept, row_mask), opts, row_mask
+        )
         out = {name: _scatter(x, kept, mask) for name, x in out.items()}
+        out["logp"] = _poison(out["logp"], invalid)
         return {name: x[0] for name, x in out.items()} if squeeze else out
-    logp_kept, entropy_kept = fused_linear_logprobs(rows[kept], weight, bias, targets[kept], opts)
-    logp, entropy = _scatter(logp_kept, kept, mask), _scatter(entropy_kept, kept, mask)
+    logp_kept, entropy_kept = fused_linear_logprobs(
+        _take(rows, kept, row_mask), weight, bias, _take(targets, kept, row_mask), opts, row_mask
+    )
+    logp, entropy = _poison(_scatter(logp_kept, kept, mask), invalid), _scatter(entropy_kept, kept, mask)
     if squeeze:
         logp, entropy = logp[0], None if entropy is None else entropy[0]
     return (logp, entropy) if with_entropy else logp
@@ -183,8 +202,11 @@ def grpo_loss(
     `check_finite=True`: NaN or ±inf at a kept token in advantages, old_logp, ref_logp, sampling_logp, is_ratio or
     the weights, or a kept row of logits with a non-finite log-sum-exp (from the pass's O(N) statistics, never
     another pass over `[B, T, V]`), or a target whose logit is -inf (probability 0: the ratio and log terms are
-    undefined), is a ValueError naming the tensor and the first bad index; two host syncs, O(B·T) work (README:
-    the measured cost). `check_finite=False` skips them; the loss is then NaN wherever a gradient would be.
+    undefined), is a ValueError naming the tensor and the first bad index; two host syncs (one before the pass for
+    the inputs' values and the target range, one after it for the rows), O(B·T) work (README: the measured cost).
+    `check_finite=False` skips them all (no host sync: the step can be captured in a CUDA graph; the packed layout,
+    `top_entropy_quantile < 1` and clip_cov / kl_cov still read values); the loss is then NaN wherever a gradient
+    would be, and wherever a kept target lies outside [0, V).
     Every token masked, B = 0 or T = 0: loss 0 and zero gradients.
     Returns `GRPOLossOutput(loss, metrics)`, and with `return_sequence_losses` also each sequence's share of the
     loss `[B]` (before the entropy bonus; differentiable), as `(output, sequence_losses)`.
@@ -196,24 +218,27 @@ def grpo_loss(
     checks.check_tensor("logits", logits)
     backend = resolve_backend(backend, logits.device)
     checks.check_logits(_layout_view("logits", logits, cu_seqlens), backend)
-    inputs = LossInputs.check(
-        tuple(logits.shape[:-1]),
-        logits.shape[-1],
-        logits.device,
-        targets,
-        advantages,
-        old_logp,
-        ref_logp,
-        mask,
-        is_ratio,
-        token_weights,
-        sequence_weights,
-        cu_seqlens,
-        options,
-        sampling_logp,
-    )
-    if check_finite:
-        inputs.check_finite(options)
+    with checks.one_sync(check_finite):
+        inputs = LossInputs.check(
+            tuple(logits.shape[:-1]),
+            logits.shape[-1],
+            logits.device,
+            targets,
+            advantages,
+            old_logp,
+            ref_logp,
+            mask,
+            is_ratio,
+            token_weights,
+            sequence_weights,
+            cu_seqlens,
+            options,
+            sampling_logp,
+        )
+        if check_finite:
+            inputs.check_finite(options)
+    safe, invalid = _safe_targets(inputs.targets, inputs.mask, logits.shape[-1], check_finite)
+    inputs = dataclasses.replace(inputs, targets=safe)
     rows = logits if inputs.layout is None else logits[None]  # [R, C, V]
     opts = VocabPassOptions(
         backend,
@@ -227,9 +252,9 @@ def grpo_loss(
     in_kernel = _token_level(options, inputs) and options.top_entropy_quantile == 1.0 and options.entropy_coef == 0.0
     in_kernel = in_kernel and (options.beta == 0.0 or options.kl_estimator in FUSED_KL_ESTIMATORS)
     if backend in ("triton", "cuda") and inputs.layout is None and in_kernel and not return_sequence_losses:
-        return _fused_grpo_loss(rows, inputs, opts, options)
+        return _fused_grpo_loss(rows, inputs, opts, options, invalid)
     logp, entropy = vocab_pass(rows, inputs.targets, inputs.mask, opts)  # [R, C] each
-    return _loss(inputs.terms(logp, entropy, options), options, return_sequence_losses)
+    return _loss(inputs.terms(_poison(logp, invalid), entropy, options), options, return_sequence_losses)
 
 
 def fused_linear_grpo_loss(
@@ -261,33 +286,40 @@ def fused_linear_grpo_loss(
     every other argument as in `grpo_loss`. Masked tokens are gathered out before the first GEMM. Token-level losses
     form their gradients in the forward (3 GEMMs per chunk of rows in all); sequence-level ones, per-sequence
     outputs and weights that need a gradient recompute each chunk's logits in the backward (4 GEMMs).
-    `check_finite` as in `grpo_loss` (a non-finite row names hidden, weight and bias).
+    `check_finite` as in `grpo_loss` (a non-finite row names hidden, weight and bias); the gathering of the kept
+    rows as in `fused_linear_token_logprobs`.
     """
     options = resolve_options(options, loss_options)
     checks.check_tensor("hidden", hidden)
     backend = resolve_backend(backend, hidden.device)
     checks.check_linear(_layout_view("hidden", hidden, cu_seqlens), weight, bias, backend)
     checks.check_chunk_size(chunk_size)
-    inputs = LossInputs.check(
-        tuple(hidden.shape[:-1]),
-        weight.shape[0],
-        hidden.device,
-        targets,
-        advantages,
-        old_logp,
-        ref_logp,
-        mask,
-        is_ratio,
-        token_weights,
-        sequence_weights,
-        cu_seqlens,
-        options,
-        sampling_logp,
-    )
-    if check_finite:
-        inputs.check_finite(options)
+    all_rows = _all_rows(check_finite, hidden.device)
+    with checks.one_sync(check_finite) as reads:
+        inputs = LossInputs.check(
+            tuple(hidden.shape[:-1]),
+            weight.shape[0],
+            hidden.device,
+            targets,
+            advantages,
+            old_logp,
+            ref_logp,
+            mask,
+            is_ratio,
+            token_weights,
+            sequence_weights,
+            cu_seqlens,
+            options,
+            sampling_logp,
+        )
+        if check_finite:
+            inputs.check_finite(options)
+        if not all_rows:
+            reads.read(inputs.mask.sum())  # the kept-row count sizes the gather: read with the checks
+    safe, invalid = _safe_targets(inputs.targets, inputs.mask, weight.shape[0], check_finite)
+    inputs = dataclasses.replace(inputs, targets=safe)
     rows = hidden if inputs.layout is None else hidden[None]  # [R, C, H]
-    kept = inputs.kept_rows()
+    kept, row_mask = _kept_rows(inputs.mask, None if all_rows else reads.numbers[0])
     opts = FusedLinearOptions(
         backend,
         options.temperature,
@@ -297,13 +329,19 @@ def fused_linear_grpo_loss(
         options.final_logit_softcapping,
         finite=_row_check(check_finite, LINEAR_ROWS, inputs.layout is not None, kept, loss=True),
     )
+    hidden_rows, target_rows = _take(rows, kept, row_mask), _take(inputs.targets, kept, row_mask)  # [M, H], [M]
     if _token_level(options, inputs) and options.top_entropy_quantile == 1.0 and not return_sequence_losses:
-        chunk_loss = _chunk_loss(inputs, kept, options)
-        loss, logp, entropy = fused_linear_token_loss(rows[kept], weight, bias, inputs.targets[kept], opts, chunk_loss)
-        terms = inputs.terms(_scatter(logp, kept, inputs.mask), _scatter(entropy, kept, inputs.mask), options)
+        chunk_loss = _chunk_loss(inputs, kept, options, row_mask)
+        loss, logp, entropy = fused_linear_token_loss(
+            hidden_rows, weight, bias, target_rows, opts, chunk_loss, row_mask
+        )
+        logp = _poison(_scatter(logp, kept, inputs.mask), invalid)
+        terms = inputs.terms(logp, _scatter(entropy, kept, inputs.mask), options)
+        loss = loss if invalid is None else poisoned(loss, invalid)
         return GRPOLossOutput(loss, loss_metrics(terms, options))
-    logp, entropy = fused_linear_logprobs(rows[kept], weight, bias, inputs.targets[kept], opts)  # [M] each
-    terms = inputs.terms(_scatter(logp, kept, inputs.mask), _scatter(entropy, kept, inputs.mask), options)
+    logp, entropy = fused_linear_logprobs(hidden_rows, weight, bias, target_rows, opts, row_mask)  # [M] each
+    logp = _poison(_scatter(logp, kept, inputs.mask), invalid)
+    terms = inputs.terms(logp, _scatter(entropy, kept, inputs.mask), options)
     return _loss(terms, options, return_sequence_losses)
 
 
@@ -356,6 +394,44 @@ def _checked_mask(mask: Tensor | None, rows: Tensor, targets: Tensor, vocab: int
     return mask.bool()
 
 
+def _safe_targets(targets: Tensor, mask: Tensor, vocab: int, check_finite: bool) -> tuple[Tensor, Tensor | None]:
+    """Checked targets as they are; unchecked ones (`check_finite=False`) with ids outside [0, V) set to 0, and the
+    kept tokens that had one, whose logp becomes NaN (`_poison`): no host sync, no read outside a row."""
+    if check_finite:
+        return targets, None
+    return checks.targets_in_vocab(targets, mask, vocab)
+
+
+def _poison(logp: Tensor, invalid: Tensor | None) -> Tensor:
+    """logp, NaN at the kept tokens whose target was outside [0, V) (unchecked input)."""
+    return logp if invalid is None else logp.masked_fill(invalid, float("nan"))
+
+
+def _all_rows(check_finite: bool, device: torch.device) -> bool:
+    """Whether the fused lm_head runs every row, masked, instead of gathering the kept ones: only with the checks
+    off inside a CUDA graph capture, where reading the kept-row count (one host sync, batched with the checks') is
+    not allowed. Elsewhere that read costs less than the GEMMs on padding rows."""
+    return not check_finite and device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _kept_rows(mask: Tensor, count: int | None) -> tuple[tuple[Tensor, Tensor], Tensor | None]:
+    """((r, c) indices of the rows the fused lm_head runs, in [R, C] order; the mask of those rows [M] or None when
+    they are all kept). `count` kept rows are gathered with no further sync; None: every row, masked."""
+    if count is None:
+        index = torch.arange(mask.numel(), device=mask.device)  # [R·C]
+        return (index // mask.shape[1], index % mask.shape[1]), mask.reshape(-1)
+    try:
+        index = torch.nonzero_static(mask, size=count)  # [M, 2]: the count is known, so no sync
+    except NotImplementedError:  # older torch on CUDA
+        index = mask.nonzero()
+    return (index[:, 0], index[:, 1]), None
+
+
+def _take(x: Tensor, kept: tuple[Tensor, Tensor], row_mask: Tensor | None) -> Tensor:
+    """x [R, C, ·] at the rows `_kept_rows` chose, [M, ·] (every row: a view, no gather)."""
+    return x[kept] if row_mask is None else x.flatten(0, 1)
+
+
 def _scatter(values: Tensor | None, kept: tuple[Tensor, Tensor], mask: Tensor) -> Tensor | None:
     """Kept-token values [M] back into rows [R, C] (0 elsewhere); differentiable."""
     if values is None:
@@ -390,7 +466,9 @@ def _omega(inputs: LossInputs, options: LossOptions) -> Tensor:
     return omega
 
 
-def _fused_grpo_loss(rows: Tensor, inputs: LossInputs, opts: VocabPassOptions, options: LossOptions):
+def _fused_grpo_loss(
+    rows: Tensor, inputs: LossInputs, opts: VocabPassOptions, options: LossOptions, invalid: Tensor | None
+):
     """One kernel pass: each token's weighted loss and dL/dlogp come out of the forward kernel's epilogue."""
     epilogue = TokenEpilogue.from_options(POLICY_LOSSES[options.loss_type].epilogue, options)
     adv, is_w = per_sequence_or_token(inputs.advantages), per_sequence_or_token(inputs.is_ratio)  # [B, 1] or [B, T]
@@ -406,20 +484,23 @@ def _fused_grpo_loss(rows: Tensor, inputs: LossInputs, opts: VocabPassOptions, o
         opts,
         epilogue,
     )
+    if invalid is not None:
+        loss, logp = poisoned(loss, invalid), _poison(logp, invalid)
     terms = build_terms(
         logp, inputs.old_logp, inputs.ref_logp, inputs.advantages, inputs.mask, entropy, inputs.is_ratio, options
     )  # for the metrics
     return GRPOLossOutput(loss, loss_metrics(terms, options))
 
 
-def _chunk_loss(inputs: LossInputs, kept: tuple[Tensor, Tensor], options: LossOptions):
-    """A token-level loss as `(rows, logp, entropy) -> that chunk's share of the loss`, for the fused lm_head."""
+def _chunk_loss(inputs: LossInputs, kept: tuple[Tensor, Tensor], options: LossOptions, row_mask: Tensor | None):
+    """A token-level loss as `(rows, logp, entropy) -> that chunk's share of the loss`, for the fused lm_head; the
+    rows `row_mask` drops (None: none) are padding to it."""
     omega = inputs.from_padded(_omega(inputs, options), kept)  # [M]
     side = {
         name: inputs.per_kept_token(getattr(inputs, name), kept)
         for name in ("old_logp", "ref_logp", "advantages", "is_ratio")
     }
-    num_kept = max(int(kept[0].numel()), 1)
+    num_kept = inputs.mask.sum().clamp(min=1)  # a tensor: no host sync
 
     def share(rows: slice, logp: Tensor, entropy: Tensor | None) -> Tensor:
         pick = lambda x: None if x is None else x[rows][None]  # noqa: E731  [1, c]
@@ -428,7 +509,7 @@ def _chunk_loss(inputs: LossInputs, kept: tuple[Tensor, Tensor], options: LossOp
             pick(side["old_logp"]),
             pick(side["ref_logp"]),
             pick(side["advantages"]),
-            torch.ones_like(logp, dtype=torch.bool)[None],
+            torch.ones_like(logp, dtype=torch.bool)[None] if row_mask is None else pick(row_mask),
             None if entropy is None else entropy[None],
             pick(side["is_ratio"]),
             options,

@@ -2,6 +2,8 @@
 
 The loss functions' checks run before any kernel: `mask must be [B, T] = [4, 128], got [4, 127]`; only the
 finiteness of the logits is checked after the vocabulary pass, from its O(N) statistics (`check_row_stats`).
+Checks of values (mask values, target range, non-finite inputs) are O(N) device work; inside `one_sync` they are
+read with one host sync for all of them, or skipped (`enabled=False`), else each reads its own flag.
 The per-sequence building blocks (advantages, rewards, sampling, regularizers) share the second half: there
 `shape` holds the expected sizes, None where any size will do (`entropy must be [B, T] = [3, T], got [3]`);
 `shape=None` asks for any non-empty tensor with the named `dims`.
@@ -9,9 +11,11 @@ The per-sequence building blocks (advantages, rewards, sampling, regularizers) s
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -105,22 +109,35 @@ def check_per_sequence_float(name: str, x: Tensor | None, B: int, device) -> Non
 
 
 def check_mask(mask: Tensor, B: int, T: int, device) -> None:
-    """A [B, T] bool tensor, or numbers that are all 0 or 1."""
+    """A [B, T] bool tensor, or numbers that are all 0 or 1 (a value check: see `one_sync`)."""
     _check_like("mask", mask, ((B, T),), ("[B, T]",), device)
-    if mask.dtype != torch.bool and not ((mask == 0) | (mask == 1)).all():
-        raise ValueError("mask must be bool or hold only 0 and 1")
+    if mask.dtype != torch.bool:
+        _check_value(((mask != 0) & (mask != 1)).any(), _fail("mask must be bool or hold only 0 and 1"))
 
 
 def check_targets(targets: Tensor, mask: Tensor, vocab: int, device) -> None:
-    """Integer token ids [B, T], inside [0, V) wherever the mask keeps the token (padding is never read)."""
+    """Integer token ids [B, T], inside [0, V) wherever the mask keeps the token (padding is never read; the range
+    is a value check: see `one_sync`)."""
     B, T = mask.shape
     _check_like("targets", targets, ((B, T),), ("[B, T]",), device)
     if targets.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"targets must be int64 or int32 token ids, got {targets.dtype}")
-    kept = targets[mask]
-    if kept.numel() and (kept.min() < 0 or kept.max() >= vocab):
+    outside = ((targets < 0) | (targets >= vocab)) & mask  # [B, T]
+
+    def fail() -> None:
+        kept = targets[mask]
         lo, hi = int(kept.min()), int(kept.max())
         raise ValueError(f"targets must lie in [0, V) = [0, {vocab}) where mask is set, got values in [{lo}, {hi}]")
+
+    _check_value(outside.any(), fail)
+
+
+def targets_in_vocab(targets: Tensor, mask: Tensor, vocab: int) -> tuple[Tensor, Tensor]:
+    """Unchecked targets made safe to index with, without a host sync: (targets with every id outside [0, V) set to
+    0, the kept tokens that had one [B, T] bool), so that a kernel never reads outside a row and the caller can
+    turn those tokens' results into NaN (`check_finite=False`)."""
+    outside = (targets < 0) | (targets >= vocab)  # [B, T]
+    return targets.masked_fill(outside, 0), outside & mask
 
 
 def check_chunk_size(chunk_size: int | None) -> None:
@@ -180,19 +197,97 @@ def check_loss_inputs(
         raise ValueError(f"num_items_in_batch must be a number or a 1-element tensor, got {_shape(items.shape)}")
 
 
+# Value checks, read together. A check of values queues a 0-dim bool flag (set: the check failed) and the function
+# that raises its error; `one_sync` reads every flag queued inside it, and any count asked with `read`, with one
+# host sync, then raises the first failure's error (the error path may sync again to name the bad value).
+# Outside `one_sync` a check reads its own flag at once.
+
+
+@dataclass
+class ValueReads:
+    """What one `one_sync` block reads: the queued checks and the asked numbers (`numbers`, after the block)."""
+
+    enabled: bool
+    checks: list[tuple[Tensor, Callable[[], None]]] = field(default_factory=list)
+    asked: list[Tensor] = field(default_factory=list)
+    numbers: list[int] = field(default_factory=list)
+
+    def read(self, x: Tensor) -> None:
+        """Read the 0-dim integer tensor `x` with the checks' sync, even when they are skipped; the value is in
+        `numbers` (in the order asked) after the block."""
+        self.asked.append(x)
+
+
+_READS: contextvars.ContextVar[ValueReads | None] = contextvars.ContextVar("grpo_kernels_value_reads", default=None)
+
+
+@contextlib.contextmanager
+def one_sync(enabled: bool = True) -> Iterator[ValueReads]:
+    """Queue the value checks made inside (mask values, target range, non-finite inputs) and read them, with the
+    numbers asked by `ValueReads.read`, in one host sync on leaving, raising the first failed check's error.
+    `enabled=False` skips the value checks (nothing is read unless a number was asked: no sync at all). An error
+    raised inside (a shape or dtype check) leaves at once and reads nothing."""
+    reads = ValueReads(enabled)
+    token = _READS.set(reads)
+    try:
+        yield reads
+    finally:
+        _READS.reset(token)
+    values = _read_once([flag for flag, _ in reads.checks] + reads.asked)
+    for value, (_, fail) in zip(values, reads.checks, strict=False):
+        if value:
+            fail()
+    reads.numbers = values[len(reads.checks) :]
+
+
+def _read_once(xs: list[Tensor]) -> list[int]:
+    """0-dim bool or integer tensors as ints: one device-to-host copy per device (CPU ones are read in place)."""
+    out: list[int] = [0] * len(xs)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, x in enumerate(xs):
+        by_device.setdefault(x.device, []).append(i)
+    for indices in by_device.values():
+        values = torch.stack([xs[i].reshape(()).to(torch.int64) for i in indices]).tolist()
+        for i, value in zip(indices, values, strict=True):
+            out[i] = value
+    return out
+
+
+def _check_value(bad: Tensor, fail: Callable[[], None]) -> None:
+    """A value check: `bad` a 0-dim bool tensor (set: failed), `fail` raises its error."""
+    reads = _READS.get()
+    if reads is None:
+        if bool(bad):
+            fail()
+    elif reads.enabled:
+        reads.checks.append((bad, fail))
+
+
+def _fail(message: str) -> Callable[[], None]:
+    def fail() -> None:
+        raise ValueError(message)
+
+    return fail
+
+
 # Non-finite values (`check_finite=True`). A kept token's values must be finite; padding may hold anything, NaN
-# included, because it is never read. Each check is one host sync on O(B·T) values, never a pass over [N, V].
+# included, because it is never read. O(B·T) values, never a pass over [N, V].
 
 
 def check_finite_at_kept(named: Sequence[tuple[str, Tensor | None, Tensor]]) -> None:
     """ValueError naming the first `(name, x, kept)` whose x holds NaN or ±inf where `kept` (bool, x's shape) is
-    set, with the value and its index in x; None tensors pass. One host sync for all of them."""
-    named = [(name, x, kept) for name, x, kept in named if x is not None]
-    bad = [~torch.isfinite(x) & kept for _, x, kept in named]
-    if not bad or not bool(torch.stack([b.any() for b in bad]).any()):
-        return
-    for (name, x, _), b in zip(named, bad, strict=True):
-        _raise_first(name, x, b, "be finite where the mask keeps a token")
+    set, with the value and its index in x; None tensors pass. Value checks (see `one_sync`): one host sync for all
+    of them, also when called alone."""
+    with contextlib.ExitStack() as stack:
+        if _READS.get() is None:
+            stack.enter_context(one_sync())
+        for name, x, kept in named:
+            if x is not None:
+                bad = ~torch.isfinite(x) & kept
+                _check_value(bad.any(), lambda name=name, x=x, bad=bad: _raise_first(name, x, bad, FINITE_AT_KEPT))
+
+
+FINITE_AT_KEPT = "be finite where the mask keeps a token"
 
 
 LOGITS_CAUSES = "NaN or inf logits, or logits · logit_scale / temperature overflowing"

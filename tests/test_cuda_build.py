@@ -1,8 +1,11 @@
 """The CUDA backend without a GPU: every csrc/*.cu compiles (nvcc -c for sm_80 and sm_90), and the kernels'
 host-device arithmetic (the logit transform, online log-sum-exp and its merge, the logit gradient with the
-transform's chain rule, the token-loss epilogue; common.cuh) run on the CPU through csrc/tests/epilogue_test.cpp
-(g++) matches the float64 oracle. Each part skips, with the reason, where its compiler is absent. Nothing here
-launches a kernel: that needs a GPU and grpo_kernels._C.
+transform's chain rule, the token-loss epilogue; common.cuh), with and without the entropy (the kernels' kEntropy
+template parameter), run on the CPU through csrc/tests/epilogue_test.cpp (g++) matches the float64 oracle. On the
+device the per-element exponentials and the soft-cap's division are the fast intrinsics (common.cuh fast_exp:
+__expf, within 2 + 1.17|x| ulp; fast_div: __fdividef), here the accurate expf and division: this checks the formulas,
+not the intrinsics' few-ulp error. Each part skips, with the reason, where its compiler is
+absent. Nothing here launches a kernel: that needs a GPU and grpo_kernels._C.
 """
 
 from __future__ import annotations
@@ -147,19 +150,23 @@ def test_online_lse_and_logit_gradient_match_oracle(host_test, name, transform):
     line = f"row {logits.numel()} {numbers} {target} {g} {g_h} {head} " + " ".join(map(repr, logits.tolist()))
     [[kind, *values]] = host_test([line])
     assert kind == "row"
-    lse, logp, entropy = _floats(values[:3])
-    grad = _floats(values[3:])
+    V = logits.numel()
+    lse, logp, entropy, lse_plain = _floats(values[:4])
+    grad, grad_plain = _floats(values[4 : 4 + V]), _floats(values[4 + V :])
+    assert lse_plain == lse, "the pass without the entropy (kEntropy = false) folds the same max and sum"
 
     x = logits.double().requires_grad_()
     transform_args = dict(temperature=temperature, logit_scale=logit_scale, final_logit_softcapping=softcap)
     ref_logp, ref_entropy = reference.token_logprobs(x[None], torch.tensor([target]), **transform_args)
-    (ref_grad,) = torch.autograd.grad(g * ref_logp.sum() + g_h * ref_entropy.sum(), x)
+    (ref_grad,) = torch.autograd.grad(g * ref_logp.sum() + g_h * ref_entropy.sum(), x, retain_graph=True)
+    (ref_grad_plain,) = torch.autograd.grad(g * ref_logp.sum(), x)
     ref_lse = torch.logsumexp(_transformed(x.detach(), temperature, logit_scale, softcap), dim=0)
     label = f"{name}/{transform}"
     assert_close(lse, ref_lse, torch.float32, f"{label}: lse")
     assert_close(logp, ref_logp.detach()[0], torch.float32, f"{label}: logp")
     assert_close(entropy, ref_entropy.detach()[0], torch.float32, f"{label}: entropy")
     assert_close(grad, ref_grad, torch.float32, f"{label}: dL/dlogits")
+    assert_close(grad_plain, ref_grad_plain, torch.float32, f"{label}: dL/dlogits of logp alone")
 
 
 POLICY_OPTIONS = {  # the token-level loss types of the fused epilogue, with their hyperparameters

@@ -3,11 +3,12 @@
 //
 // Reads lines from stdin, writes one line per input line:
 //   row V temperature logit_scale softcap target g g_h head x_0 .. x_{V-1}    (softcap 0: none)
-//     -> row lse logp entropy grad_0 .. grad_{V-1}
+//     -> row lse logp entropy lse_plain grad_0 .. grad_{V-1} grad_plain_0 .. grad_plain_{V-1}
 //     The raw logits x go through the logit map (make_logit_map, map_logit); the row is split as a kernel
 //     splits it over kLanes lanes: `head` scalar elements (a misaligned start),
 //     packs of kPack elements strided over the lanes, a scalar tail; the lanes' states are merged by the
-//     xor butterfly of warp_merge. The gradient is that of g * logp + g_h * entropy.
+//     xor butterfly of warp_merge. The gradient is that of g * logp + g_h * entropy. lse_plain and grad_plain are
+//     the kernels' instantiations without the entropy (kEntropy = false): the lse, and the gradient of g * logp.
 //   loss policy kl_kind has_kl beta eps_low eps_high has_delta delta has_dual_clip clip_ratio_c cispo_two_sided
 //        bias_correction tau_pos tau_neg logp adv has_old old_logp ref_logp is_weight weight
 //     -> loss loss dlogp
@@ -41,28 +42,26 @@ int64_t next_int() {
   return std::strtoll(token.c_str(), nullptr, 10);
 }
 
-template <bool kSoftcap>
-void run_row(int64_t V, const LogitMap& map, int64_t target, float g, float g_h, int64_t head,
-             const std::vector<float>& x) {
-  std::vector<float> z(V);
-  for (int64_t c = 0; c < V; ++c) z[c] = map_logit<kSoftcap>(x[c], map);
-  head = head < V ? head : V;
+// The row's merged state, folded as a kernel folds it (see the top of the file).
+template <bool kEntropy>
+LseState row_state(const std::vector<float>& z, int64_t head) {
+  const int64_t V = static_cast<int64_t>(z.size());
   std::vector<LseState> lanes(kLanes, lse_init());
   for (int lane = 0; lane < kLanes; ++lane) {
     LseState& st = lanes[lane];
     if (lane < head) {
       const float one[1] = {z[lane]};
-      lse_fold(st, one, true);
+      lse_fold<kEntropy>(st, one);
     }
     const int64_t packs = (V - head) / kPack;
     for (int64_t i = lane; i < packs; i += kLanes) {
       float pack[kPack];
       for (int k = 0; k < kPack; ++k) pack[k] = z[head + i * kPack + k];
-      lse_fold(st, pack, true);
+      lse_fold<kEntropy>(st, pack);
     }
     for (int64_t c = head + packs * kPack + lane; c < V; c += kLanes) {
       const float one[1] = {z[c]};
-      lse_fold(st, one, true);
+      lse_fold<kEntropy>(st, one);
     }
   }
   for (int offset = kLanes / 2; offset > 0; offset >>= 1) {  // warp_merge's butterfly
@@ -70,13 +69,26 @@ void run_row(int64_t V, const LogitMap& map, int64_t target, float g, float g_h,
     for (int lane = 0; lane < kLanes; ++lane) next[lane] = lse_merge(lanes[lane], lanes[lane ^ offset]);
     lanes = next;
   }
-  const float lse = lse_value(lanes[0]);
-  const float entropy = lse_entropy(lanes[0]);
+  return lanes[0];
+}
+
+template <bool kSoftcap>
+void run_row(int64_t V, const LogitMap& map, int64_t target, float g, float g_h, int64_t head,
+             const std::vector<float>& x) {
+  std::vector<float> z(V);
+  for (int64_t c = 0; c < V; ++c) z[c] = map_logit<kSoftcap>(x[c], map);
+  head = head < V ? head : V;
+  const LseState st = row_state<true>(z, head);
+  const float lse = lse_value(st);
+  const float entropy = lse_entropy(st);
+  const float lse_plain = lse_value(row_state<false>(z, head));
   std::printf("row");
   print(lse);
   print(z[target] - lse);
   print(entropy);
-  for (int64_t c = 0; c < V; ++c) print(logit_grad<kSoftcap>(x[c], c == target, lse, g, g_h, entropy, map));
+  print(lse_plain);
+  for (int64_t c = 0; c < V; ++c) print(logit_grad<kSoftcap, true>(x[c], c == target, lse, g, g_h, entropy, map));
+  for (int64_t c = 0; c < V; ++c) print(logit_grad<kSoftcap, false>(x[c], c == target, lse_plain, g, 0.0f, 0.0f, map));
   std::printf("\n");
 }
 

@@ -88,10 +88,12 @@ def _sequence_extreme(flags: Tensor, mask: Tensor, extreme) -> Tensor:
     """
     if flags.shape[-1] == 1 and mask.shape[-1] > 1:
         per_sequence = flags[:, 0].to(mask.dtype)  # [B]
-    else:
-        counts = mask.sum(-1)  # [B]
-        per_sequence = ((flags * mask).sum(-1) / counts.clamp(min=1.0))[counts > 0]  # [B']
-    return extreme(per_sequence) if per_sequence.numel() else mask.new_zeros(())
+        return extreme(per_sequence) if per_sequence.numel() else mask.new_zeros(())
+    counts = mask.sum(-1)  # [B]
+    per_sequence = (flags * mask).sum(-1) / counts.clamp(min=1.0)  # [B]
+    skip = float("inf") if extreme is torch.min else float("-inf")  # never the extreme while a sequence counts
+    value = extreme(per_sequence.masked_fill(counts == 0, skip)) if per_sequence.numel() else mask.new_zeros(())
+    return torch.where((counts > 0).any(), value, 0.0)  # no host sync (a boolean index would be one)
 
 
 @torch.no_grad()

@@ -267,15 +267,19 @@ def _token_covariance(terms: TokenTerms) -> Tensor:
 
 
 @torch.no_grad()
-def clip_cov_candidates(terms: TokenTerms, options: LossOptions) -> tuple[Tensor, int]:
-    """(candidates [M] bool, n): kept tokens that PPO's clip leaves unclipped and whose covariance lies in
-    (clip_cov_lb, clip_cov_ub), and how many of them clip_cov detaches, n = max(⌊clip_cov_ratio · M⌋, 1)."""
+def clip_cov_candidates(terms: TokenTerms, options: LossOptions) -> tuple[Tensor, Tensor]:
+    """(candidates [B, T] bool, n): kept tokens that PPO's clip leaves unclipped and whose covariance lies in
+    (clip_cov_lb, clip_cov_ub), and how many of them clip_cov detaches, n = max(⌊clip_cov_ratio · M⌋, 1) (a 0-dim
+    int64 tensor: no host sync). The covariance is `_token_covariance`'s, in the padded layout (verl's)."""
     keep = terms.mask.bool()  # [B, T]
     low, high = trust_region_flags(terms, options, terms.ratio)  # [B, T] or [B, 1]
-    unclipped = ~(low | high).expand_as(keep)[keep]  # [M]
-    cov = _token_covariance(terms)  # [M]
-    count = max(int(options.clip_cov_ratio * terms.mask.sum().item()), 1)
-    return unclipped & (cov > options.clip_cov_lb) & (cov < options.clip_cov_ub), count
+    kept = terms.mask.sum().clamp(min=1.0)
+    adv = torch.where(keep, terms.advantages.detach(), 0.0)  # [B, T], padding never read (it may hold NaN)
+    logp = torch.where(keep, terms.logp.detach(), 0.0)  # [B, T]
+    cov = (adv - adv.sum() / kept) * (logp - logp.sum() / kept)  # [B, T]
+    count = (terms.mask.sum().double() * options.clip_cov_ratio).floor().clamp(min=1.0).long()  # int(ratio · M)
+    unclipped = ~(low | high).expand_as(keep)  # [B, T]
+    return keep & unclipped & (cov > options.clip_cov_lb) & (cov < options.clip_cov_ub), count
 
 
 @torch.no_grad()
@@ -286,22 +290,27 @@ def clip_cov_keep(terms: TokenTerms, options: LossOptions) -> Tensor:
     `torch.randperm(K)` on the default (CPU) generator over the K candidates in row-major order, whenever K > 0.
     No `torch.Generator` is taken: after `torch.manual_seed(s)` the draw is verl's under the same seed, and it
     advances the global RNG as verl's does. Called once per loss evaluation (the metric uses counts only).
+    The draw's size K is read on the host, with n: one host sync (a CPU draw of data-dependent size needs it).
     """
-    candidates, count = clip_cov_candidates(terms, options)  # [M]
-    index = candidates.nonzero().squeeze(-1)  # [K]
-    drop = torch.zeros_like(candidates)  # [M]
-    if index.numel() > 0:
-        drop[index[torch.randperm(index.numel())[:count].to(index.device)]] = True
+    candidates, count = clip_cov_candidates(terms, options)  # [B, T]
+    flat = candidates.reshape(-1)  # [B·T]
+    num, count = torch.stack([flat.sum(), count]).tolist()  # the one host sync
     keep = torch.ones_like(terms.mask)  # [B, T]
-    keep[terms.mask.bool()] = (~drop).to(keep.dtype)
+    if num > 0:
+        index = torch.nonzero_static(flat, size=num).squeeze(-1)  # [K], row-major: no second sync
+        drop = torch.randperm(num)[:count]
+        if index.device.type == "cuda":  # an async copy: a pageable one would sync again
+            drop = drop.pin_memory()
+        keep.view(-1)[index[drop.to(index.device, non_blocking=True)]] = 0.0
     return keep
 
 
 def clip_cov_fraction(terms: TokenTerms, options: LossOptions) -> Tensor:
-    """verl's clip_cov `pg_clipfrac`: the fraction of kept tokens detached, min(n, K) / M (no draw needed)."""
+    """verl's clip_cov `pg_clipfrac`: the fraction of kept tokens detached, min(n, K) / M (no draw needed, no host
+    sync)."""
     candidates, count = clip_cov_candidates(terms, options)
-    fraction = min(count, int(candidates.sum())) / max(candidates.numel(), 1)
-    return torch.tensor(fraction, dtype=terms.mask.dtype, device=terms.mask.device)
+    fraction = torch.minimum(count, candidates.sum()).double() / terms.mask.sum().double().clamp(min=1.0)
+    return fraction.to(terms.mask.dtype)
 
 
 @policy_loss("clip_cov", normaliser="item_mean", paper="Clip-Cov, arXiv:2505.22617 (verl clip_cov)")

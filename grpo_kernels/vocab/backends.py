@@ -1,9 +1,14 @@
-"""Backend names, "auto" resolution and a launch counter (tests read it to prove which backend ran)."""
+"""Backend names, "auto" resolution, the supported triton versions and a launch counter (tests read it to prove
+which backend ran)."""
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
 import importlib.util
 import os
+import re
+import warnings
 from collections import Counter
 
 import torch
@@ -14,11 +19,19 @@ BACKENDS = ("auto", "torch", "triton", "cuda")
 
 launches: Counter[str] = Counter()  # backend name (and "fused_epilogue") -> vocabulary passes launched
 
+# The triton versions the Triton backend supports (pyproject.toml states the same range). Oldest: 3.6.0, the one
+# torch 2.10 and 2.11 pin (the lent GPU machine runs torch 2.11); torch 2.12 pins 3.7.0, torch 2.13 3.7.1. Newest
+# seen: 3.9 (its interpreter runs the tests on CPU). Triton 3.10 turns FP fusion off by default; every launch
+# pins `enable_fp_fusion=True`, so a newer triton is warned about, not refused.
+TRITON_OLDEST = (3, 6, 0)
+TRITON_NEWEST_SEEN = (3, 9)
+
 
 def triton_usable(device: torch.device) -> tuple[bool, str]:
     """Whether Triton can run on `device`, and why not when it cannot."""
     if importlib.util.find_spec("triton") is None:
         return False, "triton is not installed (pip install triton)"
+    check_triton_version()
     if device.type == "cuda":
         return True, ""
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
@@ -34,7 +47,7 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        return "triton" if device.type == "cuda" else "torch"
+        backend = "triton" if device.type == "cuda" else "torch"
     if backend == "triton":
         ok, why = triton_usable(device)
         if not ok:
@@ -44,3 +57,36 @@ def resolve_backend(backend: str, device: torch.device) -> str:
         if not ok:
             raise RuntimeError(why)
     return backend
+
+
+def _version(text: str) -> tuple[int, ...]:
+    match = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", text)
+    if match is None:
+        raise RuntimeError(f"cannot read the triton version {text!r}")
+    return tuple(int(part or 0) for part in match.groups())
+
+
+@functools.cache
+def check_triton_version(version: str | None = None) -> None:
+    """RuntimeError if the installed triton (or `version`) is older than `TRITON_OLDEST`; a warning, once, if it is
+    newer than `TRITON_NEWEST_SEEN`. Reads the package metadata: triton itself is not imported here."""
+    if version is None:
+        try:
+            version = importlib.metadata.version("triton")
+        except importlib.metadata.PackageNotFoundError:  # a build under another distribution name
+            import triton
+
+            version = triton.__version__
+    found, oldest = _version(version), ".".join(map(str, TRITON_OLDEST))
+    newest = ".".join(map(str, TRITON_NEWEST_SEEN))
+    if found < TRITON_OLDEST:
+        raise RuntimeError(
+            f"backend='triton' needs triton >= {oldest} (the one torch 2.10 and 2.11 pin), got triton {version}; "
+            f"pip install 'triton>={oldest},<3.10', or use backend='torch'"
+        )
+    if found[:2] > TRITON_NEWEST_SEEN:
+        warnings.warn(
+            f"triton {version} is newer than the newest this release was checked with ({newest}); its kernels pin "
+            "enable_fp_fusion=True, but nothing else about them was checked on it",
+            stacklevel=2,
+        )

@@ -76,6 +76,7 @@ def _kernels(backend: str):
     if backend == "torch":
         return token_logprobs_torch
     if backend == "triton":
+        backends.check_triton_version()  # before triton is imported: a clear error for an unsupported one
         from grpo_kernels.vocab import token_logprobs_triton  # imported on first use: nothing runs at import
 
         return token_logprobs_triton
@@ -89,6 +90,7 @@ def _kernels(backend: str):
 def _fused_kernels(backend: str):
     """The module with `grpo_loss_fwd` (the vocabulary pass with the token-loss epilogue) for `backend`."""
     if backend == "triton":
+        backends.check_triton_version()
         from grpo_kernels.vocab import grpo_loss_triton
 
         return grpo_loss_triton

@@ -2,7 +2,8 @@
 exist one chunk of rows at a time, so memory beyond the gradients is one chunk.
 
 Per chunk: one GEMM for the logits, the backend's vocabulary pass on them (in place), and in the backward the two
-gradient GEMMs (dH chunk, dW accumulated in float32 and cast once). Two Functions:
+gradient GEMMs (dH chunk, dW accumulated in float32 and cast once). On CUDA every GEMM reads its operands in the
+input dtype (tensor cores) with float32 accumulation (`gemm_mode`). Two Functions:
 - `_FusedLinearLogprobsFunction`: logp (and entropy) out, any loss on top; the backward recomputes each chunk's
   logits (4 GEMMs in all).
 - `_FusedLinearTokenLossFunction`: for token-level losses the per-token dL/dlogp is known as soon as a chunk's
@@ -12,6 +13,8 @@ gradient GEMMs (dH chunk, dW accumulated in float32 and cast once). Two Function
 
 from __future__ import annotations
 
+import functools
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -49,16 +52,75 @@ class FusedLinearOptions:
         return transform_kwargs(self.logit_scale, self.final_logit_softcapping)
 
 
-def chunk_rows(num_rows: int, vocab: int, hidden: int, device: torch.device, chunk_size: int | None) -> int:
-    """Rows per chunk: `chunk_size`, else what a logits chunk [rows, V] float32 takes of a memory budget
-    (CUDA: a quarter of free memory, at most 1 GiB; CPU: 256 MiB and at most 512 rows), at least 1 and at most
+def gemm_mode(device: torch.device) -> str:
+    """How the chunk GEMMs treat bf16/fp16 operands on `device` (float32 and float64 ones are used as they are).
+
+    Logits and dH are always GEMMs in the input dtype (float32 accumulation inside the GEMM, output rounded to the
+    input dtype, as the logits are). dW, summed over chunks into a float32 accumulator:
+    - "out_dtype" (CUDA, torch >= 2.8): `addmm(acc, a, b, out_dtype=float32, out=acc)`, tensor cores, each
+      chunk's product added in float32 without being rounded first.
+    - "rounded" (CUDA, older torch): each chunk's product in the input dtype (tensor cores), rounded to it, then
+      added to the float32 accumulator; no float32 copy of the operands.
+    - "upcast" (CPU and other devices): float32 copies of the operands and a float32 GEMM, the numbers the CPU
+      path always had. CPU has no out_dtype kernel, and "rounded" would round every chunk's product to bf16 (TRL
+      measured the entropy drifting under that). It costs time where the CPU has bf16 GEMMs: on the 2-core
+      AVX512-BF16 machine the dW product of a 512-row chunk (V = 32,000, H = 896) took 0.155 s upcast, 0.085 s
+      as a bf16 GEMM.
+    """
+    if device.type != "cuda":
+        return "upcast"
+    return "out_dtype" if _has_out_dtype() else "rounded"
+
+
+@functools.cache
+def _has_out_dtype() -> bool:
+    return "dtype_out" in torch.ops.aten.addmm.overloads() and not _OUT_DTYPE_REFUSED
+
+
+_OUT_DTYPE_REFUSED: list[str] = []  # the error of a torch whose CUDA addmm refuses a float32 `self` (then "rounded")
+
+
+ROUNDED_BLOCK = 8192  # dW rows per rounded product ("rounded"): its temporary is at most 8192 × H
+
+
+def accumulate(acc: Tensor, a: Tensor, b: Tensor, mode: str) -> None:
+    """acc [P, Q] (float32, or float64 for float64 input) += a [P, K] @ b [K, Q], as `gemm_mode` says."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    elif mode == "out_dtype" and not _OUT_DTYPE_REFUSED:
+        try:
+            torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+        except RuntimeError as error:  # an early out_dtype kernel's dtype check, raised before any work
+            if "same dtype" not in str(error):
+                raise
+            _OUT_DTYPE_REFUSED.append(str(error))
+            _has_out_dtype.cache_clear()
+            warnings.warn(f"{error}: dW products are rounded to the input dtype per chunk instead", stacklevel=2)
+            accumulate(acc, a, b, "rounded")
+    elif mode in ("out_dtype", "rounded"):
+        for start in range(0, a.shape[0], ROUNDED_BLOCK):
+            stop = start + ROUNDED_BLOCK
+            acc[start:stop].add_(torch.mm(a[start:stop], b))
+    else:
+        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+
+
+def chunk_rows(num_rows: int, vocab: int, hidden: int, device: torch.device, chunk_size: int | None, dtype) -> int:
+    """Rows per chunk: `chunk_size`, else what a chunk's logits [rows, V] and hidden rows [rows, H] in `dtype`
+    (plus their float32 copies where `gemm_mode` upcasts) take of a memory budget (CUDA: a quarter of free memory,
+    at most 1 GiB, and 1 GiB inside a graph capture; CPU: 256 MiB and at most 512 rows), at least 1 and at most
     `num_rows`."""
     if chunk_size is not None:
         return max(1, min(chunk_size, num_rows))
-    if device.type == "cuda":
-        rows = min(torch.cuda.mem_get_info(device)[0] // 4, 1 << 30) // (4 * (vocab + hidden))
+    itemsize = dtype.itemsize
+    if gemm_mode(device) == "upcast" and itemsize < 4:
+        itemsize += 4
+    row_bytes = itemsize * (vocab + hidden)
+    if device.type == "cuda":  # inside a CUDA graph capture the free memory is not asked: the 1 GiB cap
+        free = 1 << 32 if torch.cuda.is_current_stream_capturing() else torch.cuda.mem_get_info(device)[0]
+        rows = min(free // 4, 1 << 30) // row_bytes
     else:
-        rows = min(CPU_CHUNK_BYTES // (4 * (vocab + hidden)), CPU_CHUNK_ROWS)
+        rows = min(CPU_CHUNK_BYTES // row_bytes, CPU_CHUNK_ROWS)
     return max(1, min(rows, num_rows))
 
 
@@ -82,21 +144,24 @@ def _logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, buffer: Tensor)
 
 
 class _GradientSink:
-    """Accumulates the gradients of hidden, weight and bias from each chunk's dL/dlogits (float32 for dW, db)."""
+    """Accumulates the gradients of hidden, weight and bias from each chunk's dL/dlogits (dW and db in float32, or
+    float64 for float64 input; GEMMs as `gemm_mode` says for the device)."""
 
     def __init__(self, hidden: Tensor, weight: Tensor, bias: Tensor | None, needs: tuple[bool, bool, bool]):
+        acc = torch.promote_types(weight.dtype, torch.float32)
+        self.mode = gemm_mode(weight.device)
         self.hidden = torch.empty_like(hidden) if needs[0] else None  # [M, H]
-        self.weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs[1] else None
-        self.bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if needs[2] else None
+        self.weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if needs[1] else None  # [V, H]
+        self.bias = torch.zeros(bias.shape, dtype=acc, device=bias.device) if needs[2] else None  # [V]
 
     def add(self, rows: slice, grad_logits: Tensor, hidden: Tensor, weight: Tensor) -> None:
         """grad_logits [c, V] of the rows' logits; hidden [c, H] the rows' inputs."""
         if self.hidden is not None:
             torch.mm(grad_logits, weight, out=self.hidden[rows])
         if self.weight is not None:
-            self.weight.addmm_(grad_logits.T.float(), hidden.float())
+            accumulate(self.weight, grad_logits.T, hidden, self.mode)
         if self.bias is not None:
-            self.bias += grad_logits.float().sum(0)
+            self.bias += grad_logits.sum(0, dtype=self.bias.dtype)  # [V], no float32 copy of the chunk
 
     def result(self, weight: Tensor, bias: Tensor | None, scale: Tensor | None = None):
         """(grad_hidden, grad_weight, grad_bias), handed over: the sink keeps no reference, so autograd can
@@ -109,16 +174,25 @@ class _GradientSink:
         return grads[0], cast(grads[1], weight), None if bias is None else cast(grads[2], bias)
 
 
+def _row_masks(rows: int, row_mask: Tensor | None, device) -> Callable[[slice], Tensor]:
+    """The vocabulary pass's mask [1, c] for a chunk's rows: all kept (the rows were gathered), or `row_mask`'s."""
+    if row_mask is not None:
+        return lambda r: row_mask[None, r]
+    ones = torch.ones((1, rows), dtype=torch.bool, device=device)
+    return lambda r: ones[:, : r.stop - r.start]
+
+
 class _FusedLinearLogprobsFunction(torch.autograd.Function):
-    """(hidden [M, H], weight [V, H], bias [V] | None, targets [M]) -> logp [M], entropy [M] or empty, and each
-    asked statistic [M] (not differentiable)."""
+    """(hidden [M, H], weight [V, H], bias [V] | None, targets [M], row_mask [M] bool | None) -> logp [M],
+    entropy [M] or empty, and each asked statistic [M] (not differentiable). row_mask None: every row is kept;
+    else the rows it drops give 0 and no gradient."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, opts: FusedLinearOptions):
+    def forward(ctx, hidden, weight, bias, targets, row_mask, opts: FusedLinearOptions):
         kernels = _kernels(opts.backend)
         M, V = targets.shape[0], weight.shape[0]
-        rows = chunk_rows(M, V, weight.shape[1], hidden.device, opts.chunk_size)
-        ones = torch.ones((1, rows), dtype=torch.bool, device=hidden.device)
+        rows = chunk_rows(M, V, weight.shape[1], hidden.device, opts.chunk_size, weight.dtype)
+        masks = _row_masks(rows, row_mask, hidden.device)
         buffer = weight.new_empty(rows, weight.shape[0])  # [rows, V]
         logps, lses, entropies = [], [], []
         stats = {name: [] for name in opts.stats}
@@ -128,7 +202,7 @@ class _FusedLinearLogprobsFunction(torch.autograd.Function):
             logp, lse, entropy, chunk_stats = kernels.token_logprobs_fwd(
                 z,
                 targets[None, r],
-                ones[:, : z.shape[1]],
+                masks(r),
                 opts.temperature,
                 opts.with_entropy,
                 **opts.transform(),
@@ -141,24 +215,24 @@ class _FusedLinearLogprobsFunction(torch.autograd.Function):
             for name, acc in stats.items():
                 acc.append(chunk_stats[name][0])
         logp, lse = _cat(logps, hidden), _cat(lses, hidden)  # [M] each
-        logp = checked_rows(opts.finite, lse, logp, None)
+        logp = checked_rows(opts.finite, lse, logp, row_mask)
         entropy = _cat(entropies, hidden) if opts.with_entropy else logp.new_empty(0)  # [M]
         stats = [_cat(acc, hidden, torch.bool if name == "is_top1" else torch.float32) for name, acc in stats.items()]
         ctx.mark_non_differentiable(*stats, *([] if opts.with_entropy else [entropy]))  # one call: each replaces
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
+        ctx.save_for_backward(hidden, weight, bias, targets, row_mask, lse, entropy)
         ctx.opts, ctx.rows = opts, rows
         return logp, entropy, *stats
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy, *_grad_stats):
-        hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
+        hidden, weight, bias, targets, row_mask, lse, entropy = ctx.saved_tensors
         opts, rows = ctx.opts, ctx.rows
         kernels = _kernels(opts.backend)
         if not opts.with_entropy:
             grad_entropy = None
         sink = _GradientSink(hidden, weight, bias, ctx.needs_input_grad[:3])
-        ones = torch.ones((1, rows), dtype=torch.bool, device=hidden.device)
+        masks = _row_masks(rows, row_mask, hidden.device)
         buffer = weight.new_empty(rows, weight.shape[0])  # [rows, V]
         for r in _chunks(targets.shape[0], rows):
             backends.launches[opts.backend] += 1
@@ -166,7 +240,7 @@ class _FusedLinearLogprobsFunction(torch.autograd.Function):
             kernels.token_logprobs_bwd(
                 z,
                 targets[None, r],
-                ones[:, : z.shape[1]],
+                masks(r),
                 lse[None, r],
                 entropy[None, r] if grad_entropy is not None else None,
                 None if grad_logp is None else grad_logp[None, r],
@@ -176,22 +250,23 @@ class _FusedLinearLogprobsFunction(torch.autograd.Function):
                 **opts.transform(),
             )
             sink.add(r, z[0], hidden[r], weight)
-        return (*sink.result(weight, bias), None, None)
+        return (*sink.result(weight, bias), None, None, None)
 
 
 ChunkLoss = Callable[[slice, Tensor, Tensor | None], Tensor]
 
 
 class _FusedLinearTokenLossFunction(torch.autograd.Function):
-    """(hidden, weight, bias, targets) -> (loss, logp [M], entropy [M] or empty) for a token-level loss given as
-    `chunk_loss(rows, logp_rows, entropy_rows)` (its share of the loss, differentiable in logp and entropy)."""
+    """(hidden, weight, bias, targets, row_mask) -> (loss, logp [M], entropy [M] or empty) for a token-level loss
+    given as `chunk_loss(rows, logp_rows, entropy_rows)` (its share of the loss, differentiable in logp and
+    entropy; it must give the rows `row_mask` drops no loss). row_mask as in `_FusedLinearLogprobsFunction`."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, opts: FusedLinearOptions, chunk_loss: ChunkLoss):
+    def forward(ctx, hidden, weight, bias, targets, row_mask, opts: FusedLinearOptions, chunk_loss: ChunkLoss):
         kernels = _kernels(opts.backend)
         M, V = targets.shape[0], weight.shape[0]
-        rows = chunk_rows(M, V, weight.shape[1], hidden.device, opts.chunk_size)
-        ones = torch.ones((1, rows), dtype=torch.bool, device=hidden.device)
+        rows = chunk_rows(M, V, weight.shape[1], hidden.device, opts.chunk_size, weight.dtype)
+        masks = _row_masks(rows, row_mask, hidden.device)
         sink = _GradientSink(hidden, weight, bias, ctx.needs_input_grad[:3])
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         bad = torch.zeros((), dtype=torch.bool, device=hidden.device)  # a row with a non-finite dL/dlogits
@@ -201,7 +276,7 @@ class _FusedLinearTokenLossFunction(torch.autograd.Function):
         for r in _chunks(M, rows):
             backends.launches[opts.backend] += 2
             z = _logits(hidden[r], weight, bias, buffer)  # [1, c, V]
-            mask = ones[:, : z.shape[1]]
+            mask = masks(r)  # [1, c]
             logp, lse, entropy, _ = kernels.token_logprobs_fwd(
                 z, targets[None, r], mask, opts.temperature, opts.with_entropy, **opts.transform()
             )
@@ -227,13 +302,13 @@ class _FusedLinearTokenLossFunction(torch.autograd.Function):
                 **opts.transform(),
             )
             sink.add(r, z[0], hidden[r], weight)
-            bad |= nonfinite_rows(lse, logp, grad_logp, grad_entropy).any()
+            bad |= (nonfinite_rows(lse, logp, grad_logp, grad_entropy) & mask).any()
             logps.append(logp[0])
             lses.append(lse[0])
             entropies.append(entropy[0] if opts.with_entropy else logp.new_empty(0))
         ctx.sink, ctx.weight_like = sink, (weight, bias)
         logp, entropy = _cat(logps, hidden), _cat(entropies, hidden)
-        logp = checked_rows(opts.finite, _cat(lses, hidden), logp, None)
+        logp = checked_rows(opts.finite, _cat(lses, hidden), logp, row_mask)
         ctx.mark_non_differentiable(logp, entropy)
         return poisoned(loss, bad), logp, entropy
 
@@ -241,23 +316,30 @@ class _FusedLinearTokenLossFunction(torch.autograd.Function):
     def backward(ctx, grad_loss, _grad_logp, _grad_entropy):
         (weight, bias), sink = ctx.weight_like, ctx.sink
         ctx.sink = None
-        return (*sink.result(weight, bias, scale=grad_loss), None, None, None)
+        return (*sink.result(weight, bias, scale=grad_loss), None, None, None, None)
 
 
-def fused_linear_logprobs(hidden, weight, bias, targets, opts: FusedLinearOptions) -> tuple[Tensor, Tensor | None]:
-    """logp [M] and entropy [M] (None unless asked) of the kept rows; differentiable in hidden, weight, bias."""
-    logp, entropy, *_ = _FusedLinearLogprobsFunction.apply(hidden, weight, bias, targets, opts)
+def fused_linear_logprobs(
+    hidden, weight, bias, targets, opts: FusedLinearOptions, row_mask: Tensor | None = None
+) -> tuple[Tensor, Tensor | None]:
+    """logp [M] and entropy [M] (None unless asked) of the rows (0 where `row_mask` drops one); differentiable in
+    hidden, weight, bias."""
+    logp, entropy, *_ = _FusedLinearLogprobsFunction.apply(hidden, weight, bias, targets, row_mask, opts)
     return logp, (entropy if opts.with_entropy else None)
 
 
-def fused_linear_logprobs_with_stats(hidden, weight, bias, targets, opts: FusedLinearOptions) -> dict[str, Tensor]:
+def fused_linear_logprobs_with_stats(
+    hidden, weight, bias, targets, opts: FusedLinearOptions, row_mask: Tensor | None = None
+) -> dict[str, Tensor]:
     """`fused_linear_logprobs` returning {"logp", "entropy" (if asked), each of `opts.stats`}, all [M]."""
-    logp, entropy, *stats = _FusedLinearLogprobsFunction.apply(hidden, weight, bias, targets, opts)
+    logp, entropy, *stats = _FusedLinearLogprobsFunction.apply(hidden, weight, bias, targets, row_mask, opts)
     out = {"logp": logp} | ({"entropy": entropy} if opts.with_entropy else {})
     return out | dict(zip(opts.stats, stats, strict=True))
 
 
-def fused_linear_token_loss(hidden, weight, bias, targets, opts: FusedLinearOptions, chunk_loss: ChunkLoss):
+def fused_linear_token_loss(
+    hidden, weight, bias, targets, opts: FusedLinearOptions, chunk_loss: ChunkLoss, row_mask: Tensor | None = None
+):
     """(loss, detached logp [M], detached entropy [M] | None) of a token-level loss, gradients formed in forward."""
-    loss, logp, entropy = _FusedLinearTokenLossFunction.apply(hidden, weight, bias, targets, opts, chunk_loss)
+    loss, logp, entropy = _FusedLinearTokenLossFunction.apply(hidden, weight, bias, targets, row_mask, opts, chunk_loss)
     return loss, logp, (entropy if opts.with_entropy else None)

@@ -1,33 +1,64 @@
-"""Vocabulary pass in Triton: one program per token row, one online pass over V forward, one pass backward.
+"""Vocabulary pass in Triton: one online pass over V per token row forward, one streaming pass backward.
 
-Forward keeps a running max m, sum-exp s = Σ e^(z−m) and t = Σ e^(z−m)·(z−m) (for the entropy), rescaling
-them when m grows, so logits are read exactly once. In float32 whatever the input dtype. Rows the mask drops
-are not read. The grid is 1-D over rows (no 65535 limit), with 64-bit offsets.
+A row is read as tiles [BLOCK_V // VEC, VEC]: each thread owns a tile row of VEC columns (16 bytes, one vector load)
+and keeps, per tile row, a running max m of v and s = Σ 2^((v − m)·k), t = Σ 2^((v − m)·k)·(v − m)·k: base 2, so that
+an element costs one ex2, and v − m exact, so that a row one logit dominates gives s = 1, t = 0 exactly. The tile rows'
+statistics are merged once, at the end of the row: no block-wide reduction in the loop. v is the raw logit x with
+k = a·log2 e (z = a·x), or with soft-capping v = z·log2 e = b·tanh(a·x)·log2 e and k = 1; float32 whatever the input
+dtype. On request the pass also folds Σ 2^(2(v − m)·k) (log Σ q²), Σ v (the mean logit) and the max of v before and
+up to the target (top-1).
 
-The softmax sees z = b·tanh(a·x) with soft-capping (HAS_SOFTCAP), else z = a·x, for raw logits x
-(`transform_coefficients`); without soft-capping that is the one multiply by 1/T it always was. On request the
-forward also folds Σ e^(2(z−m)) (log Σ q²), Σ z (the mean logit) and the max before the target (top-1).
+Main-loop loads are 16-byte vectors whatever V and the row stride: the loop streams whole tiles from the row's first
+16-byte boundary (`tl.multiple_of` on the pointer holds by construction); the columns after the last whole tile (the
+tail) follow in a masked tile of the same layout, and the fewer than VEC columns before the boundary (the head) in a
+small one. Nothing in the main loop depends on the target: its column is loaded once, and the tile holding it (only for
+`is_top1`) is folded apart, between two loops, with int32 compares. Masked rows are not read. Grid: one program per row
+(64-bit offsets), or per (row, V-block) when the rows alone cannot fill the GPU (`v_splits`); the V-blocks then write
+partial statistics that `_token_logprobs_merge_kernel` (or the fused loss's merge kernel) merges per row.
+
+Backward: the same tiles and V-blocks, writing (g·(onehot − q) − g_H·q(log q + H))·dz/dx; the one-hot is tested only in
+the target's tile.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-MAX_BLOCK_V = 4096
-_FLOAT32_LOWEST = tl.constexpr(
-    -3.4028234663852886e38
-)  # running-max start: finite, so e^(m_old − m_new) never sees inf − inf
+MIN_BLOCK_V = 16
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+_FLOAT32_LOWEST = tl.constexpr(-3.4028234663852886e38)  # running max start: finite, so never −inf − (−inf)
+_EXP_FLOOR = tl.constexpr(-256.0)  # e^x and 2^x are 0 in float32 below it: clamping there keeps 0·x finite at x = −inf
+_STATS = ("log_sum_sq_probs", "mean_logits", "is_top1")  # the optional outputs, in the kernels' order
+PARTIAL_FIELDS = 8  # per (row, V-block): m, s, t, Σ e², Σ v, max v before / up to the target; v at the target (per row)
+
+# Split-V. One program per row keeps PROGRAMS_PER_SM 8-warp programs resident per SM (48 warps: the kernels use 27 to
+# 40 registers, 48 with the optional statistics); fewer rows than FILL_WAVES waves of them leave SMs idle (a
+# half-empty last wave, or none after the first), so each row is then cut into V-blocks of at least MIN_SPLIT_COLUMNS
+# columns (8 tiles or more, so that the partial statistics stay small against the stream), enough of them to reach
+# FILL_WAVES waves. An H100 (132 SMs) splits below 1584 rows: V = 151,936 into 9 blocks at 64 rows, 2 at 1,000 rows.
+# Launches off a CUDA device (the interpreter, meta tensors) plan for an H100. Tests force the split on small V by
+# lowering MIN_SPLIT_COLUMNS.
+PROGRAMS_PER_SM = 6
+FILL_WAVES = 2
+MIN_SPLIT_COLUMNS = 16384
+MAX_V_SPLITS = 64
+OFF_GPU_SM_COUNT = 132
 
 
-def block_v_for(vocab: int) -> int:
-    return min(MAX_BLOCK_V, triton.next_power_of_2(vocab))
+def block_v_for(vocab: int, vec: int = 8) -> int:
+    """Columns per tile: one VEC-wide tile row per thread of 8 warps (2048 for 2-byte logits, 1024 for float32), at
+    most half of V (so that a row has whole tiles to stream), at least MIN_BLOCK_V."""
+    return min(256 * vec, max(MIN_BLOCK_V, triton.next_power_of_2(vocab // 2 + 1) // 2))
 
 
-def num_warps_for(block_v: int) -> int:
-    return 8 if block_v >= 2048 else 4
+def num_warps_for(block_v: int, vec: int = 8) -> int:
+    return max(1, min(8, block_v // (32 * vec)))
 
 
 def transform_coefficients(temperature: float, logit_scale: float, softcap: float | None) -> tuple[float, float]:
@@ -37,118 +68,284 @@ def transform_coefficients(temperature: float, logit_scale: float, softcap: floa
     return logit_scale / softcap, softcap / temperature
 
 
+def v_splits(rows: int, vocab: int, sm_count: int) -> int:
+    """V-blocks per row: 1 when `rows` programs fill FILL_WAVES waves of the GPU, else enough to (see above)."""
+    wanted = FILL_WAVES * PROGRAMS_PER_SM * sm_count
+    if rows == 0 or rows >= wanted or vocab < 2 * MIN_SPLIT_COLUMNS:
+        return 1
+    return min(triton.cdiv(wanted, rows), vocab // MIN_SPLIT_COLUMNS, MAX_V_SPLITS)
+
+
+def sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return OFF_GPU_SM_COUNT
+    return _cuda_sm_count(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.cache
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def vocab_plan(logits: Tensor) -> dict:
+    """The tiling and grid of a pass over [B, T, V] logits: BLOCK_V, VEC, num_warps, V-blocks and their width."""
+    B, T, V = logits.shape
+    vec = 16 // logits.element_size()
+    block_v = block_v_for(V, vec)
+    splits = v_splits(B * T, V, sm_count(logits.device))
+    chunk = V if splits == 1 else triton.cdiv(triton.cdiv(V, splits), block_v) * block_v
+    return dict(block_v=block_v, vec=vec, warps=num_warps_for(block_v, vec), chunk=chunk, splits=triton.cdiv(V, chunk))
+
+
 @triton.jit
 def softcapped(y, b):
-    """(b·tanh(y), 1 − tanh²(y)) from one exp: tanh|y| = (1 − e)/(1 + e) and sech² y = 4e/(1 + e)², e = e^(−2|y|)."""
-    e = tl.exp(-2.0 * tl.abs(y))
-    r = 1.0 / (1.0 + e)
+    """(b·tanh(y), 1 − tanh²(y)) from one exp: tanh|y| = (1 − e)/(1 + e) and sech² y = 4e/(1 + e)², e = e^(−2|y|),
+    which keeps its relative precision where 1 − tanh² y would cancel; an approximate reciprocal (2 ulp)."""
+    e = tl.math.exp2(tl.abs(y) * (-2.0 * LOG2E))
+    r = tl.math.fdiv(1.0, 1.0 + e, approx=True)
     tanh_abs = (1.0 - e) * r
     return b * tl.where(y < 0, -tanh_abs, tanh_abs), 4.0 * e * r * r
 
 
 @triton.jit
-def transformed(x, a, b, HAS_SOFTCAP: tl.constexpr):
-    """The logits the softmax sees: b·tanh(a·x) with soft-capping, else a·x."""
-    z = x * a
+def _v_of(x, a2, b2, HAS_SOFTCAP: tl.constexpr):
+    """v of raw logits x: x, or b2·tanh(y) = b2 − 2·b2/(1 + e^(2y)), e^(2y) = 2^(a2·x) (a2 = 2a·log2 e, b2 = b·log2 e):
+    one ex2 and one approximate reciprocal, |error| ~1e-7·b2; ±inf give ±b2."""
+    x = x.to(tl.float32)
     if HAS_SOFTCAP:
-        z, _ = softcapped(z, b)
-    return z
+        x = b2 - tl.math.fdiv(2.0 * b2, 1.0 + tl.math.exp2(x * a2), approx=True)
+    return x
 
 
 @triton.jit
-def row_logprob_stats(
-    row_ptr,
-    target,
-    V,
-    a,
-    b,
-    HAS_SOFTCAP: tl.constexpr,
-    WITH_ENTROPY: tl.constexpr,
-    WITH_SUM_SQ: tl.constexpr,
-    WITH_MEAN: tl.constexpr,
-    WITH_TOP1: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-):
-    """(logp of `target`, lse, entropy, log Σ q², mean z, target is the first argmax) of one row of transformed
-    logits z, in one online pass (each extra statistic 0 unless asked)."""
-    offs = tl.arange(0, BLOCK_V)
-    m = tl.full((), _FLOAT32_LOWEST, tl.float32)
-    s = tl.zeros((), tl.float32)
-    t = tl.zeros((), tl.float32)
-    sq = tl.zeros((), tl.float32)
-    z_sum = tl.zeros((), tl.float32)
-    before = tl.full((), -float("inf"), tl.float32)  # max z over the columns before the target
-    at = tl.full((), -float("inf"), tl.float32)  # z at the target, as the loop saw it (for the top-1 test)
-    for start in range(0, V, BLOCK_V):
-        cols = start + offs
-        z = tl.load(row_ptr + cols, mask=cols < V, other=-float("inf")).to(tl.float32) * a
-        if HAS_SOFTCAP:
-            z, _ = softcapped(z, b)
-            z = tl.where(cols < V, z, -float("inf"))  # the padding's tanh(−inf) = −1 must not count
-        if WITH_MEAN:
-            z_sum += tl.sum(tl.where(cols < V, z, 0.0), axis=0)
-        if WITH_TOP1:
-            before = tl.maximum(before, tl.max(tl.where(cols < target, z, -float("inf")), axis=0))
-            at = tl.maximum(at, tl.max(tl.where(cols == target, z, -float("inf")), axis=0))
-        m_new = tl.maximum(m, tl.max(z, axis=0))
-        scale = tl.exp(m - m_new)
-        e = tl.exp(z - m_new)
-        if WITH_ENTROPY:
-            # Σ e·(z − m_new) = scale·(t + s·(m − m_new)) + this block's terms
-            t = scale * (t + s * (m - m_new)) + tl.sum(e * tl.where(e > 0, z - m_new, 0.0), axis=0)
-        if WITH_SUM_SQ:
-            sq = sq * scale * scale + tl.sum(e * e, axis=0)
-        s = s * scale + tl.sum(e, axis=0)
-        m = m_new
-    lse = m + tl.log(s)
-    z_target = transformed(tl.load(row_ptr + target).to(tl.float32), a, b, HAS_SOFTCAP)
-    logp = z_target - lse
-    entropy = tl.log(s) - t / s
+def _tile_ptrs(p, ROWS: tl.constexpr, VEC: tl.constexpr):
+    """The pointers of the whole, 16-byte aligned tile [ROWS, VEC] at p; for bf16, [ROWS, VEC // 2] uint32 pairs."""
+    if p.dtype.element_ty == tl.bfloat16:
+        pairs = tl.arange(0, ROWS)[:, None] * (VEC // 2) + tl.arange(0, VEC // 2)[None, :]
+        ptrs = tl.multiple_of(p.to(tl.pointer_type(tl.uint32)), 16) + pairs
+    else:
+        ptrs = p + tl.arange(0, ROWS)[:, None] * VEC + tl.arange(0, VEC)[None, :]
+    return ptrs
+
+
+@triton.jit
+def _load_tile(ptrs, ROWS: tl.constexpr, VEC: tl.constexpr):
+    """The tile at `_tile_ptrs`. bf16 is loaded as uint32 pairs and widened by one shift or one mask each (its convert
+    costs an extract and a shift for the high half); the element order is kept."""
+    if ptrs.dtype.element_ty == tl.uint32:
+        u = tl.load(ptrs)
+        lo = (u << 16).to(tl.float32, bitcast=True)  # element 2j: the low half of pair j
+        hi = (u & 0xFFFF0000).to(tl.float32, bitcast=True)
+        x = tl.join(lo, hi).reshape(ROWS, VEC)
+    else:
+        x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def _next_tile(ptrs, BLOCK_V: tl.constexpr):
+    if ptrs.dtype.element_ty == tl.uint32:
+        ptrs += BLOCK_V // 2
+    else:
+        ptrs += BLOCK_V
+    return ptrs
+
+
+@triton.jit
+def _fold(v, v_mean, st, k, WITH_ENTROPY: tl.constexpr, WITH_SUM_SQ: tl.constexpr, WITH_MEAN: tl.constexpr):
+    """Fold a tile v [ROWS, VEC] (masked entries −inf; v_mean: 0 there) into its tile rows' statistics
+    st = (m, s, t, Σ e², Σ v), each [ROWS], relative to m."""
+    m, s, t, sq, vsum = st
+    m_new = tl.maximum(m, tl.max(v, axis=1))
+    dm = (m - m_new) * k
+    scale = tl.math.exp2(dm)
+    d = (v - m_new[:, None]) * k  # an exact difference: 0 at the max, so one dominating logit gives s = 1, t = 0
+    e = tl.math.exp2(d)
+    if WITH_ENTROPY:
+        t = scale * tl.fma(s, tl.maximum(dm, _EXP_FLOOR), t) + tl.sum(e * tl.maximum(d, _EXP_FLOOR), axis=1)
     if WITH_SUM_SQ:
-        sq = tl.log(sq) - 2.0 * tl.log(s)  # log Σ q²
+        sq = sq * (scale * scale) + tl.sum(e * e, axis=1)
     if WITH_MEAN:
-        z_sum = z_sum / V
-    return logp, lse, entropy, sq, z_sum, (at >= m) & (at > before)
+        vsum += tl.sum(v_mean, axis=1)
+    return m_new, s * scale + tl.sum(e, axis=1), t, sq, vsum
+
+
+@triton.jit
+def _fold_top1(v, pos, target, top):
+    """(max v before the target, max v up to it) of tile rows, after a tile whose columns are pos (int32 compares)."""
+    before, upto = top
+    before = tl.maximum(before, tl.max(tl.where(pos < target, v, -float("inf")), axis=1))
+    return before, tl.maximum(upto, tl.max(tl.where(pos <= target, v, -float("inf")), axis=1))
+
+
+@triton.jit
+def _fold_masked(ptr, pos, n, target, stats, k, a2, b2, HAS_SOFTCAP: tl.constexpr, WITH_ENTROPY: tl.constexpr,
+                 WITH_SUM_SQ: tl.constexpr, WITH_MEAN: tl.constexpr, WITH_TOP1: tl.constexpr):  # fmt: skip
+    """Fold the n < |pos| columns at ptr + pos (pos: their offsets, int32; target relative to ptr)."""
+    valid = pos < n
+    v = _v_of(tl.load(ptr + pos, mask=valid, other=-float("inf")), a2, b2, HAS_SOFTCAP)
+    if HAS_SOFTCAP:
+        v = tl.where(valid, v, -float("inf"))  # the padding's tanh(−inf) = −1 must not count
+    st, top = stats
+    st = _fold(v, tl.where(valid, v, 0.0), st, k, WITH_ENTROPY, WITH_SUM_SQ, WITH_MEAN)
+    if WITH_TOP1:
+        top = _fold_top1(v, pos, target, top)
+    return st, top
+
+
+@triton.jit
+def _range_stats(row_ptr, c0, c1, target, k, a2, b2, HAS_SOFTCAP: tl.constexpr, WITH_ENTROPY: tl.constexpr,
+                 WITH_SUM_SQ: tl.constexpr, WITH_MEAN: tl.constexpr, WITH_TOP1: tl.constexpr, BLOCK_V: tl.constexpr,
+                 VEC: tl.constexpr):  # fmt: skip
+    """The merged statistics (`_merged`) of columns [c0, c1) of a row."""
+    ROWS: tl.constexpr = BLOCK_V // VEC
+    pos = tl.arange(0, ROWS)[:, None] * VEC + tl.arange(0, VEC)[None, :]  # [ROWS, VEC] column in a tile, int32
+    ninf = tl.full((ROWS,), -float("inf"), tl.float32)
+    zero = tl.zeros((ROWS,), tl.float32)
+    st = (tl.full((ROWS,), _FLOAT32_LOWEST, tl.float32), zero, zero, zero, zero)
+    top = (ninf, ninf)
+    head = ((-(row_ptr + c0).to(tl.int64)) & 15).to(tl.int32) // (16 // VEC)  # columns before a 16-byte boundary
+    body = c0 + head  # that boundary (past c1 in a range shorter than the head)
+    n_full = tl.maximum(c1 - body, 0) // BLOCK_V
+    ptrs = _tile_ptrs(tl.multiple_of(row_ptr + body, 16), ROWS, VEC)
+    n_before = n_full  # whole tiles before the one holding the target (all of them unless top-1 is asked)
+    if WITH_TOP1:
+        n_before = tl.where(target < body, 0, tl.minimum((target - body) // BLOCK_V, n_full))
+    for _ in range(0, n_before):
+        v = _v_of(_load_tile(ptrs, ROWS, VEC), a2, b2, HAS_SOFTCAP)
+        st = _fold(v, v, st, k, WITH_ENTROPY, WITH_SUM_SQ, WITH_MEAN)
+        ptrs = _next_tile(ptrs, BLOCK_V)
+    if WITH_TOP1:
+        top = (st[0], st[0])
+        if n_before < n_full:
+            v = _v_of(_load_tile(ptrs, ROWS, VEC), a2, b2, HAS_SOFTCAP)
+            st = _fold(v, v, st, k, WITH_ENTROPY, WITH_SUM_SQ, WITH_MEAN)
+            top = _fold_top1(v, pos, target - body - n_before * BLOCK_V, top)
+            ptrs = _next_tile(ptrs, BLOCK_V)
+        for _ in range(n_before + 1, n_full):
+            v = _v_of(_load_tile(ptrs, ROWS, VEC), a2, b2, HAS_SOFTCAP)
+            st = _fold(v, v, st, k, WITH_ENTROPY, WITH_SUM_SQ, WITH_MEAN)
+            ptrs = _next_tile(ptrs, BLOCK_V)
+    # the tail (fewer than BLOCK_V columns after the whole tiles, aligned: the main tiles' layout) in a masked tile,
+    # the head (fewer than VEC columns) in a [1, VEC] one, merged with the rest as scalars
+    tail = body + n_full * BLOCK_V
+    st, top = _fold_masked(
+        tl.multiple_of(row_ptr + tail, 16), pos, c1 - tail, target - tail, (st, top), k, a2, b2,
+        HAS_SOFTCAP, WITH_ENTROPY, WITH_SUM_SQ, WITH_MEAN, WITH_TOP1,
+    )  # fmt: skip
+    ninf, zero = tl.full((1,), -float("inf"), tl.float32), tl.zeros((1,), tl.float32)
+    rest = ((tl.full((1,), _FLOAT32_LOWEST, tl.float32), zero, zero, zero, zero), (ninf, ninf))
+    rest = _fold_masked(
+        row_ptr + c0, tl.arange(0, VEC)[None, :], tl.minimum(head, c1 - c0), target - c0, rest, k, a2, b2,
+        HAS_SOFTCAP, WITH_ENTROPY, WITH_SUM_SQ, WITH_MEAN, WITH_TOP1,
+    )  # fmt: skip
+    return _merged_pair(_merged(st, top, k), _merged(rest[0], rest[1], k), k)
+
+
+@triton.jit
+def _merged(st, top, k):
+    """(M, S, T, Σ e², Σ v, max before, max up to the target) of a row from its parts' (the tile rows of a program,
+    or the V-blocks of a row), S, T, Σ e² relative to M."""
+    m, s, t, sq, vsum = st
+    M = tl.max(m, axis=0)
+    dm = (m - M) * k
+    f = tl.math.exp2(dm)
+    T = tl.sum(tl.where(s > 0, f * tl.fma(s, dm, t), 0.0), axis=0)
+    SQ = tl.sum(sq * f * f, axis=0)
+    return M, tl.sum(s * f, axis=0), T, SQ, tl.sum(vsum, axis=0), tl.max(top[0], axis=0), tl.max(top[1], axis=0)
+
+
+@triton.jit
+def _merged_pair(x, y, k):
+    """`_merged` of two parts given as merged statistics."""
+    st = (tl.join(x[0], y[0]), tl.join(x[1], y[1]), tl.join(x[2], y[2]), tl.join(x[3], y[3]), tl.join(x[4], y[4]))
+    return _merged(st, (tl.join(x[5], y[5]), tl.join(x[6], y[6])), k)
+
+
+@triton.jit
+def _finish(merged, v_t, V, a, k, HAS_SOFTCAP: tl.constexpr):
+    """(logp, lse, entropy, log Σ q², mean z, is_top1) of a row from its merged statistics and v at the target."""
+    M, S, T, SQ, VSUM, BEFORE, UPTO = merged
+    log2_s = tl.log2(S)
+    logp = ((v_t - M) * k - log2_s) * LN2
+    if HAS_SOFTCAP:
+        lse = (M + log2_s) * LN2
+        mean = VSUM * LN2 / V
+    else:  # z_max + log Σ e^(z − z_max): exactly z_max where one logit dominates, as the backward's q = 1 needs
+        lse = M * a + log2_s * LN2
+        mean = VSUM * a / V
+    entropy = (log2_s - T / S) * LN2
+    log_sum_sq = (tl.log2(SQ) - 2.0 * log2_s) * LN2
+    return logp, lse, entropy, log_sum_sq, mean, (UPTO >= M) & (BEFORE < UPTO)
+
+
+@triton.jit
+def _coefficients(a, b, HAS_SOFTCAP: tl.constexpr):
+    """(k, a2, b2) of `_fold` and `_v_of` for the transform (a, b)."""
+    if HAS_SOFTCAP:
+        return tl.full((), 1.0, tl.float32), a * (2.0 * LOG2E), b * LOG2E
+    return a * LOG2E, a, b
+
+
+@triton.jit
+def row_logprob_stats(row_ptr, target, V, a, b, HAS_SOFTCAP: tl.constexpr, WITH_ENTROPY: tl.constexpr,
+                      BLOCK_V: tl.constexpr, VEC: tl.constexpr):  # fmt: skip
+    """(logp of `target` (int32), lse, entropy) of one whole row."""
+    k, a2, b2 = _coefficients(a, b, HAS_SOFTCAP)
+    merged = _range_stats(
+        row_ptr, 0, V, target, k, a2, b2, HAS_SOFTCAP, WITH_ENTROPY, False, False, False, BLOCK_V, VEC
+    )
+    v_t = _v_of(tl.load(row_ptr + target), a2, b2, HAS_SOFTCAP)
+    logp, lse, entropy, _, _, _ = _finish(merged, v_t, V, a, k, HAS_SOFTCAP)
+    return logp, lse, entropy
 
 
 @triton.jit
 def _token_logprobs_fwd_kernel(
-    logits_ptr,
-    stride_b,
-    stride_t,
-    targets_ptr,
-    mask_ptr,
-    logp_ptr,
-    lse_ptr,
-    entropy_ptr,
-    sum_sq_ptr,
-    mean_ptr,
-    top1_ptr,
-    T,
-    V,
-    a,
-    b,
-    HAS_SOFTCAP: tl.constexpr,
-    WITH_ENTROPY: tl.constexpr,
-    WITH_SUM_SQ: tl.constexpr,
-    WITH_MEAN: tl.constexpr,
-    WITH_TOP1: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-):
+    logits_ptr, stride_b, stride_t, targets_ptr, mask_ptr,
+    logp_ptr, lse_ptr, entropy_ptr, sum_sq_ptr, mean_ptr, top1_ptr, partial_ptr,
+    T, V, chunk, a, b,
+    HAS_SOFTCAP: tl.constexpr, WITH_ENTROPY: tl.constexpr, WITH_SUM_SQ: tl.constexpr, WITH_MEAN: tl.constexpr,
+    WITH_TOP1: tl.constexpr, SPLIT: tl.constexpr, BLOCK_V: tl.constexpr, VEC: tl.constexpr,
+):  # fmt: skip
+    """One row per program; with SPLIT, one V-block of `chunk` columns per program (axis 1), which writes its partial
+    statistics to partial [PARTIAL_FIELDS, rows, V-blocks] instead of the outputs."""
     row = tl.program_id(0).to(tl.int64)
-    logp = tl.zeros((), tl.float32)
-    lse = tl.zeros((), tl.float32)
-    entropy = tl.zeros((), tl.float32)
-    log_sum_sq = tl.zeros((), tl.float32)
-    mean = tl.zeros((), tl.float32)
-    top1 = tl.zeros((), tl.int1)
+    k, a2, b2 = _coefficients(a, b, HAS_SOFTCAP)
+    c0 = 0
+    c1 = V
+    if SPLIT:
+        c0 = tl.program_id(1) * chunk
+        c1 = tl.minimum(c0 + chunk, V)
+    zero = tl.zeros((), tl.float32)
+    out = (zero, zero, zero, zero, zero, tl.zeros((), tl.int1))
     if tl.load(mask_ptr + row) != 0:
         seq = row // T
         row_ptr = logits_ptr + seq * stride_b + (row - seq * T) * stride_t
-        target = tl.load(targets_ptr + row)
-        logp, lse, entropy, log_sum_sq, mean, top1 = row_logprob_stats(
-            row_ptr, target, V, a, b, HAS_SOFTCAP, WITH_ENTROPY, WITH_SUM_SQ, WITH_MEAN, WITH_TOP1, BLOCK_V
-        )
+        target = tl.load(targets_ptr + row).to(tl.int32)
+        merged = _range_stats(
+            row_ptr, c0, c1, target, k, a2, b2, HAS_SOFTCAP, WITH_ENTROPY, WITH_SUM_SQ, WITH_MEAN, WITH_TOP1,
+            BLOCK_V, VEC,
+        )  # fmt: skip
+        if SPLIT:
+            n_split = tl.num_programs(1)
+            plane = tl.num_programs(0).to(tl.int64) * n_split
+            for i in tl.static_range(7):
+                tl.store(partial_ptr + i * plane + row * n_split + tl.program_id(1), merged[i])
+            if (target >= c0) & (target < c1):
+                v_t = _v_of(tl.load(row_ptr + target), a2, b2, HAS_SOFTCAP)
+                tl.store(partial_ptr + 7 * plane + row * n_split, v_t)
+        else:
+            out = _finish(merged, _v_of(tl.load(row_ptr + target), a2, b2, HAS_SOFTCAP), V, a, k, HAS_SOFTCAP)
+    if not SPLIT:
+        _store_row(row, out, logp_ptr, lse_ptr, entropy_ptr, sum_sq_ptr, mean_ptr, top1_ptr, WITH_ENTROPY, WITH_SUM_SQ,
+                   WITH_MEAN, WITH_TOP1)  # fmt: skip
+
+
+@triton.jit
+def _store_row(row, out, logp_ptr, lse_ptr, entropy_ptr, sum_sq_ptr, mean_ptr, top1_ptr, WITH_ENTROPY: tl.constexpr,
+               WITH_SUM_SQ: tl.constexpr, WITH_MEAN: tl.constexpr, WITH_TOP1: tl.constexpr):  # fmt: skip
+    logp, lse, entropy, log_sum_sq, mean, top1 = out
     tl.store(logp_ptr + row, logp)
     tl.store(lse_ptr + row, lse)
     if WITH_ENTROPY:
@@ -162,37 +359,116 @@ def _token_logprobs_fwd_kernel(
 
 
 @triton.jit
-def _token_logprobs_bwd_kernel(
-    logits_ptr,
-    stride_b,
-    stride_t,
-    out_ptr,
-    out_stride_b,
-    out_stride_t,
-    targets_ptr,
-    mask_ptr,
-    lse_ptr,
-    entropy_ptr,
-    grad_logp_ptr,
-    grad_entropy_ptr,
-    T,
-    V,
-    a,
-    b,
-    HAS_SOFTCAP: tl.constexpr,
-    HAS_GRAD_LOGP: tl.constexpr,
-    HAS_GRAD_ENTROPY: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-):
+def merged_partials(partial_ptr, row, n_split, V, a, b, HAS_SOFTCAP: tl.constexpr, SPLITS: tl.constexpr):
+    """(logp, lse, entropy, log Σ q², mean z, is_top1) of a kept row from its V-blocks' partial statistics (one
+    program per row)."""
+    k, _, _ = _coefficients(a, b, HAS_SOFTCAP)
+    live = tl.arange(0, SPLITS) < n_split
+    plane = tl.num_programs(0).to(tl.int64) * n_split
+    p = partial_ptr + row * n_split + tl.arange(0, SPLITS)
+    m = tl.load(p, mask=live, other=_FLOAT32_LOWEST)
+    s = tl.load(p + plane, mask=live, other=0.0)
+    t = tl.load(p + 2 * plane, mask=live, other=0.0)
+    sq = tl.load(p + 3 * plane, mask=live, other=0.0)
+    vsum = tl.load(p + 4 * plane, mask=live, other=0.0)
+    before = tl.load(p + 5 * plane, mask=live, other=-float("inf"))
+    top = (before, tl.load(p + 6 * plane, mask=live, other=-float("inf")))
+    merged = _merged((m, s, t, sq, vsum), top, k)
+    return _finish(merged, tl.load(partial_ptr + 7 * plane + row * n_split), V, a, k, HAS_SOFTCAP)
+
+
+@triton.jit
+def _token_logprobs_merge_kernel(
+    partial_ptr, mask_ptr, logp_ptr, lse_ptr, entropy_ptr, sum_sq_ptr, mean_ptr, top1_ptr, n_split, V, a, b,
+    HAS_SOFTCAP: tl.constexpr, WITH_ENTROPY: tl.constexpr, WITH_SUM_SQ: tl.constexpr, WITH_MEAN: tl.constexpr,
+    WITH_TOP1: tl.constexpr, SPLITS: tl.constexpr,
+):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
+    zero = tl.zeros((), tl.float32)
+    out = (zero, zero, zero, zero, zero, tl.zeros((), tl.int1))
+    if tl.load(mask_ptr + row) != 0:
+        out = merged_partials(partial_ptr, row, n_split, V, a, b, HAS_SOFTCAP, SPLITS)
+    _store_row(row, out, logp_ptr, lse_ptr, entropy_ptr, sum_sq_ptr, mean_ptr, top1_ptr, WITH_ENTROPY, WITH_SUM_SQ,
+               WITH_MEAN, WITH_TOP1)  # fmt: skip
+
+
+@triton.jit
+def _logit_grad(x, pos, target, row_grad, HAS_SOFTCAP: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr,
+                HAS_TARGET: tl.constexpr):  # fmt: skip
+    """dL/dx of a tile of raw logits x: (g·(onehot − q) − g_h·q·(log q + H))·dz/dx, row_grad = (lse, g, g_h, c_h, a, b)
+    with c_h = g + g_h·H; without soft-capping g, g_h and c_h come scaled by dz/dx = a. The one-hot only where
+    HAS_TARGET (pos == target)."""
+    lse, g, g_h, c_h, a, b = row_grad
+    x = x.to(tl.float32)
+    if HAS_SOFTCAP:
+        z, sech2 = softcapped(x * a, b)
+        log_q = z - lse
+    else:  # z = x·a rounded, as the forward's lse = z_max + …: no fma of x·a − lse (the max keeps them apart)
+        log_q = tl.maximum(x * a, -float("inf")) - lse
+    q = tl.math.exp2(log_q * LOG2E)
+    if HAS_GRAD_ENTROPY:  # q·(g + g_h·(log q + H)); at q = 0 (log q = −inf) the clamp keeps 0·(…) = 0
+        grad = -q * tl.fma(g_h, tl.maximum(log_q, _EXP_FLOOR), c_h)
+    else:
+        grad = -q * g
+    if HAS_TARGET:
+        grad += tl.where(pos == target, g, 0.0)
+    if HAS_SOFTCAP:
+        grad *= (a * b) * sech2
+    return grad
+
+
+@triton.jit
+def _grad_tile(p, out_p, pos, target, row_grad, HAS_SOFTCAP: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr,
+               HAS_TARGET: tl.constexpr, ROWS: tl.constexpr, VEC: tl.constexpr):  # fmt: skip
+    """The gradient of the whole, aligned tile at p, stored at out_p."""
+    x = _load_tile(_tile_ptrs(p, ROWS, VEC), ROWS, VEC)
+    grad = _logit_grad(x, pos, target, row_grad, HAS_SOFTCAP, HAS_GRAD_ENTROPY, HAS_TARGET)
+    tl.store(out_p + pos, grad.to(out_p.dtype.element_ty))
+
+
+@triton.jit
+def _grad_masked(ptr, out_ptr, pos, n, target, row_grad, HAS_SOFTCAP: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr):
+    """The gradient at the n < |pos| columns at ptr + pos, stored at out_ptr + pos (target relative to ptr)."""
+    x = tl.load(ptr + pos, mask=pos < n, other=0.0)
+    grad = _logit_grad(x, pos, target, row_grad, HAS_SOFTCAP, HAS_GRAD_ENTROPY, True)
+    tl.store(out_ptr + pos, grad.to(out_ptr.dtype.element_ty), mask=pos < n)
+
+
+@triton.jit
+def _token_logprobs_bwd_kernel(
+    logits_ptr, stride_b, stride_t, out_ptr, out_stride_b, out_stride_t,
+    targets_ptr, mask_ptr, lse_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr,
+    T, V, chunk, a, b,
+    HAS_SOFTCAP: tl.constexpr, HAS_GRAD_LOGP: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr,
+    IN_PLACE: tl.constexpr, OUT_LIKE_IN: tl.constexpr, BLOCK_V: tl.constexpr, VEC: tl.constexpr,
+):  # fmt: skip
+    """One (row, V-block of `chunk` columns) per program. IN_PLACE: out is the logits. OUT_LIKE_IN: every out row has
+    its logits row's alignment (the same strides modulo 16 bytes), so the stores are vectors too."""
+    ROWS: tl.constexpr = BLOCK_V // VEC
+    row = tl.program_id(0).to(tl.int64)
+    c0 = tl.program_id(1) * chunk
+    c1 = tl.minimum(c0 + chunk, V)
     seq = row // T
     t_idx = row - seq * T
     row_ptr = logits_ptr + seq * stride_b + t_idx * stride_t
     out_row_ptr = out_ptr + seq * out_stride_b + t_idx * out_stride_t
-    offs = tl.arange(0, BLOCK_V)
+    if IN_PLACE:
+        out_row_ptr = row_ptr
+    pos = tl.arange(0, ROWS)[:, None] * VEC + tl.arange(0, VEC)[None, :]
+    head = ((-(row_ptr + c0).to(tl.int64)) & 15).to(tl.int32) // (16 // VEC)  # as in `_range_stats`
+    n_head = tl.minimum(head, c1 - c0)
+    cols = tl.arange(0, VEC)
+    body = c0 + head
+    n_full = tl.maximum(c1 - body, 0) // BLOCK_V
+    p = tl.multiple_of(row_ptr + body, 16)
+    out_p = out_row_ptr + body
+    if IN_PLACE:
+        out_p = p
+    elif OUT_LIKE_IN:
+        out_p = tl.multiple_of(out_p, 16)
     if tl.load(mask_ptr + row) != 0:
         lse = tl.load(lse_ptr + row)
-        target = tl.load(targets_ptr + row)
+        target = tl.load(targets_ptr + row).to(tl.int32)
         g = tl.zeros((), tl.float32)
         g_h = tl.zeros((), tl.float32)
         h = tl.zeros((), tl.float32)
@@ -201,24 +477,50 @@ def _token_logprobs_bwd_kernel(
         if HAS_GRAD_ENTROPY:
             g_h = tl.load(grad_entropy_ptr + row).to(tl.float32)
             h = tl.load(entropy_ptr + row)
-        for start in range(0, V, BLOCK_V):
-            cols = start + offs
-            z = tl.load(row_ptr + cols, mask=cols < V, other=-float("inf")).to(tl.float32) * a
-            if HAS_SOFTCAP:
-                z, sech2 = softcapped(z, b)
-            log_q = z - lse
-            q = tl.exp(log_q)
-            grad = tl.where(cols == target, g, 0.0) - g * q
-            if HAS_GRAD_ENTROPY:
-                grad -= g_h * q * tl.where(q > 0, log_q + h, 0.0)
-            grad = grad * a  # dz/dx: a, or a·b·sech²(a·x) with soft-capping
-            if HAS_SOFTCAP:
-                grad = grad * (b * sech2)
-            tl.store(out_row_ptr + cols, grad.to(out_ptr.dtype.element_ty), mask=cols < V)
-    else:
-        for start in range(0, V, BLOCK_V):
-            cols = start + offs
-            tl.store(out_row_ptr + cols, tl.zeros((BLOCK_V,), out_ptr.dtype.element_ty), mask=cols < V)
+        if not HAS_SOFTCAP:  # dz/dx = a folded into the row's coefficients
+            g, g_h = g * a, g_h * a
+        c_h = tl.fma(g_h, h, g)
+        row_grad = (lse, g, g_h, c_h, a, b)
+        n_before = tl.where(target < body, 0, tl.minimum((target - body) // BLOCK_V, n_full))
+        for _ in range(0, n_before):
+            _grad_tile(p, out_p, pos, target, row_grad, HAS_SOFTCAP, HAS_GRAD_ENTROPY, False, ROWS, VEC)
+            p += BLOCK_V
+            out_p = p if IN_PLACE else out_p + BLOCK_V
+        if n_before < n_full:
+            tgt = target - body - n_before * BLOCK_V
+            _grad_tile(p, out_p, pos, tgt, row_grad, HAS_SOFTCAP, HAS_GRAD_ENTROPY, True, ROWS, VEC)
+            p += BLOCK_V
+            out_p = p if IN_PLACE else out_p + BLOCK_V
+        for _ in range(n_before + 1, n_full):
+            _grad_tile(p, out_p, pos, target, row_grad, HAS_SOFTCAP, HAS_GRAD_ENTROPY, False, ROWS, VEC)
+            p += BLOCK_V
+            out_p = p if IN_PLACE else out_p + BLOCK_V
+        tail = c1 - body - n_full * BLOCK_V
+        _grad_masked(p, out_p, pos, tail, target - (c1 - tail), row_grad, HAS_SOFTCAP, HAS_GRAD_ENTROPY)
+        _grad_masked(row_ptr + c0, out_row_ptr + c0, cols, n_head, target - c0, row_grad, HAS_SOFTCAP, HAS_GRAD_ENTROPY)
+    else:  # a masked row: 0, without reading its logits
+        zeros = tl.zeros((ROWS, VEC), out_ptr.dtype.element_ty)
+        for _ in range(0, n_full):
+            tl.store(out_p + pos, zeros)
+            out_p += BLOCK_V
+        tl.store(out_p + pos, zeros, mask=pos < c1 - body - n_full * BLOCK_V)
+        tl.store(out_row_ptr + c0 + cols, tl.zeros((VEC,), out_ptr.dtype.element_ty), mask=cols < n_head)
+
+
+def _flags(with_entropy: bool, softcap: float | None, stats) -> dict:
+    return dict(HAS_SOFTCAP=softcap is not None, WITH_ENTROPY=with_entropy, WITH_SUM_SQ="log_sum_sq_probs" in stats,
+                WITH_MEAN="mean_logits" in stats, WITH_TOP1="is_top1" in stats)  # fmt: skip
+
+
+def launch_partials(logits: Tensor, targets: Tensor, mask: Tensor, a: float, b: float, flags: dict, plan: dict):
+    """The V-blocks' partial statistics [PARTIAL_FIELDS, B·T, V-blocks] of a split pass (targets, mask contiguous)."""
+    B, T, V = logits.shape
+    partial = torch.empty((PARTIAL_FIELDS, B * T, plan["splits"]), dtype=torch.float32, device=logits.device)
+    _token_logprobs_fwd_kernel[(B * T, plan["splits"])](
+        logits, logits.stride(0), logits.stride(1), targets, mask, *(partial,) * 7, T, V, plan["chunk"], a, b,
+        **flags, SPLIT=True, BLOCK_V=plan["block_v"], VEC=plan["vec"], num_warps=plan["warps"], enable_fp_fusion=True,
+    )  # fmt: skip
+    return partial
 
 
 def token_logprobs_fwd(
@@ -240,35 +542,35 @@ def token_logprobs_fwd(
     lse = torch.empty_like(logp)  # [B, T]
     entropy = torch.empty_like(logp) if with_entropy else None  # [B, T]
     out = {name: torch.empty_like(logp, dtype=torch.int8 if name == "is_top1" else None) for name in stats}
+    outputs = (logp, lse, logp if entropy is None else entropy, *(out.get(n, logp) for n in _STATS))
     a, b = transform_coefficients(temperature, logit_scale, softcap)
-    block_v = block_v_for(V)
-    _token_logprobs_fwd_kernel[(B * T,)](
-        logits,
-        logits.stride(0),
-        logits.stride(1),
-        targets,
-        mask,
-        logp,
-        lse,
-        logp if entropy is None else entropy,
-        out.get("log_sum_sq_probs", logp),
-        out.get("mean_logits", logp),
-        out.get("is_top1", logp),
-        T,
-        V,
-        a,
-        b,
-        HAS_SOFTCAP=softcap is not None,
-        WITH_ENTROPY=with_entropy,
-        WITH_SUM_SQ="log_sum_sq_probs" in out,
-        WITH_MEAN="mean_logits" in out,
-        WITH_TOP1="is_top1" in out,
-        BLOCK_V=block_v,
-        num_warps=num_warps_for(block_v),
-    )
+    flags, plan = _flags(with_entropy, softcap, out), vocab_plan(logits)
+    if plan["splits"] == 1:
+        _token_logprobs_fwd_kernel[(B * T,)](
+            logits, logits.stride(0), logits.stride(1), targets, mask, *outputs, logp, T, V, V, a, b, **flags,
+            SPLIT=False, BLOCK_V=plan["block_v"], VEC=plan["vec"], num_warps=plan["warps"], enable_fp_fusion=True,
+        )  # fmt: skip
+    else:
+        partial = launch_partials(logits, targets, mask, a, b, flags, plan)
+        _token_logprobs_merge_kernel[(B * T,)](
+            partial, mask, *outputs, plan["splits"], V, a, b, **flags,
+            SPLITS=triton.next_power_of_2(plan["splits"]), num_warps=1, enable_fp_fusion=True,
+        )  # fmt: skip
     if "is_top1" in out:
         out["is_top1"] = out["is_top1"].bool()
     return logp, lse, entropy, out
+
+
+def _same_rows(out: Tensor, logits: Tensor) -> bool:
+    """Whether `out` is the logits, row for row (the in-place backward)."""
+    return out.data_ptr() == logits.data_ptr() and out.stride()[:2] == logits.stride()[:2]
+
+
+def _same_alignment(out: Tensor, logits: Tensor) -> bool:
+    """Whether every [b, t] row of `out` starts at the same address modulo 16 bytes as that of `logits`."""
+    size = logits.element_size()
+    steps = [(o - i) * size for o, i in zip(out.stride()[:2], logits.stride()[:2], strict=True)]
+    return all(d % 16 == 0 for d in (out.data_ptr() - logits.data_ptr(), *steps))
 
 
 def token_logprobs_bwd(
@@ -291,27 +593,12 @@ def token_logprobs_bwd(
     grad_logp = None if grad_logp is None else grad_logp.contiguous()
     grad_entropy = None if grad_entropy is None else grad_entropy.contiguous()
     a, b = transform_coefficients(temperature, logit_scale, softcap)
-    block_v = block_v_for(V)
-    _token_logprobs_bwd_kernel[(B * T,)](
-        logits,
-        logits.stride(0),
-        logits.stride(1),
-        out,
-        out.stride(0),
-        out.stride(1),
-        targets,
-        mask,
-        lse,
-        lse if entropy is None else entropy,
-        lse if grad_logp is None else grad_logp,
-        lse if grad_entropy is None else grad_entropy,
-        T,
-        V,
-        a,
-        b,
-        HAS_SOFTCAP=softcap is not None,
-        HAS_GRAD_LOGP=grad_logp is not None,
-        HAS_GRAD_ENTROPY=grad_entropy is not None,
-        BLOCK_V=block_v,
-        num_warps=num_warps_for(block_v),
-    )
+    plan = vocab_plan(logits)
+    _token_logprobs_bwd_kernel[(B * T, plan["splits"])](
+        logits, logits.stride(0), logits.stride(1), out, out.stride(0), out.stride(1), targets, mask, lse,
+        lse if entropy is None else entropy, lse if grad_logp is None else grad_logp,
+        lse if grad_entropy is None else grad_entropy, T, V, plan["chunk"], a, b,
+        HAS_SOFTCAP=softcap is not None, HAS_GRAD_LOGP=grad_logp is not None, HAS_GRAD_ENTROPY=grad_entropy is not None,
+        IN_PLACE=_same_rows(out, logits), OUT_LIKE_IN=_same_alignment(out, logits), BLOCK_V=plan["block_v"],
+        VEC=plan["vec"], num_warps=plan["warps"], enable_fp_fusion=True,
+    )  # fmt: skip

@@ -1,0 +1,62 @@
+"""The supported triton range: stated once in pyproject.toml and in `backends`, checked before triton is imported,
+and every launch pins FP fusion (triton 3.10 turns it off by default)."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+from grpo_kernels.vocab import backends
+
+ROOT = Path(__file__).resolve().parents[1]
+LAUNCHERS = sorted((ROOT / "grpo_kernels" / "vocab").glob("*_triton.py"))
+check = backends.check_triton_version.__wrapped__  # uncached: each call checks (and warns) again
+
+
+def test_pyproject_states_the_checked_range():
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    (spec,) = [d for d in deps if re.match(r"triton\b", d)]
+    oldest, newest = ".".join(map(str, backends.TRITON_OLDEST)), backends.TRITON_NEWEST_SEEN
+    assert spec == f"triton>={oldest.removesuffix('.0')},<{newest[0]}.{newest[1] + 1}", spec
+
+
+def test_installed_triton_is_supported():
+    check()  # the one this environment runs its tests with
+
+
+@pytest.mark.parametrize("version", ("3.6.0", "3.7.1", "3.9.0", "3.9.1+git1234"))
+def test_supported_versions_pass_quietly(version, recwarn):
+    check(version)
+    assert not recwarn.list
+
+
+@pytest.mark.parametrize("version", ("3.0.0", "3.5.1", "2.3.1"))
+def test_older_triton_is_a_clear_error(version):
+    with pytest.raises(RuntimeError, match=rf"needs triton >= 3\.6\.0 .* got triton {re.escape(version)}"):
+        check(version)
+
+
+def test_newer_triton_is_warned_about():
+    with pytest.warns(UserWarning, match=r"triton 3\.10\.0 is newer than the newest .* \(3\.9\)"):
+        check("3.10.0")
+
+
+@pytest.mark.parametrize("path", LAUNCHERS, ids=lambda p: p.name)
+def test_every_launch_pins_fp_fusion(path):
+    """Each `kernel[grid](...)` launch passes enable_fp_fusion=True: the compiled code must not change with a
+    triton whose default differs."""
+    launches = [
+        node
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript)
+    ]
+    assert launches, f"no kernel launch found in {path.name}"
+    for call in launches:
+        pinned = [k for k in call.keywords if k.arg == "enable_fp_fusion"]
+        assert pinned and isinstance(pinned[0].value, ast.Constant) and pinned[0].value.value is True, (
+            f"{path.name}:{call.lineno}: launch without enable_fp_fusion=True"
+        )
