@@ -18,6 +18,11 @@
 #                pytest --bench-size gpu, one file each, OUTDIR/bench/<step>.json; -rs prints every skip reason
 #                (a peer that is not installed is skipped with a line saying so)
 #   interleaved  python -m benchmarks.interleaved: ours against TRL 1.16 on the TRL case, OUTDIR/bench/interleaved-trl.*
+#   lean_memory  python -m benchmarks.lean_memory --device cuda: the fused lm_head + loss, memory="fast" against
+#                memory="lean" (bf16, B·T = 8,192, H = 4,096, V = 151,936): peak extra memory against the bf16
+#                gradients, time against the bare lm_head GEMMs; OUTDIR/bench/lean_memory.json
+#   vllm_train   python -m benchmarks.vllm_train: a 3-step training with --rollout vllm on a small Llama written to
+#                OUTDIR/vllm (summary.json, train.log); skipped, and said so, when vllm is not importable
 #   report       OUTDIR/bench/benchmarks.{json,md} and plots, OUTDIR/SUMMARY.md
 # Options:
 #   --only a,b   only these steps (and groups)     --skip a,b   all selected steps but these
@@ -35,7 +40,8 @@
 
 set -uo pipefail
 
-ALL_STEPS=(env build tests alltests parity bench_grpo_loss bench_fused_linear bench_token_logprobs interleaved report)
+ALL_STEPS=(env build tests alltests parity bench_grpo_loss bench_fused_linear bench_token_logprobs interleaved lean_memory
+    vllm_train report)
 declare -A TIMEOUT=([env]=120 [build]=900 [tests]=600 [alltests]=1500 [parity]=900 [bench_grpo_loss]=480
     [bench_fused_linear]=600 [bench_token_logprobs]=480 [interleaved]=300 [report]=180)
 declare -A MINIMUM=([env]=10 [build]=120 [tests]=30 [alltests]=120 [parity]=90 [bench_grpo_loss]=60
@@ -73,7 +79,9 @@ expand() {  # a comma list of steps and groups -> one step a line
         fi
     done
 }
-WANTED="$(expand "${ONLY:-env,build,tests,parity,bench,interleaved,report}")" || exit 2
+TIMEOUT[vllm_train]=420 MINIMUM[vllm_train]=90
+TIMEOUT[lean_memory]=300 MINIMUM[lean_memory]=60
+WANTED="$(expand "${ONLY:-env,build,tests,parity,bench,interleaved,lean_memory,vllm_train,report}")" || exit 2
 UNWANTED="$(expand "$SKIP")" || exit 2
 STEPS=()
 for step in "${ALL_STEPS[@]}"; do
@@ -151,6 +159,10 @@ commands() {  # GPU and CPU (dry run) command of step $1; an empty CPU one: not 
             GPU=("$PY" -m benchmarks.interleaved --out "$OUTDIR/bench/interleaved-trl.json")
             CPU=("$PY" -m benchmarks.interleaved --size smoke --rounds 1 --benches fused_linear
                 --out "$OUTDIR/bench/interleaved-trl.json") ;;
+        lean_memory)
+            GPU=("$PY" -m benchmarks.lean_memory --device cuda --out "$OUTDIR/bench/lean_memory.json")
+            CPU=("$PY" -m benchmarks.lean_memory --smoke --rounds 1 --out "$OUTDIR/bench/lean_memory.json") ;;
+        vllm_train) GPU=("$PY" -m benchmarks.vllm_train "$OUTDIR/vllm") ;;
         report) GPU=("$PY" -m benchmarks.gpu_run report "$OUTDIR"); CPU=("${GPU[@]}") ;;
     esac
 }
@@ -176,6 +188,11 @@ run_step() {
     fi
     limit=$((left < TIMEOUT[$step] ? left : TIMEOUT[$step]))
     say "+ $(quote "${GPU[@]}")  # timeout ${limit} s"
+    if [ "$step" = vllm_train ] && [ "$DRY" = 0 ] && ! "$PY" -c 'import vllm' >/dev/null 2>&1; then
+        echo "$step: skipped, vllm is not importable by $PY" | tee "$log"
+        record "$step" "skipped (vllm not installed)" - 0
+        return
+    fi
     if [ "$DRY" = 1 ]; then
         if [ ${#CPU[@]} -eq 0 ]; then
             echo "dry run: not run here (needs the GPU)" | tee "$log"

@@ -14,6 +14,7 @@ from grpo_kernels.losses.loss import GRPOLossOutput, compute_loss, loss_metrics,
 from grpo_kernels.losses.policy import POLICY_LOSSES
 from grpo_kernels.losses.terms import build_terms, per_sequence_or_token
 from grpo_kernels.options import LossOptions, resolve_options
+from grpo_kernels.vocab import parallel, parallel_linear
 from grpo_kernels.vocab.backends import resolve_backend
 from grpo_kernels.vocab.function import (
     TokenEpilogue,
@@ -30,6 +31,7 @@ from grpo_kernels.vocab.fused_linear import (
     fused_linear_logprobs_with_stats,
     fused_linear_token_loss,
 )
+from grpo_kernels.vocab.fused_linear_lean import resolve_memory
 
 LossResult = GRPOLossOutput | tuple[GRPOLossOutput, Tensor]
 FUSED_KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")  # those the fused epilogues implement (Triton, CUDA)
@@ -48,6 +50,8 @@ def token_logprobs(
     inplace: bool = True,
     backend: str = "auto",
     check_finite: bool = True,
+    process_group: torch.distributed.ProcessGroup | None = None,
+    vocab_start: int | None = None,
 ) -> Tensor | tuple[Tensor, Tensor] | dict[str, Tensor]:
     """Log-probability of each target token under softmax(z / temperature), and optionally its entropy.
 
@@ -70,6 +74,11 @@ def token_logprobs(
     the rows after it) cost two host syncs. `check_finite=False` skips them all, so the call never waits on the
     device (it can be captured in a CUDA graph): such rows, and kept targets outside [0, V), then give NaN.
     Calling it on logits an in-place backward has overwritten is a ValueError.
+
+    Vocabulary parallel: with `process_group`, logits `[..., V_r]` are this rank's columns [vocab_start,
+    vocab_start + V_r) of the whole vocabulary (`vocab_start` None: the ranks' shards in rank order); targets are
+    whole-vocabulary ids, and every rank gets the whole vocabulary's logp and entropy (`vocab.parallel`: O(N)
+    statistics cross ranks, 16·R + 4·(3 + with_entropy)·B·T bytes per call; no stats).
     """
     checks.check_temperature(temperature)
     checks.check_logit_transform(logit_scale, final_logit_softcapping)
@@ -79,9 +88,11 @@ def token_logprobs(
     backend = resolve_backend(backend, logits.device)
     stats = checks.check_stats(stats, backend)
     checks.check_logits(rows, backend)
+    shard = parallel.vocab_shard(process_group, rows.shape[-1], vocab_start, stats)
+    vocab = rows.shape[-1] if shard is None else shard.vocab
     with checks.one_sync(check_finite):
-        mask = _checked_mask(mask, rows, targets)
-    targets, invalid = _safe_targets(targets, mask, rows.shape[-1], check_finite)
+        mask = _checked_mask(mask, rows, targets, vocab=vocab)
+    targets, invalid = _safe_targets(targets, mask, vocab, check_finite)
     opts = VocabPassOptions(
         backend,
         temperature,
@@ -96,7 +107,10 @@ def token_logprobs(
         out = vocab_pass_with_stats(rows, targets, mask, opts)
         out["logp"] = _poison(out["logp"], invalid)
         return {name: x[0] for name, x in out.items()} if squeeze else out
-    logp, entropy = vocab_pass(rows, targets, mask, opts)
+    if shard is None:
+        logp, entropy = vocab_pass(rows, targets, mask, opts)
+    else:
+        logp, entropy = parallel.vocab_pass(rows, targets, mask, opts, shard)
     logp = _poison(logp, invalid)
     if squeeze:
         logp, entropy = logp[0], None if entropy is None else entropy[0]
@@ -116,8 +130,12 @@ def fused_linear_token_logprobs(
     stats: tuple[str, ...] = (),
     mask: Tensor | None = None,
     chunk_size: int | None = None,
+    memory: str = "auto",
+    tile: tuple[int, int] | None = None,
     backend: str = "auto",
     check_finite: bool = True,
+    process_group: torch.distributed.ProcessGroup | None = None,
+    vocab_start: int | None = None,
 ) -> Tensor | tuple[Tensor, Tensor] | dict[str, Tensor]:
     """`token_logprobs(hidden @ weight.T + bias, targets)` without the `[N, V]` logits: chunks of rows go
     through the lm_head GEMM and the vocabulary pass one at a time. hidden `[B, T, H]` or `[N, H]`, weight
@@ -125,7 +143,16 @@ def fused_linear_token_logprobs(
     count is read on the host with the checks' first sync (with `check_finite=False` that read is the one sync;
     inside a CUDA graph capture every row runs instead, masked, and nothing is read).
     `logit_scale`, `final_logit_softcapping`, `stats` (a dict result) and `check_finite` as in `token_logprobs`
-    (a non-finite row names hidden, weight and bias); every token masked, B = 0 or T = 0 give zeros."""
+    (a non-finite row names hidden, weight and bias); every token masked, B = 0 or T = 0 give zeros.
+    `memory` trades memory for time: "fast" runs chunks of rows over the whole vocabulary (`chunk_size` rows; dW
+    summed in a float32 `[V, H]` buffer); "lean" runs 2-D tiles of rows × vocabulary columns (`tile=(rows, vocab)`,
+    default from a memory budget and the dtypes) and a vocabulary-major backward that computes each tile's logits
+    again (one GEMM more) and writes dW once in the weight's dtype: extra memory ≈ dW + dH + one tile (+ dH in
+    float32 for bf16/fp16); torch and triton backends. "auto" picks "lean" when the float32 dW buffer and a chunk
+    would not fit in half the free memory, or `tile` is given, else "fast" (`fused_linear_lean.resolve_memory`).
+    `process_group` / `vocab_start` as in `token_logprobs`, weight `[V_r, H]` (bias `[V_r]`) being this rank's rows
+    of the lm_head: dW of the shard, dH summed over the group; 16·R + (4·(3 + with_entropy) + H·itemsize)·M bytes
+    per forward + backward, M the kept tokens."""
     checks.check_temperature(temperature)
     checks.check_logit_transform(logit_scale, final_logit_softcapping)
     checks.check_tensor("hidden", hidden)
@@ -135,13 +162,17 @@ def fused_linear_token_logprobs(
     stats = checks.check_stats(stats, backend)
     checks.check_linear(rows, weight, bias, backend)
     checks.check_chunk_size(chunk_size)
+    tile = checks.check_memory(memory, tile, chunk_size, backend)
+    shard = parallel.vocab_shard(process_group, weight.shape[0], vocab_start, stats)
+    vocab = weight.shape[0] if shard is None else shard.vocab
     all_rows = _all_rows(check_finite, hidden.device)
     with checks.one_sync(check_finite) as reads:
-        mask = _checked_mask(mask, rows, targets, vocab=weight.shape[0])
+        mask = _checked_mask(mask, rows, targets, vocab=vocab)
         if not all_rows:
             reads.read(mask.sum())  # the kept-row count sizes the gather: read with the checks
-    targets, invalid = _safe_targets(targets, mask, weight.shape[0], check_finite)
+    targets, invalid = _safe_targets(targets, mask, vocab, check_finite)
     kept, row_mask = _kept_rows(mask, None if all_rows else reads.numbers[0])
+    memory = _memory_mode(memory, backend, shard, kept, weight, chunk_size, tile)
     opts = FusedLinearOptions(
         backend,
         temperature,
@@ -151,6 +182,8 @@ def fused_linear_token_logprobs(
         final_logit_softcapping,
         stats,
         _row_check(check_finite, LINEAR_ROWS, squeeze, kept),
+        memory=memory,
+        tile=tile,
     )
     if stats:
         out = fused_linear_logprobs_with_stats(
@@ -159,7 +192,8 @@ def fused_linear_token_logprobs(
         out = {name: _scatter(x, kept, mask) for name, x in out.items()}
         out["logp"] = _poison(out["logp"], invalid)
         return {name: x[0] for name, x in out.items()} if squeeze else out
-    logp_kept, entropy_kept = fused_linear_logprobs(
+    pass_ = fused_linear_logprobs if shard is None else parallel_linear.on_shard(shard)
+    logp_kept, entropy_kept = pass_(
         _take(rows, kept, row_mask), weight, bias, _take(targets, kept, row_mask), opts, row_mask
     )
     logp, entropy = _poison(_scatter(logp_kept, kept, mask), invalid), _scatter(entropy_kept, kept, mask)
@@ -186,6 +220,9 @@ def grpo_loss(
     inplace: bool = True,
     backend: str = "auto",
     check_finite: bool = True,
+    process_group: torch.distributed.ProcessGroup | None = None,
+    vocab_start: int | None = None,
+    sequence_group: torch.distributed.ProcessGroup | None = None,
     options: LossOptions | None = None,
     **loss_options,
 ) -> LossResult:
@@ -213,15 +250,23 @@ def grpo_loss(
 
     Packed layout: with `cu_seqlens` (int `[S + 1]`), logits are `[N, V]`, per-token tensors `[N]`, advantages
     and is_ratio `[S]` or `[N]`, sequence_weights `[S]`; padding never enters the vocabulary pass.
+
+    `process_group` / `vocab_start`: logits are this rank's vocabulary shard, as in `token_logprobs`. Sequences
+    split across the ranks of `sequence_group` (context parallel): with `cu_seqlens`, each rank holds its tokens of
+    the same S sequences (a sequence may have none on a rank) and per-sequence values `[S]` alike on every rank;
+    per-sequence sums and batch totals are all-reduced (`losses.reduce`), so the ranks' losses sum to the unsplit
+    loss and each token gets its unsplit gradient.
     """
     options = resolve_options(options, loss_options)
     checks.check_tensor("logits", logits)
     backend = resolve_backend(backend, logits.device)
     checks.check_logits(_layout_view("logits", logits, cu_seqlens), backend)
+    shard = parallel.vocab_shard(process_group, logits.shape[-1], vocab_start)
+    vocab = logits.shape[-1] if shard is None else shard.vocab
     with checks.one_sync(check_finite):
         inputs = LossInputs.check(
             tuple(logits.shape[:-1]),
-            logits.shape[-1],
+            vocab,
             logits.device,
             targets,
             advantages,
@@ -237,8 +282,8 @@ def grpo_loss(
         )
         if check_finite:
             inputs.check_finite(options)
-    safe, invalid = _safe_targets(inputs.targets, inputs.mask, logits.shape[-1], check_finite)
-    inputs = dataclasses.replace(inputs, targets=safe)
+    safe, invalid = _safe_targets(inputs.targets, inputs.mask, vocab, check_finite)
+    inputs = dataclasses.replace(inputs, targets=safe, vocab_shard=shard, sequence_group=sequence_group)
     rows = logits if inputs.layout is None else logits[None]  # [R, C, V]
     opts = VocabPassOptions(
         backend,
@@ -253,7 +298,10 @@ def grpo_loss(
     in_kernel = in_kernel and (options.beta == 0.0 or options.kl_estimator in FUSED_KL_ESTIMATORS)
     if backend in ("triton", "cuda") and inputs.layout is None and in_kernel and not return_sequence_losses:
         return _fused_grpo_loss(rows, inputs, opts, options, invalid)
-    logp, entropy = vocab_pass(rows, inputs.targets, inputs.mask, opts)  # [R, C] each
+    if shard is None:
+        logp, entropy = vocab_pass(rows, inputs.targets, inputs.mask, opts)  # [R, C] each
+    else:
+        logp, entropy = parallel.vocab_pass(rows, inputs.targets, inputs.mask, opts, shard)  # [R, C] each
     return _loss(inputs.terms(_poison(logp, invalid), entropy, options), options, return_sequence_losses)
 
 
@@ -268,6 +316,8 @@ def fused_linear_grpo_loss(
     *,
     bias: Tensor | None = None,
     chunk_size: int | None = None,
+    memory: str = "auto",
+    tile: tuple[int, int] | None = None,
     is_ratio: Tensor | None = None,
     sampling_logp: Tensor | None = None,
     token_weights: Tensor | None = None,
@@ -277,28 +327,38 @@ def fused_linear_grpo_loss(
     with_entropy: bool = False,
     backend: str = "auto",
     check_finite: bool = True,
+    process_group: torch.distributed.ProcessGroup | None = None,
+    vocab_start: int | None = None,
+    sequence_group: torch.distributed.ProcessGroup | None = None,
     options: LossOptions | None = None,
     **loss_options,
 ) -> LossResult:
     """`grpo_loss(hidden @ weight.T + bias, ...)` without the `[N, V]` logits; gradients for hidden, weight, bias.
 
     hidden `[B, T, H]` (packed: `[N, H]` with `cu_seqlens`), weight `[V, H]` (an lm_head's `.weight`), bias `[V]`;
-    every other argument as in `grpo_loss`. Masked tokens are gathered out before the first GEMM. Token-level losses
-    form their gradients in the forward (3 GEMMs per chunk of rows in all); sequence-level ones, per-sequence
-    outputs and weights that need a gradient recompute each chunk's logits in the backward (4 GEMMs).
+    every other argument as in `grpo_loss`. Masked tokens are gathered out before the first GEMM. With
+    memory="fast", token-level losses form their gradients in the forward (3 GEMMs per chunk of rows in all);
+    sequence-level ones, per-sequence outputs and weights that need a gradient recompute each chunk's logits in the
+    backward (4 GEMMs). `memory="lean"` (every loss type and option; 4 GEMMs) and "auto", `tile` and `chunk_size`
+    as in `fused_linear_token_logprobs`.
     `check_finite` as in `grpo_loss` (a non-finite row names hidden, weight and bias); the gathering of the kept
-    rows as in `fused_linear_token_logprobs`.
+    rows as in `fused_linear_token_logprobs`. `process_group` / `vocab_start` (weight `[V_r, H]`: this rank's rows
+    of the lm_head) as in `fused_linear_token_logprobs`, `sequence_group` as in `grpo_loss`; either runs the
+    4-GEMM route.
     """
     options = resolve_options(options, loss_options)
     checks.check_tensor("hidden", hidden)
     backend = resolve_backend(backend, hidden.device)
     checks.check_linear(_layout_view("hidden", hidden, cu_seqlens), weight, bias, backend)
     checks.check_chunk_size(chunk_size)
+    tile = checks.check_memory(memory, tile, chunk_size, backend)
+    shard = parallel.vocab_shard(process_group, weight.shape[0], vocab_start)
+    vocab = weight.shape[0] if shard is None else shard.vocab
     all_rows = _all_rows(check_finite, hidden.device)
     with checks.one_sync(check_finite) as reads:
         inputs = LossInputs.check(
             tuple(hidden.shape[:-1]),
-            weight.shape[0],
+            vocab,
             hidden.device,
             targets,
             advantages,
@@ -316,10 +376,11 @@ def fused_linear_grpo_loss(
             inputs.check_finite(options)
         if not all_rows:
             reads.read(inputs.mask.sum())  # the kept-row count sizes the gather: read with the checks
-    safe, invalid = _safe_targets(inputs.targets, inputs.mask, weight.shape[0], check_finite)
-    inputs = dataclasses.replace(inputs, targets=safe)
+    safe, invalid = _safe_targets(inputs.targets, inputs.mask, vocab, check_finite)
+    inputs = dataclasses.replace(inputs, targets=safe, vocab_shard=shard, sequence_group=sequence_group)
     rows = hidden if inputs.layout is None else hidden[None]  # [R, C, H]
     kept, row_mask = _kept_rows(inputs.mask, None if all_rows else reads.numbers[0])
+    memory = _memory_mode(memory, backend, shard, kept, weight, chunk_size, tile)
     opts = FusedLinearOptions(
         backend,
         options.temperature,
@@ -328,9 +389,12 @@ def fused_linear_grpo_loss(
         options.logit_scale,
         options.final_logit_softcapping,
         finite=_row_check(check_finite, LINEAR_ROWS, inputs.layout is not None, kept, loss=True),
+        memory=memory,
+        tile=tile,
     )
     hidden_rows, target_rows = _take(rows, kept, row_mask), _take(inputs.targets, kept, row_mask)  # [M, H], [M]
-    if _token_level(options, inputs) and options.top_entropy_quantile == 1.0 and not return_sequence_losses:
+    fast = memory == "fast" and not return_sequence_losses
+    if fast and _token_level(options, inputs) and options.top_entropy_quantile == 1.0:
         chunk_loss = _chunk_loss(inputs, kept, options, row_mask)
         loss, logp, entropy = fused_linear_token_loss(
             hidden_rows, weight, bias, target_rows, opts, chunk_loss, row_mask
@@ -339,10 +403,23 @@ def fused_linear_grpo_loss(
         terms = inputs.terms(logp, _scatter(entropy, kept, inputs.mask), options)
         loss = loss if invalid is None else poisoned(loss, invalid)
         return GRPOLossOutput(loss, loss_metrics(terms, options))
-    logp, entropy = fused_linear_logprobs(hidden_rows, weight, bias, target_rows, opts, row_mask)  # [M] each
+    pass_ = fused_linear_logprobs if shard is None else parallel_linear.on_shard(shard)
+    logp, entropy = pass_(hidden_rows, weight, bias, target_rows, opts, row_mask)  # [M] each
     logp = _poison(_scatter(logp, kept, inputs.mask), invalid)
     terms = inputs.terms(logp, _scatter(entropy, kept, inputs.mask), options)
     return _loss(terms, options, return_sequence_losses)
+
+
+def _memory_mode(
+    memory: str, backend: str, shard, kept: tuple[Tensor, Tensor], weight: Tensor, chunk_size: int | None, tile
+) -> str:
+    """The fused lm_head's memory mode, "fast" or "lean" (`fused_linear_lean.resolve_memory`); a vocabulary shard
+    (`process_group`) runs "fast"."""
+    if shard is not None:
+        if memory == "lean" or tile is not None:
+            raise ValueError("memory='lean' (and tile) do not run with process_group (a vocabulary shard)")
+        return "fast"
+    return resolve_memory(memory, backend, kept[0].shape[0], weight, chunk_size, tile)
 
 
 def _layout_view(name: str, x: Tensor, cu_seqlens: Tensor | None) -> Tensor:
@@ -453,6 +530,7 @@ def _token_level(options: LossOptions, inputs: LossInputs) -> bool:
         and options.importance_sampling_level == "token"
         and options.off_policy_mask_threshold is None  # a mean over the whole sequence
         and not any(w is not None and w.requires_grad for w in weights)
+        and inputs.is_local()  # no statistics to merge across ranks first
     )
 
 

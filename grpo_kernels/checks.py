@@ -146,6 +146,29 @@ def check_chunk_size(chunk_size: int | None) -> None:
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
 
 
+def check_memory(memory: str, tile, chunk_size: int | None, backend: str) -> tuple[int, int] | None:
+    """The fused lm_head's memory mode ("auto", "fast", "lean") and lean tile (rows, vocab) of positive ints or
+    None; `tile` only with "lean"/"auto", `chunk_size` only with "fast"/"auto", "lean" only on torch and triton.
+    Returns the tile as a tuple."""
+    if memory not in ("auto", "fast", "lean"):
+        raise ValueError(f"memory must be one of ('auto', 'fast', 'lean'), got {memory!r}")
+    if tile is not None:
+        if (
+            not isinstance(tile, tuple | list)
+            or len(tile) != 2
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in tile)
+        ):
+            raise ValueError(f"tile must be (rows, vocab), two positive ints, or None, got {tile!r}")
+        if memory == "fast":
+            raise ValueError(f"tile={tuple(tile)} sizes the tiles of memory='lean' (or 'auto'); got memory='fast'")
+        tile = tuple(tile)
+    if memory == "lean" and chunk_size is not None:
+        raise ValueError(f"chunk_size={chunk_size} sizes the row chunks of memory='fast'; memory='lean' takes tile=")
+    if memory == "lean" and backend not in ("torch", "triton"):
+        raise ValueError(f"memory='lean' runs on backends 'torch' and 'triton', got backend={backend!r}")
+    return tile
+
+
 def check_temperature(temperature: float) -> None:
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")

@@ -10,6 +10,10 @@ which is what `num_items_in_batch(masks)` returns (pass every micro-batch mask o
 same holds for sequence counts (`num_sequences_in_batch`, the seq-mean loss_agg_modes). If your loop also divides
 each micro-batch loss by M itself (as the Hugging Face Trainer does), multiply the value by M.
 Without an initialised torch.distributed process group, K = 1 and nothing is reduced.
+
+The other two splits are arguments of the loss functions: `process_group=` (a vocabulary-sharded lm_head or logits,
+tensor parallel: `vocab.parallel`) and `sequence_group=` (sequences split across ranks, context parallel:
+`losses.reduce`). Both give every rank the numbers of one process on the whole vocabulary / the whole sequences.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -32,6 +33,8 @@ class LossInputs:
     sequence_weights: Tensor | None
     layout: PackedLayout | None  # None: padded
     sampling_logp: Tensor | None = None  # the sampler's log-probs, for the off-policy sequence mask
+    vocab_shard: Any = None  # vocab.parallel.VocabShard: the pass sees this rank's vocabulary shard
+    sequence_group: Any = None  # the process group the sequences are split across (context parallel)
 
     @classmethod
     def check(
@@ -105,6 +108,10 @@ class LossInputs:
             sampling_logp,
         )._neutral_empty_sequences()
 
+    def is_local(self) -> bool:
+        """Whether this rank's statistics alone make the loss: no vocabulary shard, no sequence split."""
+        return self.vocab_shard is None and self.sequence_group is None
+
     def sequence_kept(self) -> Tensor:
         """Whether each sequence has a kept token, [B] / [S]."""
         if self.layout is None:
@@ -167,6 +174,7 @@ class LossInputs:
                 self.token_weights,
                 self.sequence_weights,
                 self.sampling_logp,
+                sequence_group=self.sequence_group,
             )
         pad, n = self.layout.pad, logp.shape[1]
         per_token = lambda x: pad(x) if x is not None and x.shape[0] == n else x  # noqa: E731  [N] -> [S, T_max]
@@ -182,6 +190,7 @@ class LossInputs:
             pad(self.token_weights),
             self.sequence_weights,
             pad(self.sampling_logp),
+            sequence_group=self.sequence_group,
         )
 
     def kept_rows(self) -> tuple[Tensor, Tensor]:

@@ -15,7 +15,8 @@ class GRPOLoss(nn.Module):
         loss_fn(hidden, weight, targets, advantages, old_logp, ref_logp, mask)    # fused lm_head, weight [V, H]
 
     Keyword arguments of the constructor are `LossOptions` fields (or one `options=`: a LossOptions or a paper
-    preset) plus `backend`, `with_entropy`, `check_finite`, `inplace` (logits form) and `chunk_size` (fused form);
+    preset) plus `backend`, `with_entropy`, `check_finite`, `inplace` (logits form) and `chunk_size`, `memory`,
+    `tile` (fused form: see `fused_linear_token_logprobs`);
     those of the call are the per-batch tensors (`is_ratio`, `token_weights`, `sequence_weights`, `bias`,
     `cu_seqlens`, ...).
     """
@@ -27,6 +28,8 @@ class GRPOLoss(nn.Module):
         inplace: bool = True,
         with_entropy: bool = False,
         chunk_size: int | None = None,
+        memory: str = "auto",
+        tile: tuple[int, int] | None = None,
         check_finite: bool = True,
         options: LossOptions | None = None,
         **loss_options,
@@ -35,14 +38,16 @@ class GRPOLoss(nn.Module):
         self.options = resolve_options(options, loss_options)
         self.backend, self.inplace, self.with_entropy, self.chunk_size = backend, inplace, with_entropy, chunk_size
         self.check_finite = check_finite
+        self.memory, self.tile = memory, tile
 
     def forward(self, hidden_or_logits: Tensor, *args: Tensor | None, **tensors: Tensor | bool | None) -> LossResult:
         common = dict(
             backend=self.backend, with_entropy=self.with_entropy, check_finite=self.check_finite, options=self.options
         )
         if args and isinstance(args[0], Tensor) and args[0].is_floating_point() and args[0].dim() == 2:
-            return fused_linear_grpo_loss(hidden_or_logits, *args, chunk_size=self.chunk_size, **common, **tensors)
+            fused = dict(chunk_size=self.chunk_size, memory=self.memory, tile=self.tile)
+            return fused_linear_grpo_loss(hidden_or_logits, *args, **fused, **common, **tensors)
         return grpo_loss(hidden_or_logits, *args, inplace=self.inplace, **common, **tensors)
 
     def extra_repr(self) -> str:
-        return f"{self.options}, backend={self.backend!r}"
+        return f"{self.options}, backend={self.backend!r}, memory={self.memory!r}"

@@ -8,6 +8,7 @@ generation settings, so `loss_type="dr_grpo"` asks for it instead of assuming TR
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,14 @@ _EPSILON_DEFAULT = 0.2
 TRL_DEFAULT_DIFFERENCES = {
     "max_completion_length": (None, 512, "the loss never sees the generation settings: dr_grpo asks for it"),
 }
+CISPO_EPSILON_HIGH = 5.0  # the IS-weight cap CISPO is run with: ScaleRL's ε_max (arXiv:2510.13786), TRL's advice
+_warned: set[str] = set()  # warnings given once per process
+
+
+class CISPOCapWarning(UserWarning):
+    """`loss_type="cispo"` (one-sided, TRL's) with an IS-weight cap below 1: every token's gradient is scaled down."""
+
+
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
@@ -75,6 +84,15 @@ class LossOptions:
             object.__setattr__(self, "epsilon", self.epsilon_low)
             object.__setattr__(self, "epsilon_low", None)
         self._validate()
+        if self.loss_type == "cispo" and not self.cispo_two_sided and self.clip_high < 1.0:
+            _warn_once(
+                "cispo_cap",
+                f"loss_type='cispo' caps every token's IS weight at {self.clip_high} (epsilon_high, or epsilon when "
+                "it is None, as in TRL): below 1, even on-policy tokens are scaled down. CISPO is run with a cap well "
+                f"above 1: epsilon_high = {CISPO_EPSILON_HIGH} (ScaleRL's, arXiv:2510.13786, as TRL recommends; "
+                "MiniMax-M1, arXiv:2506.13585, tunes only the upper bound), or the `cispo` preset",
+                CISPOCapWarning,
+            )
 
     def _validate(self) -> None:
         _check_choice("loss_type", self.loss_type, LOSS_TYPES)
@@ -159,6 +177,13 @@ def resolve_options(options, loss_options: dict) -> LossOptions:
             f"pass loss options either as options=LossOptions(...) or as keywords, not both: {loss_options}"
         )
     return options
+
+
+def _warn_once(key: str, message: str, category: type[Warning]) -> None:
+    """`warnings.warn` the first time `key` comes up in this process only (a LossOptions is rebuilt every step)."""
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, category, stacklevel=4)
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:

@@ -19,6 +19,12 @@ Top-level keys (any other key is a ValueError listing these):
   inputs of other components (`correct`, `correctness`) are that verifier's verdict.
 - `sampling` (optional): `{name: <SAMPLERS name>, ...}`.
 - `regularizers` (optional): a list of `{name: <REGULARIZERS name>, ...}`.
+- `training` (optional; every shipped preset has it): the paper's training settings, each a value or `"not given"`
+  (absent: not given): `num_generations` (G), `learning_rate`, `temperature` (sampling, and the loss's),
+  `num_iterations` (μ, updates per rollout batch: PPO epochs) and `max_completion_length` (the paper's generation
+  budget in tokens). The trainer applies them (`trainer.config.apply_preset`); flags win; for "not given" it names
+  the default it uses. Token lengths of rewards (DAPO's L_max, L_cache) are the paper's, relative to its budget:
+  `rewards_for_budget` scales them to a run's budget.
 - `notes` (optional): a list of strings: the constants and forms the spec labels unverified or partial, and caveats.
 
 A component's hyperparameters are its parameters that have a default (for a class, its constructor's); per-step
@@ -53,9 +59,19 @@ from grpo_kernels.rewards import REWARDS
 from grpo_kernels.sampling import SAMPLERS
 
 PRESET_DIR = "configs/papers"
-PRESET_KEYS = ("name", "paper", "loss", "advantage", "rewards", "sampling", "regularizers", "notes")
+PRESET_KEYS = ("name", "paper", "loss", "advantage", "rewards", "sampling", "regularizers", "training", "notes")
 REQUIRED_KEYS = ("name", "paper", "loss", "advantage", "rewards")
 PAPER_KEYS = ("title", "arxiv", "openreview")
+NOT_GIVEN = "not given"  # a training setting the paper does not state
+# training setting -> (type, smallest value, whether the smallest is excluded)
+TRAINING_KEYS = {
+    "num_generations": (int, 2, False),
+    "learning_rate": (float, 0.0, True),
+    "temperature": (float, 0.0, True),
+    "num_iterations": (int, 1, False),
+    "max_completion_length": (int, 1, False),
+}
+LENGTH_HYPERPARAMETERS = {"dapo_overlong": ("max_completion_len", "soft_punish_cache")}  # token counts of rewards
 _SCALARS = ("None", "bool", "int", "float", "str")
 _SEQUENCES = ("Sequence", "list", "tuple", "Collection")
 _ARXIV_ID = re.compile(r"\d{4}\.\d{4,5}")
@@ -91,6 +107,20 @@ class ComponentConfig:
 
 
 @dataclass(frozen=True)
+class Training:
+    """The paper's training settings; None where the paper gives no value (`"not given"` in the YAML)."""
+
+    num_generations: int | None = None  # G, completions per prompt
+    learning_rate: float | None = None
+    temperature: float | None = None  # sampling temperature (the loss divides the logits by it too)
+    num_iterations: int | None = None  # μ, optimizer updates per rollout batch (PPO epochs)
+    max_completion_length: int | None = None  # the paper's generation budget in tokens
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: NOT_GIVEN if getattr(self, k) is None else getattr(self, k) for k in TRAINING_KEYS}
+
+
+@dataclass(frozen=True)
 class Preset:
     """One paper's configuration: loss options and components, validated against the registries."""
 
@@ -101,6 +131,7 @@ class Preset:
     rewards: tuple[ComponentConfig, ...]
     sampling: ComponentConfig | None = None
     regularizers: tuple[ComponentConfig, ...] = ()
+    training: Training = Training()
     notes: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
@@ -117,9 +148,27 @@ class Preset:
             data["sampling"] = {"name": self.sampling.name, **self.sampling.kwargs}
         if self.regularizers:
             data["regularizers"] = [{"name": r.name, **r.kwargs} for r in self.regularizers]
+        data["training"] = self.training.to_dict()
         if self.notes:
             data["notes"] = list(self.notes)
         return data
+
+
+def rewards_for_budget(preset: Preset, budget: int | None) -> tuple[ComponentConfig, ...]:
+    """The preset's rewards with their token lengths (`LENGTH_HYPERPARAMETERS`: DAPO's L_max, L_cache) scaled from
+    the paper's generation budget (`training.max_completion_length`) to `budget`, a run's: DAPO's L_max = 20480 of a
+    20480-token budget becomes `budget`, and L_cache keeps its share (4096 / 20480 = 0.2), at least 1 token, so the
+    overlong penalty fires on a task that generates a few tokens. Unchanged where either budget is None."""
+    paper = preset.training.max_completion_length
+    if budget is None or paper is None:
+        return preset.rewards
+    scaled = []
+    for reward in preset.rewards:
+        names = LENGTH_HYPERPARAMETERS.get(reward.name, ())
+        params = hyperparameters(REWARDS.get(reward.name)) if names else {}
+        lengths = {n: max(1, round(reward.kwargs.get(n, params[n].default) * budget / paper)) for n in names}
+        scaled.append(dataclasses.replace(reward, kwargs={**reward.kwargs, **lengths}))
+    return tuple(scaled)
 
 
 def loss_overrides(options: LossOptions) -> dict[str, Any]:
@@ -191,6 +240,7 @@ def from_dict(data: Mapping[str, Any], *, where: str | None = None) -> Preset:
             _component(where, f"regularizers[{i}]", REGULARIZERS, entry)
             for i, entry in enumerate(_list(where, "regularizers", data.get("regularizers")))
         ),
+        training=_training(where, data.get("training")),
         notes=tuple(_notes(where, data.get("notes"))),
     )
 
@@ -276,6 +326,24 @@ def _reward(where: str, index: int, value: Any) -> ComponentConfig:
             "so it cannot come first"
         )
     return dataclasses.replace(config, weight=float(weight))
+
+
+def _training(where: str, value: Any) -> Training:
+    settings = _mapping(where, "training", {} if value is None else value)
+    unknown = sorted(set(settings) - set(TRAINING_KEYS))
+    if unknown:
+        raise ValueError(f"{where}: training: unknown key(s) {unknown}; valid keys are {list(TRAINING_KEYS)}")
+    values = {}
+    for key, setting in settings.items():
+        kind, low, strict = TRAINING_KEYS[key]
+        if setting == NOT_GIVEN:
+            continue
+        _check_value(f"{where}: training.{key}", setting, f"{kind.__name__} | str")
+        if isinstance(setting, str) or not (setting > low if strict else setting >= low):
+            bound = f"> {low}" if strict else f">= {low}"
+            raise ValueError(f"{where}: training.{key} must be {bound} or {NOT_GIVEN!r}, got {setting!r}")
+        values[key] = kind(setting)
+    return Training(**values)
 
 
 def _notes(where: str, value: Any) -> list[str]:

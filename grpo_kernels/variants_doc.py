@@ -4,8 +4,8 @@
 
 One row per paper preset (its loss options and components), then one table per registry (loss types, advantage
 estimators, rewards, samplers, regularizers) with each component's hyperparameter defaults, the summary line of
-its docstring and its paper, and the preset schema. tests/test_variants_doc.py fails when the committed page
-differs from `render()`.
+its docstring and its paper, what each component was checked against (`paper_checks.py`), and the preset schema.
+tests/test_variants_doc.py fails when the committed page differs from `render()`.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 from grpo_kernels import presets
 from grpo_kernels.advantages import ADVANTAGES
 from grpo_kernels.losses.policy import POLICY_LOSSES
+from grpo_kernels.paper_checks import CHECKS, LABELS
 from grpo_kernels.registry import Registry
 from grpo_kernels.regularizers import REGULARIZERS
 from grpo_kernels.rewards import REWARDS
@@ -104,6 +105,18 @@ def _first_paragraph(doc: str | None) -> str:
     return (doc or "").strip().split("\n\n")[0]
 
 
+def _checks_intro() -> list[str]:
+    return [
+        f"Per component (`grpo_kernels/paper_checks.py`), with the labels {', '.join(f'`{x}`' for x in LABELS)}: "
+        "official code read at a pinned commit; the paper's page, abstract or a faithful summary; a reference "
+        "implementation; mechanism verified but a form or constant from a third-party port; no primary source; a "
+        "utility. The last column says what is still unverified and why. Issue 16 re-checked the forms that rested "
+        "on a port: GTPO and GRPO-S now standardise over the whole group (the port's within-O± standardisation gave "
+        "correct responses negative advantages, against the paper's Fig. 1; it stays as `normalize='split'`), and "
+        "the `tic_grpo` preset uses GRPO's advantage, as the paper's abstract describes it.",
+    ]
+
+
 def render() -> str:
     """The whole of docs/variants.md."""
     lines = [
@@ -136,6 +149,9 @@ def render() -> str:
     ):
         lines += ["", f"## {title}", ""]
         lines += _table(("name", "hyperparameters (defaults)", "summary", "paper"), _component_rows(registry))
+    lines += ["", "## Checked against the papers", "", *_checks_intro(), ""]
+    check_rows = [[kind, f"`{name}`", c.status, c.source, c.gap or NONE] for (kind, name), c in CHECKS.items()]
+    lines += _table(("kind", "component", "status", "checked against", "unverified, and why"), check_rows)
     lines += ["", "## Preset schema (`grpo_kernels/presets.py`)", "", *presets.__doc__.strip().splitlines()]
     return "\n".join(lines) + "\n"
 

@@ -327,29 +327,57 @@ def test_xrpo_worked_example():
     )
 
 
-def test_gtpo_worked_example():
-    # α1 = 1, α2 = 0.1. Group 0 (positions 0, 2, 4): correct, correct, wrong; H = [3, 1], [1, 3], [2, 2].
-    #   O⁺ t=0: ΣH = 4, d = 2: 1 + 0.1·(3/4)·2 = 1.15, 1 + 0.1·(1/4)·2 = 1.05; t=1 mirrored: 1.05, 1.15
-    #   O⁺ tokens {1.15, 1.05, 1.05, 1.15}: mean 1.1, std √(4·0.0025/3) = 0.057735 -> ±0.866025
-    #   O⁻ alone: −1 − 0.1·1·1 = −1.1 at both t -> constant -> 0
-    # Group 9 (positions 1, 3, 5): wrong H = [4, 1], wrong H = [1, pad], correct H = [2, 2].
-    #   O⁻ t=0: 1/H = 0.25, 1 (Σ 1.25, h = 2): −1 − 0.1·0.2·2 = −1.04, −1 − 0.1·0.8·2 = −1.16
-    #   O⁻ t=1: only position 1 active: −1 − 0.1·1·1 = −1.1
-    #   O⁻ tokens {−1.04, −1.1, −1.16}: mean −1.1, std 0.06 -> [1, 0], [−1, (pad 0)]; O⁺ alone -> 0
-    entropy = t(3, 1, 4, 1, 1, 3, 1, 9, 2, 2, 2, 2).view(6, 2)
-    mask = torch.tensor([[1, 1], [1, 1], [1, 1], [1, 0], [1, 1], [1, 1]])
-    out = adv(
+GTPO_ENTROPY = t(3, 1, 4, 1, 1, 3, 1, 9, 2, 2, 2, 2).view(6, 2)
+GTPO_MASK = torch.tensor([[1, 1], [1, 1], [1, 1], [1, 0], [1, 1], [1, 1]])
+
+
+def gtpo_example(**kwargs) -> list:
+    return adv(
         "gtpo",
         t(1, 0, 1, 0, 0, 1),
         ids(0, 9, 0, 9, 0, 9),
-        entropy=entropy,
-        mask=mask,
+        entropy=GTPO_ENTROPY,
+        mask=GTPO_MASK,
         correctness=ids(1, 0, 1, 0, 0, 1),
         eps=0.0,
+        **kwargs,
     )
-    expected = [[0.866025, -0.866025], [1.0, 0.0], [-0.866025, 0.866025], [-1.0, 0.0], [0.0, 0.0], [0.0, 0.0]]
-    for row, want in zip(out, expected, strict=True):
+
+
+def test_gtpo_worked_example():
+    # α1 = 1, α2 = 0.1. Group 0 (positions 0, 2, 4): correct, correct, wrong; H = [3, 1], [1, 3], [2, 2].
+    #   O⁺ t=0: ΣH = 4, d = 2: 1 + 0.1·(3/4)·2 = 1.15, 1 + 0.1·(1/4)·2 = 1.05; t=1 mirrored: 1.05, 1.15
+    #   O⁻ alone: −1 − 0.1·1·1 = −1.1 at both t
+    #   the group's 6 tokens {1.15, 1.05, 1.05, 1.15, −1.1, −1.1}: mean 2.2/6 = 0.366667,
+    #   std √(2·(0.783333² + 0.683333² + 1.466667²)/5) = 1.136955 -> 0.688975, 0.601021, −1.289995
+    # Group 9 (positions 1, 3, 5): wrong H = [4, 1], wrong H = [1, pad], correct H = [2, 2].
+    #   O⁻ t=0: 1/H = 0.25, 1 (Σ 1.25, h = 2): −1 − 0.1·0.2·2 = −1.04, −1 − 0.1·0.8·2 = −1.16
+    #   O⁻ t=1: only position 1 active: −1 − 0.1·1·1 = −1.1; O⁺ alone: 1 + 0.1 = 1.1 at both t
+    #   the group's 5 tokens {−1.04, −1.1, −1.16, 1.1, 1.1}: mean −0.22, std √(5.8152/4) = 1.205736
+    #   -> −0.680082, −0.729845, −0.779607, 1.094767 (every correct token above every wrong one)
+    expected = [
+        [0.688975, 0.601021],
+        [-0.680082, -0.729845],
+        [0.601021, 0.688975],
+        [-0.779607, 0.0],
+        [-1.289995, -1.289995],
+        [1.094767, 1.094767],
+    ]
+    for row, want in zip(gtpo_example(), expected, strict=True):
         assert row == pytest.approx(want, rel=1e-6, abs=1e-12)
+
+
+def test_gtpo_split_normalisation_is_the_ports_reading():
+    # normalize="split" z-scores within O⁺ and O⁻ of each group (a third-party port's Eq. 6):
+    #   group 0: O⁺ tokens {1.15, 1.05, 1.05, 1.15}: mean 1.1, std √(4·0.0025/3) = 0.057735 -> ±0.866025;
+    #            O⁻ alone, constant -> 0
+    #   group 9: O⁻ tokens {−1.04, −1.1, −1.16}: mean −1.1, std 0.06 -> [1, 0], [−1, (pad 0)]; O⁺ alone -> 0
+    # so a correct token gets −0.866 and a wrong one +1: the signs the paper's Fig. 1 rules out.
+    expected = [[0.866025, -0.866025], [1.0, 0.0], [-0.866025, 0.866025], [-1.0, 0.0], [0.0, 0.0], [0.0, 0.0]]
+    for row, want in zip(gtpo_example(normalize="split"), expected, strict=True):
+        assert row == pytest.approx(want, rel=1e-6, abs=1e-12)
+    with pytest.raises(ValueError, match="normalize must be one of"):
+        gtpo_example(normalize="set")
 
 
 def test_entropy_at_padding_is_ignored():
@@ -362,13 +390,17 @@ def test_entropy_at_padding_is_ignored():
 
 def test_grpo_s_worked_example():
     # mean entropies Ĥ = [3, 1, 0.5, 2] (the last over its one valid token); correct [1, 1, 0, 0]
-    #   O⁺: Ĥ/ΣĤ·2 = 1.5, 0.5 -> 1 + 0.15 = 1.15, 1 + 0.05 = 1.05 -> mean 1.1, std 0.070711 -> ±0.707107
-    #   O⁻: 1/Ĥ = 2, 0.5 (Σ 2.5), ·2 = 1.6, 0.4 -> −1.16, −1.04 -> mean −1.1, std 0.084853 -> ∓0.707107
+    #   O⁺: Ĥ/ΣĤ·2 = 1.5, 0.5 -> 1 + 0.15 = 1.15, 1 + 0.05 = 1.05
+    #   O⁻: 1/Ĥ = 2, 0.5 (Σ 2.5), ·2 = 1.6, 0.4 -> −1.16, −1.04
+    #   group {1.15, 1.05, −1.16, −1.04}: mean 0, std √(4.8522/3) = 1.271770
+    #   -> 0.904251, 0.825621, −0.912114, −0.817758 (correct > 0 > wrong)
+    #   split (the port): O⁺ mean 1.1, std 0.070711 -> ±0.707107; O⁻ mean −1.1, std 0.084853 -> ∓0.707107
     entropy, mask = t(3, 3, 1, 1, 0.5, 0.5, 2, 9).view(4, 2), torch.tensor([[1, 1], [1, 1], [1, 1], [1, 0]])
-    out = adv(
-        "grpo_s", t(1, 1, 0, 0), ids(0, 0, 0, 0), entropy=entropy, mask=mask, correctness=ids(1, 1, 0, 0), eps=0.0
-    )
-    assert out == pytest.approx([0.707107, -0.707107, -0.707107, 0.707107], rel=1e-6)
+    kwargs = dict(entropy=entropy, mask=mask, correctness=ids(1, 1, 0, 0), eps=0.0)
+    out = adv("grpo_s", t(1, 1, 0, 0), ids(0, 0, 0, 0), **kwargs)
+    assert out == pytest.approx([0.904251, 0.825621, -0.912114, -0.817758], rel=1e-6)
+    split = adv("grpo_s", t(1, 1, 0, 0), ids(0, 0, 0, 0), normalize="split", **kwargs)
+    assert split == pytest.approx([0.707107, -0.707107, -0.707107, 0.707107], rel=1e-6)
 
 
 # ------------------------------------------------------------------------------------------------ edge cases

@@ -16,7 +16,7 @@ import torch
 from grpo_kernels import presets
 from grpo_kernels.options import LOSS_TYPES, LossOptions
 from grpo_kernels.trainer import TrainConfig, parse_args
-from grpo_kernels.trainer.config import PER_STEP_LOSS_OPTIONS, build_parser, check_config, field_docs
+from grpo_kernels.trainer.config import NOT_CLI, PER_STEP_LOSS_OPTIONS, build_parser, check_config, field_docs
 from grpo_kernels.trainer.parallel import PARALLEL_MODES
 from grpo_kernels.trainer.tasks import DATASETS
 
@@ -72,7 +72,7 @@ def test_debug_shows_the_traceback(tmp_path):
 def test_help_names_every_option_with_a_sentence_and_its_choices():
     text = " ".join(build_parser().format_help().split())  # argparse wraps lines
     docs = {**field_docs(LossOptions), **field_docs(TrainConfig)}
-    names = [f.name for f in dataclasses.fields(TrainConfig) if f.name != "loss"]
+    names = [f.name for f in dataclasses.fields(TrainConfig) if f.name not in NOT_CLI]  # loss, sources: no flag
     names += [f.name for f in dataclasses.fields(LossOptions) if f.name not in PER_STEP_LOSS_OPTIONS]
     for name in names:
         assert len(docs[name].split()) >= 3, f"option {name} has no sentence: {docs[name]!r}"

@@ -16,6 +16,7 @@ from grpo_kernels.integrations.hf import (  # noqa: E402
     logit_transform,
     policy_logprobs,
 )
+from grpo_kernels.packing import PackedSequences  # noqa: E402
 from tests.conftest import BACKENDS, assert_close  # noqa: E402
 
 P, T, VOCAB = 4, 6, 97
@@ -131,3 +132,22 @@ def test_prompt_is_required():
     input_ids, attention_mask, completion_mask = batch()
     with pytest.raises(ValueError, match="prompt"):
         policy_logprobs(model, input_ids[:, -T:], attention_mask[:, -T:], completion_mask)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_packed_layout_gives_the_padded_logprobs(name):
+    """`policy_logprobs` and `completion_hidden_states` on a `PackedSequences` (one row of the real tokens, the
+    model's own attention reading the restarting positions), with each model's logit transform: the padded
+    log-probs and entropies at the kept completion tokens."""
+    torch.manual_seed(0)
+    model = MODELS[name]().eval()
+    input_ids, attention_mask, completion_mask = batch()
+    attention_mask[:, P:] = completion_mask  # a completion ends where its mask does
+    packed = PackedSequences.from_padded(input_ids, attention_mask, T)
+    with torch.no_grad():
+        padded = policy_logprobs(model, input_ids, attention_mask, completion_mask, temperature=0.8, with_entropy=True)
+        got = policy_logprobs(model, packed, temperature=0.8, with_entropy=True)
+        hidden = completion_hidden_states(model, packed)
+    assert packed.input_ids.numel() == int(attention_mask.sum()) and hidden.shape == (int(completion_mask.sum()), 32)
+    for g, want, what in zip(got, padded, ("logp", "entropy"), strict=True):
+        assert_close(packed.unpack(g), want, torch.float32, what)

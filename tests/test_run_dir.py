@@ -71,7 +71,10 @@ def test_resume_continues_with_the_runs_own_config_end_to_end(tmp_path):
     """The README's `--preset dapo --steps 2`, then `--resume --steps 3` without the preset: the run goes on as
     dapo (β = 0, no reference model) and makes the same steps as one uninterrupted 3-step dapo run; any option
     outside the resumable ones that differs is a one-line error naming it."""
-    first = command("--preset", "dapo", "--steps", "2", "--output-dir", "d", *TINY_FLAGS, "--no-plot", cwd=tmp_path)
+    budget = ["--max-completion-length", "1"]  # a lone digit: right 1 time in 16, so DAPO's filter keeps groups
+    first = command(
+        "--preset", "dapo", "--steps", "2", "--output-dir", "d", *TINY_FLAGS, *budget, "--no-plot", cwd=tmp_path
+    )
     assert first.returncode == 0, first.stderr
     resumed = command("--resume", "--steps", "3", "--output-dir", "d", "--no-plot", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr
@@ -84,7 +87,8 @@ def test_resume_continues_with_the_runs_own_config_end_to_end(tmp_path):
         3,
     )
     assert not (checkpoint_dir(tmp_path / "d", 3) / "ref_model.safetensors").exists()
-    straight = train(apply_preset(tiny(tmp_path / "straight", steps=3), "dapo"))
+    flags = dict(num_generations=4, max_completion_length=1)  # the flags, which win over the preset's settings
+    straight = train(dataclasses.replace(apply_preset(tiny(tmp_path / "straight", steps=3), "dapo"), **flags))
     assert without_timing(read_metrics(tmp_path / "d"), False) == without_timing(straight, False)
 
     other = command("--resume", "--steps", "4", "--output-dir", "d", "--seed", "1", "--beta", "0.1", cwd=tmp_path)

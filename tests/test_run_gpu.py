@@ -48,6 +48,8 @@ def test_dry_run(tmp_path):
         "benchmarks/bench_token_logprobs.py",
         "--bench-size gpu --benchmark-json",
         "-m benchmarks.interleaved --out",
+        "-m benchmarks.lean_memory --device cuda",
+        "-m benchmarks.vllm_train",
         "-m benchmarks.gpu_run report",
         "--bench-size smoke --benchmark-disable",
     ):
@@ -62,6 +64,8 @@ def test_dry_run(tmp_path):
         bench_fused_linear="ok",
         bench_token_logprobs="ok",
         interleaved="ok",
+        lean_memory="ok",
+        vllm_train="dry run: printed",  # the GPU run does it when vllm is importable
         report="ok",
     )
     assert json.loads((tmp_path / "env.json").read_text())["torch"] == torch.__version__

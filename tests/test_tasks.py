@@ -13,7 +13,7 @@ import torch
 
 from grpo_kernels.rewards import REWARDS
 from grpo_kernels.trainer.model import build_tokenizer
-from grpo_kernels.trainer.tasks import AdditionTask, CountdownTask, DatasetTask, PromptStream, build_task
+from grpo_kernels.trainer.tasks import AdditionTask, CountdownTask, DatasetTask, PromptStream, RewardBatch, build_task
 from grpo_kernels.trainer.tasks.countdown import is_held_out
 from grpo_kernels.trainer.tasks.jsonl import read_jsonl
 
@@ -60,6 +60,21 @@ def test_build_task_picks_the_dataset_and_rejects_an_unknown_one(tmp_path):
         build_task(Namespace(dataset=str(tmp_path / "missing.jsonl")))
 
 
+# --------------------------------------------------------------------------------------------------------- verdict
+def test_addition_gives_a_verdict_beside_its_shaped_reward():
+    """`correct` is the 0/1 verdict; the shaped reward gives "8" for 7 partial credit, a correctness-based
+    component (DAPO's filter, GPG's valid groups) must not read it as right."""
+    scores = AdditionTask().score(["7", "8", "x", "7"], ["7"] * 4, torch.tensor([False, False, False, True]))
+    assert scores.correct.dtype == torch.bool and scores.correct.tolist() == [True, False, False, True]
+    torch.testing.assert_close(scores.rewards, torch.tensor([1.0, 0.28, 0.0, 0.9]))  # 0.7·a + 0.2·c + 0.1·f
+    picked = RewardBatch.cat([scores.select(torch.tensor([1, 0])), scores.select(torch.tensor([2]))])
+    assert picked.verdict.tolist() == [False, True, False]
+    by_hand = RewardBatch(torch.tensor([0.3, 1.0]), torch.tensor([[0.0, 1.0], [1.0, 0.0]]), ("format", "answer"))
+    assert by_hand.correct is None and by_hand.verdict.tolist() == [True, False]  # its `answer` column
+    with pytest.raises(ValueError, match="no verdict"):
+        _ = RewardBatch(torch.zeros(1), torch.zeros(1, 1), ("format",)).verdict
+
+
 # ------------------------------------------------------------------------------------------------------- countdown
 def test_countdown_prompts_are_solvable_and_a_solution_scores_full_marks():
     task = CountdownTask(eval_size=8)
@@ -97,6 +112,7 @@ def test_countdown_rewards_by_hand():
     assert scores.names == ("answer", "closeness", "format")
     torch.testing.assert_close(scores.columns, torch.tensor(expected))
     torch.testing.assert_close(scores.rewards, scores.columns @ torch.tensor([0.7, 0.2, 0.1]))
+    assert scores.correct.tolist() == [True, True, False, True, False, False]  # the 0/1 verdict beside the shaping
 
 
 def test_countdown_eval_set_is_fixed_and_never_drawn_for_training():
@@ -168,6 +184,7 @@ def test_jsonl_task_rewards_alphabet_and_disjoint_splits(tmp_path):
     scores = task.score(completions, answers, torch.zeros(len(cases), dtype=torch.bool))
     torch.testing.assert_close(scores.columns, torch.tensor(expected))
     torch.testing.assert_close(scores.rewards, scores.columns @ torch.tensor([0.9, 0.1]))
+    assert scores.correct.tolist() == [c[0] == 1.0 for c in expected]
     assert task.score(["42"], ["42"], torch.tensor([True])).columns.tolist() == [[1.0, 0.0]]  # cut off: no format
 
 
@@ -210,6 +227,7 @@ def test_gsm8k_loads_through_datasets_and_scores_the_final_number(monkeypatch):
     scores = task.score(completions, [answer] * 5, truncated)
     expected = [[1.0, 1.0], [1.0, 1.0], [0.0, 1.0], [0.0, 0.0], [1.0, 0.0]]  # answer, format
     torch.testing.assert_close(scores.columns, torch.tensor(expected))
+    assert scores.correct.tolist() == [True, True, False, False, True]
 
 
 def test_gsm8k_without_the_hub_or_datasets_says_so(monkeypatch):

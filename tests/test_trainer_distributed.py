@@ -1,5 +1,6 @@
-"""The trainer's data parallelism on CPU (gloo): 2 processes × half the batch × 2 accumulation micro-batches make
-the same update as 1 process on the whole batch, under DDP and under FSDP2, for every kind of normaliser; and
+"""The trainer's data parallelism on CPU (gloo): 2 processes × half the batch × 2 accumulation micro-batches (or,
+padding-free, uneven micro-batches filled by a token budget) make the same update as 1 process on the whole batch,
+under DDP and under FSDP2, for every kind of normaliser; and
 `torchrun -m grpo_kernels.train` runs, logs once and checkpoints."""
 
 import os
@@ -55,11 +56,14 @@ def _batch() -> UpdateBatch:
     )
 
 
-def _update(batch: UpdateBatch, state: ParallelState, loss: dict, accumulation: int) -> tuple[float, list]:
-    """One SGD step (lr 1, no clipping) on `batch`: (the step's loss, the full parameters after it)."""
-    policy = wrap_policy(PolicyModule(_model()), state)
+def _update(
+    batch: UpdateBatch, state: ParallelState, loss: dict, accumulation: int, max_tokens: int | None = None
+) -> tuple[float, list]:
+    """One SGD step (lr 1, no clipping) on `batch`: (the step's loss, the full parameters after it). With
+    `max_tokens`: padding-free, micro-batches filled up to that many tokens."""
+    policy = wrap_policy(PolicyModule(_model(), padding_free=max_tokens is not None), state)
     optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
-    stats = inner_updates(policy, optimizer, batch, LossOptions(**loss), 1, 1e9, accumulation)
+    stats = inner_updates(policy, optimizer, batch, LossOptions(**loss), 1, 1e9, accumulation, max_tokens)
     params = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for p in policy.parameters()]
     return stats["loss"], [p.clone() for p in params]
 
@@ -77,6 +81,11 @@ def _rank(rank: int, port: int, mode: str, results) -> None:
         dist.all_reduce(total)
         if rank == 0:
             results[name] = (total.item() / 2, params)
+        value, params = _update(half, state, loss, accumulation=1, max_tokens=3 * (P + T))  # 4 rows: 3 + 1
+        total = torch.tensor(value, dtype=torch.float64)
+        dist.all_reduce(total)
+        if rank == 0:
+            results[name, "tokens"] = (total.item() / 2, params)
     dist.destroy_process_group()
 
 
@@ -96,12 +105,13 @@ def test_two_ranks_with_accumulation_equal_one_process(mode):
     initial = [p.detach() for p in _model().parameters()]
     for name, loss in LOSSES.items():
         want_loss, want = _update(_batch(), single, loss, accumulation=1)
-        got_loss, got = results[name]
-        assert got_loss == pytest.approx(want_loss, rel=1e-5, abs=1e-7), name
         moved = max((w - p0).abs().max().item() for w, p0 in zip(want, initial, strict=True))
         assert moved > 1e-4, f"{name}: the step did not move the parameters, the comparison would be empty"
-        for g, w in zip(got, want, strict=True):
-            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+        for key in (name, (name, "tokens")):  # row micro-batches; padding-free token-budget ones (uneven)
+            got_loss, got = results[key]
+            assert got_loss == pytest.approx(want_loss, rel=1e-5, abs=1e-7), key
+            for g, w in zip(got, want, strict=True):
+                torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6, msg=lambda m, key=key: f"{key}: {m}")
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])

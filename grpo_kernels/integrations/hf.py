@@ -3,7 +3,9 @@
 For any `*ForCausalLM` whose logits are `lm_head(final_hidden)`, optionally scaled and soft-capped (Llama, Qwen2/3,
 Mistral, Gemma 2/3, Cohere, Granite, Falcon-H1, ...): the decoder runs as usual, the lm_head never does;
 `policy_logprobs` then takes the fused lm_head + vocabulary pass, which applies the model's logit transform.
-Layout (TRL's): `input_ids = prompt ‖ completion`, `[B, P + T]`; `completion_mask [B, T]` covers the last T.
+Padded layout (TRL's): `input_ids = prompt ‖ completion`, `[B, P + T]`; `completion_mask [B, T]` covers the last T.
+Packed layout (padding-free): a `PackedSequences` in place of `input_ids`, and no masks; the decoder runs on one
+row of every sequence's real tokens (`attention.py`: flash-attn's varlen kernels, or a block-diagonal mask).
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from grpo_kernels.api import fused_linear_token_logprobs
+from grpo_kernels.integrations.attention import varlen_kwargs
+from grpo_kernels.packing import PackedSequences
 
 
 def logit_transform(model: nn.Module) -> tuple[float, float | None]:
@@ -48,39 +52,68 @@ def lm_head(model: nn.Module) -> tuple[Tensor, Tensor | None]:
     return head.weight, head.bias
 
 
-def completion_hidden_states(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, num_completion: int):
-    """Final hidden states [B, T, H] at the positions that predict the last `num_completion` tokens."""
+def completion_hidden_states(
+    model: nn.Module,
+    input_ids: Tensor | PackedSequences,
+    attention_mask: Tensor | None = None,
+    num_completion: int | None = None,
+) -> Tensor:
+    """Final hidden states at the positions that predict the completion tokens: [B, T, H] for the last
+    `num_completion` columns of a padded batch, [N, H] for a `PackedSequences` (then no mask, no count)."""
     decoder = model.get_decoder()
+    if isinstance(input_ids, PackedSequences):
+        if attention_mask is not None or num_completion is not None:
+            raise ValueError("a PackedSequences input takes no attention_mask or num_completion: it holds them")
+        packed = input_ids
+        hidden = decoder(
+            input_ids=packed.input_ids[None],
+            position_ids=packed.position_ids[None],
+            use_cache=False,
+            **varlen_kwargs(model, packed.cu_seqlens, packed.max_length),
+        ).last_hidden_state[0]  # [N_in, H]
+        return hidden[packed.completion_index - 1]  # [N, H]: position p predicts token p + 1
+    if attention_mask is None or num_completion is None:
+        raise ValueError("a padded input_ids [B, P + T] needs its attention_mask and num_completion")
     hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
     return hidden[:, -num_completion - 1 : -1]  # position p predicts token p + 1
 
 
 def policy_logprobs(
     model: nn.Module,
-    input_ids: Tensor,
-    attention_mask: Tensor,
-    completion_mask: Tensor,
+    input_ids: Tensor | PackedSequences,
+    attention_mask: Tensor | None = None,
+    completion_mask: Tensor | None = None,
     *,
     temperature: float = 1.0,
     with_entropy: bool = False,
     chunk_size: int | None = None,
     backend: str = "auto",
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """log π(completion token) [B, T] (and entropy) for a causal LM, through the fused lm_head with the model's
-    logit transform (`logit_transform`): no [B, T, V] logits. Differentiable w.r.t. the model's parameters; 0 where
-    `completion_mask` is 0."""
-    num_completion = completion_mask.shape[1]
-    if input_ids.shape[1] <= num_completion:
-        raise ValueError(
-            f"input_ids must hold a prompt before the {num_completion} completion tokens, got {list(input_ids.shape)}"
-        )
+    """log π(completion token) (and entropy) for a causal LM, through the fused lm_head with the model's logit
+    transform (`logit_transform`): no logits over the vocabulary are stored. Padded: [B, T], 0 where
+    `completion_mask` is 0. Packed (`input_ids` a `PackedSequences`, no masks): [N], one per completion token.
+    Differentiable w.r.t. the model's parameters."""
     weight, bias = lm_head(model)
     logit_scale, softcap = logit_transform(model)
-    hidden = completion_hidden_states(model, input_ids, attention_mask, num_completion)  # [B, T, H]
+    if isinstance(input_ids, PackedSequences):
+        if attention_mask is not None or completion_mask is not None:
+            raise ValueError("a PackedSequences input takes no attention_mask or completion_mask: it holds them")
+        hidden, targets = completion_hidden_states(model, input_ids), input_ids.targets  # [N, H], [N]
+    else:
+        if attention_mask is None or completion_mask is None:
+            raise ValueError("a padded input_ids [B, P + T] needs its attention_mask and completion_mask")
+        num_completion = completion_mask.shape[1]
+        if input_ids.shape[1] <= num_completion:
+            raise ValueError(
+                f"input_ids must hold a prompt before the {num_completion} completion tokens, "
+                f"got {list(input_ids.shape)}"
+            )
+        hidden = completion_hidden_states(model, input_ids, attention_mask, num_completion)  # [B, T, H]
+        targets = input_ids[:, -num_completion:]  # [B, T]
     return fused_linear_token_logprobs(
         hidden,
         weight,
-        input_ids[:, -num_completion:],
+        targets,
         bias=bias,
         temperature=temperature,
         logit_scale=logit_scale,

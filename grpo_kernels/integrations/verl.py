@@ -45,6 +45,7 @@ from grpo_kernels.api import fused_linear_token_logprobs
 from grpo_kernels.losses.loss import compute_loss
 from grpo_kernels.losses.terms import build_terms
 from grpo_kernels.options import CLIPPED_SURROGATE_TYPES, LOSS_TYPES, LossOptions
+from grpo_kernels.vocab import parallel
 
 INSTALL = 'pip install "grpo-kernels[verl]"'
 PREFIX = "gk_"
@@ -239,20 +240,27 @@ def linear_cross_entropy(
     softmax((hidden @ weight.T) / temperature). Returns float32 `(logprobs, entropy)` as verl's does: logprobs
     `[N]` (N = all leading dims, flattened) for reduction "none", their sum or mean (0-dim) for "sum" / "mean";
     entropy `[N]` always. Differentiable w.r.t. hidden and weight; the `[N, V]` logits are never stored.
-    A `dist_process_group` of more than one rank means a vocabulary-sharded weight: not supported yet (issue 17);
-    a group of one rank (Megatron passes its tensor-parallel group, also at size 1) holds the whole vocabulary.
+    `dist_process_group` as verl means it (Megatron's tensor-parallel group): weight `[V_r, H]` is rank r's rows
+    [r·V_r, (r + 1)·V_r) of the lm_head (equal shards), labels are whole-vocabulary ids, logprobs and entropy are the
+    whole vocabulary's on every rank (`vocab.parallel`: O(N) statistics cross ranks), dW is the shard's, and dH is
+    this rank's share, left for the caller to sum (Megatron's sequence-parallel gather does), as verl's kernel
+    leaves it. A group of one rank holds the whole vocabulary.
     """
     if reduction not in ("none", "sum", "mean"):
         raise ValueError(f"reduction must be 'none', 'sum' or 'mean', got {reduction!r}")
+    tp = {}
     if dist_process_group is not None and torch.distributed.get_world_size(dist_process_group) > 1:
-        raise NotImplementedError(
-            "linear_cross_entropy: a dist_process_group of more than one rank (a vocabulary-parallel lm_head) is "
-            "not supported yet: grpo-kernels issue 17 (vocabulary-parallel fused pass). Use tensor parallel size 1, "
-            "or unpatch_fused_kernels() to keep verl's kernel."
-        )
-    logp, entropy = fused_linear_token_logprobs(
-        hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), temperature=temperature, with_entropy=True
-    )  # [N], [N]
+        rank = torch.distributed.get_rank(dist_process_group)
+        tp = dict(process_group=dist_process_group, vocab_start=rank * weight.shape[0])
+    with parallel.partial_hidden_grad():
+        logp, entropy = fused_linear_token_logprobs(
+            hidden.reshape(-1, hidden.shape[-1]),
+            weight,
+            labels.reshape(-1),
+            temperature=temperature,
+            with_entropy=True,
+            **tp,
+        )  # [N], [N]
     if reduction == "sum":
         logp = logp.sum()
     elif reduction == "mean":

@@ -12,6 +12,7 @@ from grpo_kernels.losses.aggregate import token_weights_for
 from grpo_kernels.losses.entropy import high_entropy_mask
 from grpo_kernels.losses.kl import kl_penalty
 from grpo_kernels.losses.policy import POLICY_LOSSES, clip_cov_fraction, clipped_surrogate, vespo_weights
+from grpo_kernels.losses.reduce import batch_sum, sequence_mean, sequence_sum, sequence_tokens
 from grpo_kernels.losses.terms import TokenTerms
 from grpo_kernels.options import CLIPPED_SURROGATE_TYPES, LossOptions
 
@@ -28,15 +29,19 @@ def compute_loss(terms: TokenTerms, options: LossOptions) -> tuple[GRPOLossOutpu
 
     The shares sum to the loss without `entropy_coef`; they are what DARO's and λ-GRPO's weights need.
     """
+    group = terms.sequence_group
+    if group is not None and options.loss_type in ("clip_cov", "kl_cov"):
+        raise ValueError(f"loss_type={options.loss_type!r} couples every token of the batch: no sequence_group")
     kept = terms.mask  # [B, T], the tokens the policy term and the entropy bonus act on
     if options.top_entropy_quantile < 1.0:
-        kept = high_entropy_mask(terms.entropy.detach(), terms.mask, options.top_entropy_quantile)  # [B, T]
+        kept = high_entropy_mask(terms.entropy.detach(), terms.mask, options.top_entropy_quantile, group)  # [B, T]
     normaliser = POLICY_LOSSES[options.loss_type].normaliser
-    per_token = per_token_loss(terms, options, kept) * token_weights_for(terms.mask, normaliser, options)  # [B, T]
+    per_token = per_token_loss(terms, options, kept) * token_weights_for(terms.mask, normaliser, options, group)
     sequence_losses = per_token.sum(-1)  # [B]
     loss = sequence_losses.sum()
     if options.entropy_coef != 0.0:  # TRL: L − coef·mean entropy of the kept tokens, whatever the normaliser
-        loss = loss - options.entropy_coef * (terms.entropy * kept).sum() / kept.sum().clamp(min=1.0)
+        bonus = batch_sum(terms.entropy * kept, group) / batch_sum(kept, group).clamp(min=1.0)
+        loss = loss - options.entropy_coef * bonus
     return GRPOLossOutput(loss, loss_metrics(terms, options)), sequence_losses
 
 
@@ -67,30 +72,32 @@ def off_policy_keep(terms: TokenTerms, options: LossOptions) -> Tensor:
     could not score) counts as 0, as in TRL. A per-token advantage counts by its sign at each token (TRL's rule).
     """
     sampler = terms.old_logp if terms.sampling_logp is None else terms.sampling_logp
-    kl = torch.nan_to_num(sampler - terms.logp, nan=0.0) * terms.mask  # [B, T]
-    mean_kl = kl.sum(-1, keepdim=True) / terms.mask.sum(-1, keepdim=True).clamp(min=1.0)  # [B, 1]
+    mean_kl = sequence_mean(torch.nan_to_num(sampler - terms.logp, nan=0.0), terms.mask, terms.sequence_group)  # [B, 1]
     return ((terms.advantages >= 0) | (mean_kl <= options.off_policy_mask_threshold)).to(terms.mask.dtype)
 
 
-def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
-    """Mean over kept tokens of a [B, T] tensor, or over all sequences of a per-sequence [B, 1] one (TRL's rule;
-    at T = 1 TRL's shape test would also average padding, so there a [B, 1] tensor is taken per token)."""
+def _masked_mean(x: Tensor, mask: Tensor, group=None) -> Tensor:
+    """Mean over kept tokens (on every rank of `group`) of a [B, T] tensor, or over all sequences of a per-sequence
+    [B, 1] one (TRL's rule; at T = 1 TRL's shape test would also average padding, so there a [B, 1] tensor is taken
+    per token). With a group every rank runs the all-reduces whatever its local T, so that none waits alone."""
+    token_mean = batch_sum(x * mask, group) / batch_sum(mask, group).clamp(min=1.0)
     if x.shape[-1] == 1 and mask.shape[-1] > 1:
         return x.sum() / max(x.shape[0], 1)
-    return (x * mask).sum() / mask.sum().clamp(min=1.0)
+    return token_mean
 
 
-def _sequence_extreme(flags: Tensor, mask: Tensor, extreme) -> Tensor:
+def _sequence_extreme(flags: Tensor, mask: Tensor, extreme, group=None) -> Tensor:
     """min or max over sequences of each sequence's fraction of flagged tokens (TRL's `low_min` / `high_max`).
 
     A per-sequence [B, 1] flag is that sequence's value, as in TRL; sequences with no kept token have no fraction
-    and are skipped (TRL's NaN, dropped by its nanmin / nanmax); 0 when no sequence has one.
+    and are skipped (TRL's NaN, dropped by its nanmin / nanmax); 0 when no sequence has one. With a group, the
+    fractions are over every rank's tokens (all-reduces every rank runs, as in `_masked_mean`).
     """
+    counts = sequence_tokens(mask, group)[:, 0]  # [B]
+    per_sequence = sequence_sum(flags.to(mask.dtype), mask, group)[:, 0] / counts.clamp(min=1.0)  # [B]
     if flags.shape[-1] == 1 and mask.shape[-1] > 1:
         per_sequence = flags[:, 0].to(mask.dtype)  # [B]
         return extreme(per_sequence) if per_sequence.numel() else mask.new_zeros(())
-    counts = mask.sum(-1)  # [B]
-    per_sequence = (flags * mask).sum(-1) / counts.clamp(min=1.0)  # [B]
     skip = float("inf") if extreme is torch.min else float("-inf")  # never the extreme while a sequence counts
     value = extreme(per_sequence.masked_fill(counts == 0, skip)) if per_sequence.numel() else mask.new_zeros(())
     return torch.where((counts > 0).any(), value, 0.0)  # no host sync (a boolean index would be one)
@@ -102,7 +109,8 @@ def loss_metrics(terms: TokenTerms, options: LossOptions) -> dict[str, Tensor]:
     spec = POLICY_LOSSES[options.loss_type]
     ratio = spec.ratio(terms, options)
     low, high = spec.clip_flags(terms, options, ratio)
-    mean = lambda x: _masked_mean(x.to(terms.mask.dtype), terms.mask)  # noqa: E731
+    group = terms.sequence_group
+    mean = lambda x: _masked_mean(x.to(terms.mask.dtype), terms.mask, group)  # noqa: E731
     metrics = {
         "clip_ratio/low_mean": mean(low),
         "clip_ratio/high_mean": mean(high),
@@ -110,8 +118,8 @@ def loss_metrics(terms: TokenTerms, options: LossOptions) -> dict[str, Tensor]:
         "ratio/mean": mean(ratio),
     }
     if options.loss_type in CLIPPED_SURROGATE_TYPES:  # TRL's per-sequence extremes of the clip fractions
-        metrics["clip_ratio/low_min"] = _sequence_extreme(low, terms.mask, torch.min)
-        metrics["clip_ratio/high_max"] = _sequence_extreme(high, terms.mask, torch.max)
+        metrics["clip_ratio/low_min"] = _sequence_extreme(low, terms.mask, torch.min, group)
+        metrics["clip_ratio/high_max"] = _sequence_extreme(high, terms.mask, torch.max, group)
     if options.clip_ratio_c is not None:  # where the dual clip's −A·c floor is the loss
         adv = terms.advantages
         unfloored = clipped_surrogate(terms, options, ratio, dual_clip=False)

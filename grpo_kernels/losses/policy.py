@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from grpo_kernels.losses.reduce import sequence_mean, sequence_sum
 from grpo_kernels.losses.terms import LOG_RATIO_CLAMP, TokenTerms
 from grpo_kernels.options import LossOptions
 
@@ -150,10 +151,13 @@ def vespo_weights(terms: TokenTerms, options: LossOptions) -> Tensor:
     floor = math.log(1e-8)
     with torch.no_grad():
         mask = terms.mask
-        log_w = (terms.token_log_ratio.clamp(-20.0, 20.0) * mask).sum(-1, keepdim=True)  # [B, 1]
-        if terms.is_ratio is not None:
-            log_is = terms.is_ratio.log().clamp(floor, 20.0)  # [B, T] or [B, 1]
-            log_w = log_w + (log_is * mask if log_is.shape == mask.shape else log_is).sum(-1, keepdim=True)
+        per_token = terms.token_log_ratio.clamp(-20.0, 20.0)  # [B, T]
+        log_is = None if terms.is_ratio is None else terms.is_ratio.log().clamp(floor, 20.0)  # [B, T] or [B, 1]
+        if log_is is not None and log_is.shape == mask.shape:
+            per_token = per_token + log_is
+        log_w = sequence_sum(per_token, mask, terms.sequence_group)  # [B, 1]
+        if log_is is not None and log_is.shape != mask.shape:  # one weight per sequence
+            log_w = log_w + log_is.sum(-1, keepdim=True)
         log_w = log_w.clamp(floor, 20.0)  # [B, 1]
         nonneg = terms.advantages >= 0
         k = torch.where(nonneg, options.vespo_k_pos, options.vespo_k_neg)
@@ -174,13 +178,13 @@ def gpg(terms: TokenTerms, options: LossOptions) -> Tensor:
     return -terms.advantages * terms.logp
 
 
-def _masked_sequence_mean(x: Tensor, mask: Tensor) -> Tensor:
-    return (x * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)  # [B, 1]
+def _masked_sequence_mean(x: Tensor, terms: TokenTerms) -> Tensor:
+    return sequence_mean(x, terms.mask, terms.sequence_group)  # [B, 1]
 
 
 def gspo_token_ratio(terms: TokenTerms, options: LossOptions) -> Tensor:
     """s_{i,t} = sg(s_i)·π/sg(π): the value of GSPO's sequence ratio with a per-token gradient, [B, T]."""
-    log_s = _masked_sequence_mean(terms.token_log_ratio, terms.mask).detach()  # [B, 1]
+    log_s = _masked_sequence_mean(terms.token_log_ratio, terms).detach()  # [B, 1]
     log_s_t = log_s + terms.logp - terms.logp.detach()  # [B, T]
     return log_s_t.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
 
@@ -195,7 +199,7 @@ def gspo_token(terms: TokenTerms, options: LossOptions) -> Tensor:
 
 def trajectory_ratio(terms: TokenTerms, options: LossOptions) -> Tensor:
     """w_i = π_θ(o_i)/π_old(o_i) = exp(Σ_t (logp − old)), in log space and clamped to ±20, [B, 1]."""
-    log_w = (terms.token_log_ratio * terms.mask).sum(-1, keepdim=True)  # [B, 1]
+    log_w = sequence_sum(terms.token_log_ratio, terms.mask, terms.sequence_group)  # [B, 1]
     return log_w.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
 
 
@@ -217,7 +221,7 @@ def _gmpo_log_ratios(terms: TokenTerms, options: LossOptions) -> tuple[Tensor, T
 def gmpo_ratio(terms: TokenTerms, options: LossOptions) -> Tensor:
     """GMPO's geometric-mean ratio exp(mean_t lr_min), clamped to ±20 in log space, [B, 1]."""
     lr_min = _gmpo_log_ratios(terms, options)[2]  # [B, T]
-    return _masked_sequence_mean(lr_min, terms.mask).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+    return _masked_sequence_mean(lr_min, terms).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
 
 
 def _gmpo_flags(terms: TokenTerms, options: LossOptions, ratio: Tensor) -> tuple[Tensor, Tensor]:
@@ -234,7 +238,7 @@ def geometric_mean_is_ratio(terms: TokenTerms) -> Tensor:
     weight among n tokens gives a factor (1e-10)^(1/n), not 0. A per-sequence weight [B, 1] gives itself.
     """
     log_w = (terms.is_ratio + 1e-10).log().expand_as(terms.mask)  # [B, T]
-    return _masked_sequence_mean(log_w, terms.mask).exp()
+    return _masked_sequence_mean(log_w, terms).exp()
 
 
 @policy_loss(
@@ -249,7 +253,7 @@ def gmpo(terms: TokenTerms, options: LossOptions) -> Tensor:
     """Geometric-mean policy optimisation: −Ā_i·exp(mean_t lr_min) per sequence, token log-ratios clipped in
     log space to [−ε_low, ε_high] on the side A's sign makes pessimistic (verl `geo_mean`), [B, 1]; times the
     geometric mean of `is_ratio` over the sequence (verl's `rollout_is_weights` reduction)."""
-    advantage = _masked_sequence_mean(terms.advantages.expand_as(terms.mask), terms.mask)  # [B, 1]
+    advantage = _masked_sequence_mean(terms.advantages.expand_as(terms.mask), terms)  # [B, 1]
     loss = -advantage * gmpo_ratio(terms, options)  # [B, 1]
     return loss if terms.is_ratio is None else loss * geometric_mean_is_ratio(terms)
 

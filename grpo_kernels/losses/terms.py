@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from grpo_kernels.losses.reduce import sequence_mean
 from grpo_kernels.options import LossOptions
 
 LOG_RATIO_CLAMP = 20.0  # |log importance weight| cap: exp stays finite, as in verl
@@ -27,6 +29,7 @@ class TokenTerms:
     log_ratio: Tensor  # [B, T] (token level) or [B, 1] (sequence level): log importance weight, in ±LOG_RATIO_CLAMP
     ratio: Tensor  # exp(log_ratio), same shape
     sampling_logp: Tensor | None = None  # [B, T] the sampler's log-probs (off-policy mask); old_logp when None
+    sequence_group: Any = None  # the ranks each sequence's tokens are split over (`losses.reduce`); None: here
 
     @property
     def token_log_ratio(self) -> Tensor:
@@ -46,6 +49,7 @@ def build_terms(
     token_weights: Tensor | None = None,
     sequence_weights: Tensor | None = None,
     sampling_logp: Tensor | None = None,
+    sequence_group: Any = None,
 ) -> TokenTerms:
     """Promote shapes ([B] -> [B, 1]) and dtypes (to logp's), and form the importance ratio at its level.
 
@@ -72,7 +76,7 @@ def build_terms(
         weights = weights if sequence_weights is None else weights * sequence_weights.to(dtype)[:, None]  # [B, T]
     token_log_ratio = logp - old_logp  # [B, T]
     if options.importance_sampling_level == "sequence":  # GSPO: masked mean of the log-ratio per sequence
-        log_ratio = (token_log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)  # [B, 1]
+        log_ratio = sequence_mean(token_log_ratio, mask, sequence_group)  # [B, 1]
     else:
         log_ratio = token_log_ratio  # [B, T]
     log_ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
@@ -88,6 +92,7 @@ def build_terms(
         log_ratio=log_ratio,
         ratio=log_ratio.exp(),
         sampling_logp=sampling_logp,
+        sequence_group=sequence_group,
     )
 
 

@@ -2,23 +2,28 @@
 
 `PresetComponents(config, task, parallel)` reads `config.preset` (a shipped name or a YAML path; None: the task's
 reward alone, one round, no regularizer) and checks, before any model work, that the trainer can apply every
-component: the ones it cannot are one ValueError naming the preset, each component and why. Per step:
+component: the ones it cannot are one ValueError naming the preset, each component and why (for an input no
+shipped task or model gives: which input and why). This module dispatches; the inputs and state some papers need
+live beside it:
 
-- `collect`: prompts -> rollouts -> the task's scores -> the step reward of the preset's pipeline, with presets.py's
-  semantics (`math_answer`, `gsm8k` and `countdown` stand for the task's verifier and are its full reward; the
-  other entries are called with the per-step inputs their signature names, `REWARD_INPUTS`) -> the sampler
-  (samplers.py). A reward's `old_logp` is the sampler's log-probs (π_old up to the sampler's numerics).
-- `advantage_inputs`: the estimator's rewards and group ids, and the `ADVANTAGE_INPUTS` its signature names;
-  an estimator with a `weights` parameter (GDPO) gets the reward matrix [B, K] and the entries' weights.
-- `weights` and `learn`: the regularizers' token / sequence weights for `UpdateBatch`; λ-GRPO's λ is learned from
-  dL/dw, the gradient the update leaves on its sequence weights, with its own SGD (lr 0.1, spec §8).
+- `collect`: prompts -> rollouts -> the task's scores -> the step reward of the preset's pipeline
+  (`preset_rewards.py`, with the inputs `preset_inputs.py` produces: GAPO's answer keys, SPO's correct-prefix
+  scores, RankGRPO's ranks, DRA-GRPO's policy embeddings) -> the sampler (samplers.py; PVPO's `pvpo_filter` in
+  `preset_pvpo.py`). A reward's `old_logp` is the sampler's log-probs (π_old up to the sampler's numerics).
+- `advantage_inputs`: the estimator's rewards and group ids, and the `ADVANTAGE_INPUTS` its signature names (PVPO's
+  cached reference value too); an estimator with a `weights` parameter (GDPO) gets the reward matrix [B, K] and the
+  entries' weights.
+- `weights` and `learn`: the regularizers' token / sequence weights for `UpdateBatch`; λ-GRPO's λ and DARO's w_μ
+  are learned from dL/dw, the gradient the update leaves on its sequence weights (`preset_weights.py`).
+  AMIR-GRPO's preference term is in the policy's forward (`policy_module`, `preset_amir.py`).
+- `bind_policy`: the policy, tokenizer and reference model, for the inputs read from them.
+- `state_dict`: what a checkpoint keeps (learned weights, AMIR's λ, PVPO's reference values) for an exact resume.
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,10 +35,17 @@ from grpo_kernels import presets
 from grpo_kernels.advantages import ADVANTAGES
 from grpo_kernels.presets import ComponentConfig
 from grpo_kernels.regularizers import REGULARIZERS
-from grpo_kernels.rewards import REWARDS
 from grpo_kernels.trainer.parallel import ParallelState, gather_rows, local_rows
+from grpo_kernels.trainer.policy import PolicyModule
+from grpo_kernels.trainer.preset_amir import PreferencePolicy, amir_problems
+from grpo_kernels.trainer.preset_info import InfoPolicy, InfoRounds, augmentation, info_problems
+from grpo_kernels.trainer.preset_inputs import RewardInputs
+from grpo_kernels.trainer.preset_pvpo import build_pvpo
+from grpo_kernels.trainer.preset_rewards import RewardPipeline, parameters, required
+from grpo_kernels.trainer.preset_weights import LEARNED, build_learner
 from grpo_kernels.trainer.rollout import Rollout, RolloutBatch
 from grpo_kernels.trainer.samplers import (
+    GLOBAL_SAMPLERS,
     DynamicSampling,
     GPGResampling,
     Round,
@@ -46,26 +58,23 @@ from grpo_kernels.trainer.tasks import Prompt, PromptStream, RewardBatch, Task
 if TYPE_CHECKING:
     from grpo_kernels.trainer.config import TrainConfig
 
-VERIFIERS = ("math_answer", "gsm8k", "countdown")  # stand for the task's verifier: the task's full reward
-REWARD_INPUTS = ("completions", "answers", "truncated", "lengths", "correct", "group_ids", "old_logp", "mask")
 ADVANTAGE_INPUTS = ("correctness", "lengths", "mean_logp", "entropy", "mask")
+PRODUCED_ADVANTAGE_INPUTS = ("reference_value",)  # PVPO's V̂(q), from reference pre-rollouts (preset_pvpo.py)
+NO_ADVANTAGE_SOURCE = {  # advantage inputs no shipped task gives
+    "strata": "Stratified-GRPO's strata are a trajectory's structure (its number of search or tool calls, from an "
+    "agent loop); the shipped tasks are single-turn without tools, and a prompt-level key (difficulty, problem type) "
+    "never splits a group, so with the preset's per_group: true the advantage would be GRPO's",
+}
 PER_TOKEN_INPUTS = ("entropy", "mask")  # [B, T]: padded to a common T before gathering over ranks
 MATRIX_WEIGHTS = "weights"  # an estimator with this parameter takes the reward matrix [B, K] and the weights w_k
 TOKEN_WEIGHTS = ("tr_grpo",)  # fn(logp [B, T], **hyperparameters) -> token_weights [B, T] (detached)
-LEARNED_SEQUENCE_WEIGHTS = ("lambda_grpo",)  # module(lengths [B], group_ids [B]) -> sequence_weights [B]
-LAMBDA_LEARNING_RATE = 0.1  # λ-GRPO's SGD learning rate (community port, spec §8)
+POLICY_TERMS = ("amir", "info_grpo")  # loss terms the policy's forward adds (preset_amir.py, preset_info.py)
 SAMPLERS: dict[str, Callable[..., Sampler]] = {
     "dapo_dynamic": lambda config: DynamicSampling(config.prompts_per_step),
     "gpg_valid": lambda config, **kwargs: GPGResampling(**kwargs),
     "xrpo_allocate": lambda config, **kwargs: XRPOAllocation(**kwargs),
 }
-UNSUPPORTED = {  # why the trainer does not apply these components
-    "pvpo_filter": "it needs reference-policy pre-rollouts per prompt and ground-truth trajectories from a larger LLM",
-    "daro_buckets": "it only bins prompts for the daro regularizer",
-    "daro": "not implemented yet (learned per-pass-rate-bin weights on prompts with 0 < pass rate < 1)",
-    "amir": "its preference loss needs per-sequence log-prob sums with gradients, which PolicyModule does not return",
-    "info_grpo": "it needs augmented rollouts π(·|q, z) and an extra loss term in the update",
-}
+UNSUPPORTED: dict[str, str] = {}  # why the trainer does not apply a known component
 
 
 @dataclass(frozen=True)
@@ -79,6 +88,7 @@ class StepSamples:
     correct: Tensor  # [B] bool: the task's `answer` column > 0.5
     sequence_weights: Tensor | None  # [B] the sampler's (GPG's α)
     metrics: dict[str, float]
+    inputs: dict[str, Tensor] = field(default_factory=dict)  # [B] each: produced advantage inputs (PVPO's V̂)
 
 
 @dataclass(frozen=True)
@@ -88,40 +98,13 @@ class StepWeights:
     token: Tensor | None  # [B, T]
     sequence: Tensor | None  # [B]; a leaf that collects dL/dw when `learned` is set
     learned: Tensor | None  # [B]
+    context: Any = None  # what the learner keeps of the step (DARO's bins and token counts)
 
 
 def missing_advantage_inputs(fn: Callable[..., Any], kwargs: dict[str, Any]) -> list[str]:
     """The required per-step inputs of an estimator that neither the trainer (`ADVANTAGE_INPUTS`) nor `kwargs` give."""
-    return [n for n in _required(fn) if n not in ("rewards", "group_ids", *ADVANTAGE_INPUTS) and n not in kwargs]
-
-
-class RewardPipeline:
-    """A preset's `rewards` list as the step reward: r = Σ_k w_k·term_k in order; an entry that reads `rewards`
-    replaces the sum so far by w·f(sum). Returns (rewards [B], the unweighted terms [B, K])."""
-
-    def __init__(self, entries: tuple[ComponentConfig, ...], problems: list[str]) -> None:
-        self.entries: list[tuple[float, Callable[..., Tensor] | None, dict[str, Any], bool]] = []
-        for entry in entries:
-            fn, kwargs = (None, {}) if entry.name in VERIFIERS else _reward_callable(entry, problems)
-            reshapes = entry.name not in VERIFIERS and presets.reshapes_rewards(REWARDS.get(entry.name))
-            self.entries.append((float(entry.weight), fn, kwargs, reshapes))
-        self.weights = [weight for weight, *_ in self.entries]
-        self.reshapes = any(reshapes for *_, reshapes in self.entries)
-        self.identity = len(entries) == 1 and entries[0].name in VERIFIERS and entries[0].weight == 1.0
-        self.uses_correctness = any(fn is not None and "correct" in _parameters(fn) for _, fn, _, _ in self.entries)
-
-    def __call__(self, round: Round) -> tuple[Tensor, Tensor]:
-        inputs = _reward_inputs(round)
-        total, terms = None, []
-        for weight, fn, kwargs, reshapes in self.entries:
-            if fn is None:
-                term = round.scores.rewards.float()  # [B] the task's verifier
-            else:
-                named = {name: inputs[name] for name in _parameters(fn) if name in inputs}
-                term = fn(**named, **kwargs, **({"rewards": total} if reshapes else {})).float()  # [B]
-            total = weight * term if total is None or reshapes else total + weight * term  # [B]
-            terms.append(term)
-        return total, torch.stack(terms, dim=1)  # [B], [B, K]
+    given = ("rewards", "group_ids", *ADVANTAGE_INPUTS, *PRODUCED_ADVANTAGE_INPUTS)
+    return [n for n in required(fn) if n not in given and n not in kwargs]
 
 
 class PresetComponents:
@@ -134,33 +117,67 @@ class PresetComponents:
         estimator = ADVANTAGES.get(config.advantage)
         missing = missing_advantage_inputs(estimator, config.advantage_kwargs)
         if missing:
-            problems.append(f"advantage {config.advantage!r}: needs {missing}, which the trainer cannot produce")
-        parameters = _parameters(estimator)
+            reasons = "".join(f" ({n}: {NO_ADVANTAGE_SOURCE[n]})" for n in missing if n in NO_ADVANTAGE_SOURCE)
+            problems.append(
+                f"advantage {config.advantage!r}: needs {missing}, which the trainer cannot produce{reasons}"
+            )
+        named = parameters(estimator)
         self.advantage_input_names = [
-            n for n in ADVANTAGE_INPUTS if n in parameters and n not in config.advantage_kwargs
+            n
+            for n in (*ADVANTAGE_INPUTS, *PRODUCED_ADVANTAGE_INPUTS)
+            if n in named and n not in config.advantage_kwargs
         ]
-        entries = preset.rewards if preset is not None else (ComponentConfig("math_answer", {}, 1.0),)
-        self.rewards = RewardPipeline(entries, problems)
-        self.matrix = MATRIX_WEIGHTS in parameters
+        budget = config.max_completion_length  # rewards' token lengths (DAPO's L_max, L_cache) scale to it
+        default = (ComponentConfig("math_answer", {}, 1.0),)
+        entries = presets.rewards_for_budget(preset, budget) if preset is not None else default
+        self.inputs = RewardInputs(task, parallel.mode)
+        self.rewards = RewardPipeline(entries, problems, self.inputs)
+        self.matrix = MATRIX_WEIGHTS in named
         if self.matrix and (self.rewards.reshapes or MATRIX_WEIGHTS in config.advantage_kwargs):
             problems.append(
                 f"advantage {config.advantage!r}: takes one reward column per entry and its weight, so no entry "
                 f"may reshape the rewards and advantage_kwargs may not set {MATRIX_WEIGHTS!r}"
             )
+        filtering = preset is not None and preset.sampling is not None and preset.sampling.name == "pvpo_filter"
+        self.reference, self.pvpo_filter = None, None
+        if filtering or "reference_value" in named:
+            self.reference, self.pvpo_filter = build_pvpo(
+                config, task, parallel.world_size, lambda r: self.rewards(r)[0], filtering, problems
+            )
         self.sampler = self._sampler(preset.sampling if preset else None, problems)
         regularizers = preset.regularizers if preset else ()
         self.token_weights = [r for r in regularizers if r.name in TOKEN_WEIGHTS]
-        self.learned, self.optimizer = self._learned(
-            [r for r in regularizers if r.name in LEARNED_SEQUENCE_WEIGHTS], problems
-        )
+        self.learner = build_learner([r for r in regularizers if r.name in LEARNED], config, parallel, problems)
+        self.preference, self.info = self._policy_terms(regularizers, problems)  # kwargs of the forward's term
+        self.policy: PreferencePolicy | InfoPolicy | None = None
+        if self.info is not None:
+            self.sampler = InfoRounds(augmentation(task))
         for r in regularizers:
-            if r.name not in TOKEN_WEIGHTS + LEARNED_SEQUENCE_WEIGHTS:
+            if r.name not in (*TOKEN_WEIGHTS, *LEARNED, *POLICY_TERMS):
                 problems.append(f"regularizer {r.name!r}: {UNSUPPORTED.get(r.name, 'unknown to the trainer')}")
         uses_correctness = self.rewards.uses_correctness or "correctness" in self.advantage_input_names
         if uses_correctness and tuple(task.reward_names[:1]) != ("answer",):
             problems.append(f"correctness: read from the task's first reward column 'answer', got {task.reward_names}")
         if problems:
             raise ValueError(f"preset {config.preset!r}: the trainer cannot apply " + "; ".join(problems))
+
+    def bind_policy(self, model: torch.nn.Module, tokenizer: Any, ref_model: torch.nn.Module | None = None) -> None:
+        """Give the inputs read from the policy (DRA-GRPO's embeddings, PVPO's injected log-probs) its model and
+        tokenizer, and PVPO's pre-rollouts the reference model, once they exist."""
+        self.inputs.embedder.bind(model, tokenizer)
+        if self.reference is not None:
+            self.reference.bind(ref_model, tokenizer, self.config.max_completion_length, self.config.loss.temperature)
+        if self.pvpo_filter is not None:
+            self.pvpo_filter.bind(model, tokenizer, self.config.max_completion_length)
+
+    def policy_module(self, model: torch.nn.Module, padding_free: bool) -> PolicyModule:
+        """The module the update runs (DDP / FSDP2 wrap it): `PolicyModule`, or the one that adds a preset's term to
+        the loss (AMIR-GRPO's `PreferencePolicy`, Info-GRPO's `InfoPolicy`)."""
+        if self.info is not None:
+            self.policy = InfoPolicy(model, padding_free, **self.info)
+        elif self.preference is not None:
+            self.policy = PreferencePolicy(model, padding_free, **self.preference)
+        return PolicyModule(model, padding_free) if self.policy is None else self.policy
 
     @property
     def advantage_kwargs(self) -> dict[str, Any]:
@@ -182,7 +199,10 @@ class PresetComponents:
             metrics["rewards/task"] = round.scores.rewards.mean().item()
         weights = collected.sequence_weights
         metrics.update(collected.metrics)
-        return StepSamples(round.batch, group_ids, rewards, terms, correctness(round.scores), weights, metrics)
+        inputs = {} if self.reference is None else {"reference_value": self.reference.values(round)}  # [B]
+        if isinstance(self.sampler, InfoRounds):
+            inputs["augmented"] = self.sampler.augmented  # [B] bool
+        return StepSamples(round.batch, group_ids, rewards, terms, correctness(round.scores), weights, metrics, inputs)
 
     def advantage_inputs(self, step: StepSamples, old_logp: Tensor, entropy: Tensor) -> dict[str, Tensor]:
         """`rewards` ([B], or [B, K] for a matrix estimator), `group_ids` and the inputs the estimator names, on CPU."""
@@ -194,6 +214,7 @@ class PresetComponents:
             "mean_logp": (old_logp * mask).sum(1) / lengths.clamp(min=1),  # [B]
             "entropy": entropy,  # [B, T]
             "mask": mask,  # [B, T]
+            **step.inputs,
         }
         inputs = {"rewards": step.terms if self.matrix else step.rewards, "group_ids": step.group_ids}
         return {**inputs, **{name: available[name].cpu() for name in self.advantage_input_names}}
@@ -206,67 +227,80 @@ class PresetComponents:
             factor = REGULARIZERS.get(r.name)(old_logp, **r.kwargs)  # [B, T]
             token = factor if token is None else token * factor
         sequence = None if step.sequence_weights is None else step.sequence_weights.to(old_logp.device)  # [B]
-        if self.learned is None:
+        if isinstance(self.policy, PreferencePolicy):
+            self.policy.set_step(step.rewards, step.group_ids)
+        elif isinstance(self.policy, InfoPolicy):
+            self.policy.set_step(step.inputs["augmented"])
+        if self.learner is None:
             return StepWeights(token, sequence, None)
-        lengths = step.batch.completion_mask.sum(1).to(old_logp.device)  # [B]
-        learned = self.learned(lengths, step.group_ids.to(old_logp.device))  # [B]
+        learned, context = self.learner.weights(step, old_logp.device)  # [B]
         learned = learned if sequence is None else learned * sequence
-        return StepWeights(token, learned.detach().requires_grad_(), learned)
+        return StepWeights(token, learned.detach().requires_grad_(), learned, context)
 
     def learn(self, weights: StepWeights) -> dict[str, float]:
         """One step of the learned weights' optimizer on dL/dw (left on `weights.sequence` by the update), averaged
         over ranks as DDP averages the policy's gradients; returns their values as metrics."""
         if weights.learned is None:
             return {}
-        self.optimizer.zero_grad(set_to_none=True)
-        weights.learned.backward(weights.sequence.grad)
-        if self.parallel.world_size > 1:
-            for p in self.learned.parameters():
-                dist.all_reduce(p.grad)
-                p.grad /= self.parallel.world_size
-        self.optimizer.step()
-        return {"lambda_grpo/lambda": self.learned.lam.item()}
+        return self.learner.learn(weights.learned, weights.sequence.grad, weights.context)
 
     def state_dict(self) -> dict:
         """What a checkpoint keeps of the components: the learned weights and their optimizer (empty without)."""
-        if self.learned is None:
-            return {}
-        return {"learned": self.learned.state_dict(), "optimizer": self.optimizer.state_dict()}
+        state = {} if self.learner is None else self.learner.state_dict()
+        if self.reference is not None:
+            state["pvpo"] = self.reference.state_dict()
+        if isinstance(self.policy, PreferencePolicy):
+            state["amir"] = self.policy.preference_state()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         """Restore `state_dict()`'s output; a checkpoint that lacks the learned weights this run has is an error."""
-        if self.learned is None:
+        if isinstance(self.policy, PreferencePolicy):
+            if "amir" not in state:
+                raise ValueError("the checkpoint holds no AMIR-GRPO λ (it was written by another preset)")
+            self.policy.load_preference_state(state["amir"])
+        if self.reference is not None:
+            if "pvpo" not in state:
+                raise ValueError("the checkpoint holds no PVPO reference values (it was written by another preset)")
+            self.reference.load_state_dict(state["pvpo"])
+        if self.learner is None:
             return
         if "learned" not in state:
             raise ValueError("the checkpoint holds no learned sequence weights (it was written by another preset)")
-        self.learned.load_state_dict(state["learned"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.learner.load_state_dict(state)
 
     # --------------------------------------------------------------------------------------------- construction
+    def _policy_terms(
+        self, regularizers: tuple[ComponentConfig, ...], problems: list[str]
+    ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+        """The hyperparameters of AMIR-GRPO's and Info-GRPO's terms, which the policy's forward adds: one at most,
+        and Info-GRPO's own sampler in place of any other."""
+        terms = {r.name: r.kwargs for r in regularizers if r.name in POLICY_TERMS}
+        if "amir" in terms and amir_problems(self.config):
+            problems.append("regularizer 'amir': needs " + "; ".join(amir_problems(self.config)))
+        if "info_grpo" in terms:
+            reasons = info_problems(self.config, self.task)
+            if self.sampler is not single_round or len(terms) > 1:
+                reasons.append("no other sampler and no other policy term")
+            if reasons:
+                problems.append("regularizer 'info_grpo': needs " + "; ".join(reasons))
+        return terms.get("amir"), terms.get("info_grpo")
+
     def _sampler(self, sampling: ComponentConfig | None, problems: list[str]) -> Sampler:
-        if sampling is None:
+        if sampling is None or sampling.name == "daro_buckets":  # DARO's bins: its learner's, on one round
             return single_round
+        if sampling.name == "pvpo_filter":
+            return self.pvpo_filter or single_round
         if sampling.name not in SAMPLERS:
             problems.append(f"sampler {sampling.name!r}: {UNSUPPORTED.get(sampling.name, 'unknown to the trainer')}")
-        elif self.parallel.world_size > 1:
-            problems.append(f"sampler {sampling.name!r}: not under data parallelism (ranks would keep different rows)")
+        elif self.parallel.world_size > 1 and sampling.name not in GLOBAL_SAMPLERS:
+            problems.append(
+                f"sampler {sampling.name!r}: not under data parallelism (its groups end up of different sizes, which "
+                "do not split evenly over the ranks)"
+            )
         else:
             return SAMPLERS[sampling.name](self.config, **sampling.kwargs)
         return single_round
-
-    def _learned(
-        self, regularizers: list[ComponentConfig], problems: list[str]
-    ) -> tuple[torch.nn.Module | None, torch.optim.Optimizer | None]:
-        """The learned sequence-weight module and its optimizer: one module, trained with num_iterations = 1 (the
-        update backpropagates once through its weights)."""
-        if not regularizers:
-            return None, None
-        names = [r.name for r in regularizers]
-        if len(regularizers) > 1 or self.config.num_iterations != 1:
-            problems.append(f"regularizer(s) {names}: one learned weight at most, and num_iterations = 1")
-            return None, None
-        module = REGULARIZERS.get(regularizers[0].name)(**regularizers[0].kwargs).to(self.parallel.device)
-        return module, torch.optim.SGD(module.parameters(), lr=LAMBDA_LEARNING_RATE)
 
 
 class _Rounds:
@@ -275,6 +309,7 @@ class _Rounds:
     def __init__(self, components: PresetComponents, prompts: PromptStream, rollout: Rollout) -> None:
         self.components, self.prompts, self.rollout = components, prompts, rollout
         self.num_generations = components.config.num_generations
+        self.parallel = components.parallel  # a global sampler gathers the ranks' rounds (samplers.GLOBAL_SAMPLERS)
 
     def draw(self) -> list[Prompt]:
         """The same draw on every rank; each keeps its share."""
@@ -318,48 +353,5 @@ def local_part(advantages: Tensor, rows: int, length: int, parallel: ParallelSta
 
 
 def correctness(scores: RewardBatch) -> Tensor:
-    """The verifier's verdict [B] bool: the task's first reward column, `answer` (1.0 / 0.0), above 0.5."""
-    return scores.columns[:, 0] > 0.5  # [B]
-
-
-def _reward_inputs(round: Round) -> dict[str, Any]:
-    batch = round.batch
-    mask = batch.completion_mask.cpu()  # [B, T]
-    return {
-        "completions": batch.completions,
-        "answers": round.answers,
-        "truncated": batch.truncated.cpu(),  # [B]
-        "lengths": mask.sum(1).float(),  # [B]
-        "correct": correctness(round.scores),  # [B]
-        "group_ids": batch.group_ids.cpu(),  # [B]
-        "old_logp": batch.sampling_logp.cpu(),  # [B, T]
-        "mask": mask,
-    }
-
-
-def _reward_callable(
-    entry: ComponentConfig, problems: list[str]
-) -> tuple[Callable[..., Tensor] | None, dict[str, Any]]:
-    """The reward's function and its hyperparameters (a class is built from them), or None after a problem."""
-    obj = REWARDS.get(entry.name)
-    if inspect.isclass(obj):
-        if _required(obj):
-            problems.append(f"reward {entry.name!r}: is built from {_required(obj)}, which a preset cannot give")
-            return None, {}
-        fn, kwargs = obj(**entry.kwargs), {}
-    else:
-        fn, kwargs = obj, entry.kwargs
-    missing = [n for n in _required(fn) if n not in REWARD_INPUTS and n != "rewards" and n not in kwargs]
-    if missing:
-        problems.append(f"reward {entry.name!r}: needs {missing}, which the trainer cannot produce")
-        return None, {}
-    return fn, kwargs
-
-
-def _parameters(fn: Callable[..., Any]) -> dict[str, inspect.Parameter]:
-    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
-    return {n: p for n, p in inspect.signature(fn).parameters.items() if p.kind not in variadic}
-
-
-def _required(fn: Callable[..., Any]) -> list[str]:
-    return [n for n, p in _parameters(fn).items() if p.default is inspect.Parameter.empty]
+    """The verifier's verdict [B] bool: the task's `RewardBatch.correct` (its `answer` column, 1.0 / 0.0)."""
+    return scores.verdict  # [B]

@@ -4,10 +4,14 @@ The command line is generated from the fields: `--output-dir runs/x` (or `--outp
 `--resume` / `--no-resume`; the loss options are `LossOptions`' own fields, flat (`--loss-type dapo`, `--beta 0.04`,
 `--epsilon-high 0.28`). `None` is written `none`. Each option's help is the comment next to its field (here, and in
 `grpo_kernels/options.py` for the loss options), with its choices. Precedence, lowest first: the defaults (with
-`--resume`: the run's own `config.yaml`), a paper preset (`--preset dapo`: its loss options and advantage estimator
-here; its rewards, with `math_answer` standing for the task's reward, its sampler and its regularizers are built by
-the trainer, `components.py`), a YAML file (`--config file.yaml`: TrainConfig fields as keys, loss options under
-`loss:`), then the flags. `check_config` refuses values out of range, naming the option.
+`--resume`: the run's own `config.yaml`), a paper preset (`--preset dapo`: its loss options, advantage estimator and
+training settings here; its rewards, with `math_answer` standing for the task's reward, its sampler and its
+regularizers are built by the trainer, `components.py`), a YAML file (`--config file.yaml`: TrainConfig fields as
+keys, loss options under `loss:`), then the flags. `check_config` refuses values out of range, naming the option.
+The paper's training settings (`TRAINING_SETTINGS`: G, lr, temperature, μ, generation budget) and where each
+effective value came from (flag, config file, preset, default, task) are in `TrainConfig.sources`, which the trainer
+completes (`settings.resolve_settings`) and `config.yaml` records. The generation budget is the paper's capped at the
+task's (a paper's 20,480 tokens on a task whose answers take 3 would be all padding); a flag sets it outright.
 The default preset is `grpo` (DeepSeekMath: ε = 0.2, β = 0.04 with the k3 estimator against a frozen reference,
 group z-score advantages), so the demo shows a KL; `--preset none` starts from `LossOptions()` (TRL's defaults).
 `TrainConfig.max_completion_length` is the generation budget and, unless `loss.max_completion_length` is set, also
@@ -33,13 +37,17 @@ import yaml
 
 from grpo_kernels import presets
 from grpo_kernels.advantages import ADVANTAGES
+from grpo_kernels.integrations.attention import ATTN_IMPLEMENTATIONS
 from grpo_kernels.options import IMPORTANCE_SAMPLING_LEVELS, KL_ESTIMATORS, LOSS_AGG_MODES, LOSS_TYPES, LossOptions
 from grpo_kernels.trainer.cli import Parser
 from grpo_kernels.trainer.logging import REPORT_TO
 from grpo_kernels.trainer.parallel import PARALLEL_MODES
+from grpo_kernels.trainer.precision import DTYPES
 from grpo_kernels.trainer.update import IS_MODES
 
 PER_STEP_LOSS_OPTIONS = ("num_items_in_batch", "num_sequences_in_batch")  # set by the trainer at each step
+TRAINING_SETTINGS = tuple(presets.TRAINING_KEYS)  # a preset's training settings; `temperature` is the loss option
+NOT_CLI = ("loss", "sources")  # TrainConfig fields without a flag of their own
 DEFAULT_PRESET = "grpo"
 ROLLOUTS = ("hf", "vllm")
 
@@ -65,6 +73,8 @@ class TrainConfig:
     torch_threads: int | None = 1  # CPU threads of torch ops (none: torch's default); 1 is fastest for tiny models
     # ---- policy
     model: str = "tiny"  # "tiny": a Llama built from the three sizes below; else a Hugging Face name or local path
+    dtype: str = "auto"  # the policy's parameter dtype; auto: bfloat16 on a GPU, float32 on the CPU
+    ref_model_dtype: str = "auto"  # the reference model's parameter dtype; auto: the policy's
     hidden_size: int = 64  # the tiny Llama's hidden size
     num_layers: int = 2  # the tiny Llama's decoder layers
     num_heads: int = 4  # the tiny Llama's attention heads (they divide hidden_size)
@@ -72,6 +82,9 @@ class TrainConfig:
     lora_r: int = 16  # the LoRA adapters' rank (their inner dimension)
     lora_alpha: int = 32  # LoRA scaling numerator (peft's lora_alpha)
     lora_target_modules: str = "all-linear"  # peft's target_modules: a comma-separated list or "all-linear"
+    padding_free: bool = True  # pack each pass's sequences without padding (where the model supports it; else
+    # padded, with a line saying why)
+    attn_implementation: str = "auto"  # auto: flash_attention_2 when flash-attn is installed on CUDA, else sdpa
     # ---- data
     dataset: str = "addition"  # addition (generated, the demo), countdown (generated), gsm8k (Hugging Face hub),
     # or a path to a .jsonl file of {"prompt", "answer"[, "split"]} lines
@@ -85,18 +98,22 @@ class TrainConfig:
     # (addition 3, countdown 16, gsm8k 256, jsonl 64)
     vllm_gpu_memory_utilization: float = 0.3  # vLLM's share of the GPU memory, in (0, 1]
     vllm_enable_sleep_mode: bool = True  # vLLM frees its memory between rollouts
+    vllm_dtype: str = "auto"  # the vLLM sampler's dtype; auto: the policy's (the importance ratio stays 1 by numerics)
     vllm_importance_sampling_correction: bool = True  # reweigh by π_old / π_vllm (TRL's names and defaults on)
     vllm_importance_sampling_mode: str = "sequence_mask"  # how the correction's ratio is truncated or masked
     vllm_importance_sampling_clip_max: float | None = 3.0  # the correction's upper cap (none: no cap)
     vllm_importance_sampling_clip_min: float | None = None  # the correction's lower cap (none: no cap)
     # ---- algorithm
     preset: str | None = DEFAULT_PRESET  # paper preset (configs/papers/<name>.yaml) or preset YAML: the trainer
-    # builds its rewards, sampler and regularizers; its loss options and advantage come in through `apply_preset`
-    # (the command line's `--preset` calls it; setting this field alone does not change `loss` or `advantage`)
+    # builds its rewards, sampler and regularizers; its loss options, advantage and training settings (G, lr,
+    # temperature, μ; flags win) come in through `apply_preset` (the command line's `--preset` calls it; setting this
+    # field alone changes none of them), its generation budget caps the task's
     advantage: str = "grpo"  # the advantage estimator (an ADVANTAGES name)
     advantage_kwargs: dict[str, Any] = field(default_factory=dict)  # its hyperparameters, as a YAML mapping
     num_iterations: int = 1  # μ: optimizer updates per rollout batch (TRL's name)
     gradient_accumulation_steps: int = 1  # micro-batches per optimizer update on each rank (TRL's name)
+    max_tokens_per_microbatch: int | None = None  # fill micro-batches up to this many tokens of the forward
+    # (real tokens when padding-free), at least gradient_accumulation_steps of them; none: split by rows
     learning_rate: float = 1.0e-3  # AdamW's learning rate
     weight_decay: float = 0.0  # AdamW's weight decay
     max_grad_norm: float = 1.0  # gradients are clipped to this global norm
@@ -104,6 +121,8 @@ class TrainConfig:
     ref_model_sync_steps: int = 512  # steps between refreshes of the reference model
     ref_model_mixup_alpha: float = 0.6  # π_ref ← α·π_θ + (1 − α)·π_ref at each refresh, α in [0, 1]
     loss: LossOptions = field(default_factory=lambda: presets.load(DEFAULT_PRESET).loss)  # the preset's
+    sources: dict[str, str] = field(default_factory=dict)  # where each of TRAINING_SETTINGS came from (flag,
+    # config file, preset, default, task); `parse_args` records flags, the trainer derives the rest (settings.py)
     # ---- logging
     progress: bool = True  # progress: a live bar in a terminal, else a line every progress_every steps / seconds
     progress_every: int = 50  # without a terminal: a progress line every this many steps (0: never) ...
@@ -112,16 +131,21 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (YAML-able); `from_dict` gives the config back."""
-        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "loss"}
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in NOT_CLI}
         data["loss"] = {f.name: getattr(self.loss, f.name) for f in dataclasses.fields(LossOptions)}
         for name in PER_STEP_LOSS_OPTIONS:
             data["loss"].pop(name)
+        data["sources"] = dict(self.sources)
         return data
 
 
 def loss_options(config: TrainConfig) -> LossOptions:
-    """The loss options the trainer uses: `config.loss`, with Dr.GRPO's constant defaulting to the budget."""
-    if config.loss.max_completion_length is not None:
+    """The loss options the trainer uses: `config.loss`, with Dr.GRPO's constant the run's generation budget when it
+    is unset or is the preset paper's own budget (the recipe's constant is its generation budget: 3,000 tokens of a
+    recipe are 3 on a 3-token task, as DAPO's L_max scales in `presets.rewards_for_budget`)."""
+    constant = config.loss.max_completion_length
+    paper = presets.load(config.preset).training.max_completion_length if config.preset is not None else None
+    if constant is not None and constant != paper:
         return config.loss
     return dataclasses.replace(config.loss, max_completion_length=config.max_completion_length)
 
@@ -130,8 +154,9 @@ def advantage_function(config: TrainConfig) -> Callable[..., Any]:
     """The ADVANTAGES estimator `config.advantage`, called as fn(rewards, group_ids, **inputs, **advantage_kwargs).
 
     The trainer passes the per-step inputs the estimator names (`components.ADVANTAGE_INPUTS`: correctness, lengths,
-    mean_logp, entropy, mask; GDPO's reward matrix). One that needs another (Stratified-GRPO's `strata`, PVPO's
-    `reference_value`) and does not get it from `advantage_kwargs` is a ValueError here, before any work.
+    mean_logp, entropy, mask; GDPO's reward matrix; PVPO's `reference_value` from its pre-rollouts). One that needs
+    another (Stratified-GRPO's `strata`) and does not get it from `advantage_kwargs` is a ValueError here, before any
+    work.
     """
     from grpo_kernels.trainer.components import ADVANTAGE_INPUTS, missing_advantage_inputs
 
@@ -154,6 +179,8 @@ def from_dict(data: Mapping[str, Any], base: TrainConfig | None = None, where: s
     if unknown:
         raise ValueError(f"{where}: unknown key(s) {unknown}; valid keys are {sorted(fields)}")
     values = {k: v for k, v in data.items() if k != "loss"}
+    if "sources" in values and not isinstance(values["sources"], Mapping):
+        raise TypeError(f"{where}: sources must be a mapping of training settings, got {values['sources']!r}")
     loss = config.loss
     if data.get("loss") is not None:
         if not isinstance(data["loss"], Mapping):
@@ -164,18 +191,32 @@ def from_dict(data: Mapping[str, Any], base: TrainConfig | None = None, where: s
 
 
 def apply_preset(config: TrainConfig, name: str | None) -> TrainConfig:
-    """The config with a paper preset's loss options and advantage estimator, and `preset` naming it: the trainer
-    builds the preset's rewards, sampler and regularizers from that name (`components.PresetComponents`).
-    `None`: LossOptions' defaults, the `grpo` advantage with its defaults, and the task's reward alone."""
+    """The config with a paper preset's loss options, advantage estimator and training settings (G, lr, temperature,
+    μ; TrainConfig's defaults where the paper gives none), and `preset` naming it: the trainer builds the preset's
+    rewards, sampler and regularizers from that name (`components.PresetComponents`) and caps the generation budget
+    at the paper's (`settings.resolve_settings`). `None`: LossOptions' defaults, the `grpo` advantage with its defaults,
+    TrainConfig's default settings and the task's reward alone."""
+    defaults = TrainConfig()
     if name is None:
-        return dataclasses.replace(config, preset=None, loss=LossOptions(), advantage="grpo", advantage_kwargs={})
+        settings = {n: getattr(defaults, n) for n in ("num_generations", "learning_rate", "num_iterations")}
+        return dataclasses.replace(
+            config, preset=None, loss=LossOptions(), advantage="grpo", advantage_kwargs={}, sources={}, **settings
+        )
     preset = presets.load(name)
+    training = preset.training
+    settings = {
+        n: getattr(defaults, n) if getattr(training, n) is None else getattr(training, n)
+        for n in ("num_generations", "learning_rate", "num_iterations")
+    }
+    temperature = preset.loss.temperature if training.temperature is None else training.temperature
     return dataclasses.replace(
         config,
         preset=name,
-        loss=preset.loss,
+        loss=dataclasses.replace(preset.loss, temperature=temperature),
         advantage=preset.advantage.name,
         advantage_kwargs=dict(preset.advantage.kwargs),
+        sources={},
+        **settings,
     )
 
 
@@ -199,6 +240,7 @@ _AT_LEAST = {  # field -> its smallest value (None, where the field allows it, i
     "vllm_importance_sampling_clip_min": 0.0,
     "num_iterations": 1,
     "gradient_accumulation_steps": 1,
+    "max_tokens_per_microbatch": 1,
     "weight_decay": 0.0,
     "ref_model_sync_steps": 1,
     "ref_model_mixup_alpha": 0.0,
@@ -217,10 +259,14 @@ def choices() -> dict[str, Sequence[str]]:
         "rollout": ROLLOUTS,
         "advantage": ADVANTAGES.names(),
         "vllm_importance_sampling_mode": IS_MODES,
+        "dtype": DTYPES,
+        "ref_model_dtype": DTYPES,
+        "vllm_dtype": DTYPES,
         "loss_type": LOSS_TYPES,
         "importance_sampling_level": IMPORTANCE_SAMPLING_LEVELS,
         "kl_estimator": KL_ESTIMATORS,
         "loss_agg_mode": LOSS_AGG_MODES,
+        "attn_implementation": ATTN_IMPLEMENTATIONS,
     }
 
 
@@ -230,7 +276,7 @@ def check_config(config: TrainConfig) -> None:
     they are used (`build_task`, `presets.load`, `init_parallel`)."""
     for f in dataclasses.fields(TrainConfig):
         value = getattr(config, f.name)
-        if f.name == "loss" or (value is None and "None" in f.type):
+        if f.name in NOT_CLI or (value is None and "None" in f.type):
             continue
         expected = f.type.split("|")[0].strip().split("[")[0]
         types = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,), "dict": (dict,)}[expected]
@@ -349,7 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
     train_fields = parser.add_argument_group("trainer options (TrainConfig fields)")
     defaults, docs = TrainConfig(), field_docs(TrainConfig)
     for f in dataclasses.fields(TrainConfig):
-        if f.name != "loss":
+        if f.name not in NOT_CLI:
             _add_field(train_fields, f.name, f.type, getattr(defaults, f.name), docs[f.name], valid.get(f.name))
     loss_fields = parser.add_argument_group("loss options (LossOptions fields; defaults: the grpo preset's)")
     taken = {f.name for f in dataclasses.fields(TrainConfig)}
@@ -400,5 +446,9 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     flags = {k: v for k, v in args.items() if k not in loss_names and k != "preset"}
     loss_flags = {k: v for k, v in args.items() if k in loss_names}
     config = from_dict({**flags, "loss": loss_flags or None}, config, where="command line")
+    in_file = {*data, *(["temperature"] if "temperature" in (data.get("loss") or {}) else [])}
+    given = {n: "config file" for n in TRAINING_SETTINGS if n in in_file}
+    given.update({n: "flag" for n in TRAINING_SETTINGS if n in args})
+    config = dataclasses.replace(config, sources={**config.sources, **given})
     check_config(config)
     return config

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from grpo_kernels.trainer.rollout import completion_mask, decode_completions
+from grpo_kernels.trainer.rollout import completion_mask, decode_completions, eos_token_ids
 
 if TYPE_CHECKING:  # the tasks (and their reward libraries) are not needed to import this
     from grpo_kernels.trainer.tasks import Task
@@ -25,6 +25,7 @@ def greedy_completions(
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     model.eval()
     device = next(model.parameters()).device
+    eos = eos_token_ids(tokenizer, model)  # the rollouts' end-of-sequence set
     texts: list[str] = []
     truncated: list[Tensor] = []
     for start in range(0, len(prompts), batch_size):
@@ -34,11 +35,11 @@ def greedy_completions(
             do_sample=False,
             max_new_tokens=max_completion_length,
             pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
+            eos_token_id=list(eos),
         )
         completion_ids = sequences[:, encoded["input_ids"].shape[1] :]  # [b, T]
-        mask = completion_mask(completion_ids, tokenizer.eos_token_id)  # [b, T]
-        batch_texts, batch_truncated = decode_completions(tokenizer, completion_ids, mask)
+        mask = completion_mask(completion_ids, eos)  # [b, T]
+        batch_texts, batch_truncated = decode_completions(tokenizer, completion_ids, mask, eos)
         texts += batch_texts
         truncated.append(batch_truncated.cpu())  # [b]
     return texts, torch.cat(truncated)  # [B]

@@ -14,6 +14,8 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, proce
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from grpo_kernels.integrations.attention import packing_support, set_attn_implementation
+
 TINY = "tiny"  # TrainConfig.model value that builds the tiny Llama instead of loading one
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")  # ids 0..3
 
@@ -101,3 +103,22 @@ def apply_lora(model: nn.Module, r: int, alpha: int, target_modules: str) -> nn.
         raise ImportError("--lora needs peft: pip install 'grpo-kernels[peft]'") from error
     targets = target_modules if target_modules == "all-linear" else [t.strip() for t in target_modules.split(",")]
     return get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, task_type="CAUSAL_LM"))
+
+
+def configure_attention(model: nn.Module, config, max_length: int, announce: bool) -> bool:
+    """Set the model's attention implementation (`config.attn_implementation`); whether the trainer's passes run
+    padding-free: `config.padding_free` where the model supports packed sequences (`packing_support`), else padded,
+    with one line (when `announce`) saying why. A `max_tokens_per_microbatch` below `max_length` (the longest
+    prompt ‖ completion) is a ValueError: a sequence is never split."""
+    budget = config.max_tokens_per_microbatch
+    if budget is not None and budget < max_length:
+        raise ValueError(
+            f"max_tokens_per_microbatch ({budget}) must hold the longest sequence: prompt + completion = {max_length}"
+        )
+    name = set_attn_implementation(model, config.attn_implementation)
+    if not config.padding_free:
+        return False
+    reason = packing_support(model)
+    if reason is not None and announce:
+        print(f"padding-free training is off, the passes run padded: {reason} (attention: {name})", flush=True)
+    return reason is None

@@ -4,6 +4,9 @@ The loss's lm_head matmul runs in `forward`, so DDP's gradient hooks and FSDP2's
 other layer: the module DDP or FSDP2 wraps is this one, not the bare model. `logprobs` (old-policy and reference
 log-probs, forward only) and `generate` (rollouts) are the other two entry points; under FSDP2 they are registered
 as forward methods, so the sharded parameters are gathered for them too.
+With `padding_free` every pass packs its rows (`PackedSequences`): the decoder and the lm_head see each sequence's
+real tokens only, the loss takes the packed layout; the records around it (`UpdateBatch`, the log-probs it
+returns) keep the padded `[B, T]` layout the rest of the trainer uses.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from torch import Tensor, nn
 from grpo_kernels.api import fused_linear_grpo_loss
 from grpo_kernels.integrations.hf import completion_hidden_states, lm_head, logit_transform, policy_logprobs
 from grpo_kernels.options import LossOptions
+from grpo_kernels.packing import PackedSequences
 
 
 @dataclass(frozen=True)
@@ -43,18 +47,61 @@ class UpdateBatch:
         if not 1 <= parts <= rows:
             raise ValueError(f"gradient_accumulation_steps must be in [1, {rows}] (rows per rank), got {parts}")
         index = torch.tensor_split(torch.arange(rows), parts)
-        return [
-            UpdateBatch(**{name: None if value is None else value[i] for name, value in vars(self).items()})
-            for i in index
-        ]
+        return [self.rows(i) for i in index]
+
+    def rows(self, index: Tensor) -> UpdateBatch:
+        """The micro-batch of rows `index` (a 1-D long tensor)."""
+        return UpdateBatch(**{name: None if value is None else value[index] for name, value in vars(self).items()})
+
+    def token_costs(self, padding_free: bool) -> list[int]:
+        """Tokens the policy's forward runs per row: its real tokens when padding-free, else the padded width."""
+        if padding_free:
+            return self.attention_mask.sum(1).tolist()
+        return [self.input_ids.shape[1]] * self.input_ids.shape[0]
+
+    def split_by_tokens(self, max_tokens: int, padding_free: bool, parts: int = 1) -> list[UpdateBatch]:
+        """Micro-batches of consecutive rows, each within `max_tokens` tokens (`token_costs`), at least `parts` of
+        them: greedy filling, then the heaviest micro-batch is halved (by tokens) until there are `parts`."""
+        groups = token_budget_groups(self.token_costs(padding_free), max_tokens, parts)
+        return [self.rows(torch.tensor(group, dtype=torch.long)) for group in groups]
+
+
+def token_budget_groups(costs: list[int], max_tokens: int, parts: int = 1) -> list[list[int]]:
+    """Row indices grouped into consecutive runs of at most `max_tokens` tokens (`costs[i]` for row i), then split
+    further (the run with the most tokens, at its token midpoint) until there are at least `parts` runs."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens_per_microbatch must be >= 1, got {max_tokens}")
+    groups: list[list[int]] = []
+    used = 0
+    for row, cost in enumerate(costs):
+        if cost > max_tokens:
+            raise ValueError(f"max_tokens_per_microbatch ({max_tokens}) is below row {row}'s {cost} tokens")
+        if not groups or used + cost > max_tokens:
+            groups.append([])
+            used = 0
+        groups[-1].append(row)
+        used += cost
+    while len(groups) < parts:
+        splittable = [g for g in groups if len(g) > 1]
+        if not splittable:
+            raise ValueError(f"{len(costs)} rows cannot make {parts} micro-batches (each must hold a row)")
+        heaviest = max(splittable, key=lambda g: sum(costs[i] for i in g))
+        half, cut, total = 0, 1, sum(costs[i] for i in heaviest)
+        while cut < len(heaviest) - 1 and half + costs[heaviest[cut - 1]] < total / 2:
+            half += costs[heaviest[cut - 1]]
+            cut += 1
+        at = groups.index(heaviest)
+        groups[at : at + 1] = [heaviest[:cut], heaviest[cut:]]
+    return groups
 
 
 class PolicyModule(nn.Module):
     """The policy (`model`, a Hugging Face `*ForCausalLM`) with its GRPO loss, log-prob and sampling entry points."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, padding_free: bool = False) -> None:
         super().__init__()
         self.model = model
+        self.padding_free = padding_free
 
     def forward(self, batch: UpdateBatch, options: LossOptions) -> tuple[Tensor, dict[str, Tensor]]:
         """(loss, metrics) of the fused lm_head + GRPO loss on `batch`; the [B, T, V] logits are never stored.
@@ -63,19 +110,40 @@ class PolicyModule(nn.Module):
         scale, softcap = logit_transform(self.model)
         options = dataclasses.replace(options, logit_scale=scale, final_logit_softcapping=softcap)
         mask = batch.completion_mask
-        hidden = completion_hidden_states(self.model, batch.input_ids, batch.attention_mask, mask.shape[1])  # [B, T, H]
+        if not self.padding_free:
+            hidden = completion_hidden_states(self.model, batch.input_ids, batch.attention_mask, mask.shape[1])
+            out = fused_linear_grpo_loss(
+                hidden,  # [B, T, H]
+                weight,
+                batch.targets,
+                batch.advantages,
+                batch.old_logp,
+                batch.ref_logp,
+                mask,
+                bias=bias,
+                is_ratio=batch.is_ratio,
+                token_weights=batch.token_weights,
+                sequence_weights=batch.sequence_weights,
+                with_entropy=True,
+                options=options,
+            )
+            return out.loss, out.metrics
+        packed = checked_pack(batch.input_ids, batch.attention_mask, mask)
+        if options.loss_scale_factor is None:  # seq-mean-token-sum-norm's T: the padded width, not the packed max
+            options = dataclasses.replace(options, loss_scale_factor=float(mask.shape[1]))
         out = fused_linear_grpo_loss(
-            hidden,
+            completion_hidden_states(self.model, packed),  # [N, H]
             weight,
-            batch.targets,
-            batch.advantages,
-            batch.old_logp,
-            batch.ref_logp,
-            mask,
+            packed.targets,
+            packed.pack(batch.advantages),
+            packed.pack(batch.old_logp),
+            packed.pack(batch.ref_logp),
+            packed.pack(mask),
             bias=bias,
-            is_ratio=batch.is_ratio,
-            token_weights=batch.token_weights,
+            is_ratio=packed.pack(batch.is_ratio),
+            token_weights=packed.pack(batch.token_weights),
             sequence_weights=batch.sequence_weights,
+            cu_seqlens=packed.completion_cu_seqlens,
             with_entropy=True,
             options=options,
         )
@@ -86,10 +154,28 @@ class PolicyModule(nn.Module):
         self, input_ids: Tensor, attention_mask: Tensor, completion_mask: Tensor, temperature: float
     ) -> tuple[Tensor, Tensor]:
         """(log π(completion token), entropy), each [B, T], 0 where masked; no gradients."""
-        return policy_logprobs(
-            self.model, input_ids, attention_mask, completion_mask, temperature=temperature, with_entropy=True
-        )
+        if not self.padding_free:
+            return policy_logprobs(
+                self.model, input_ids, attention_mask, completion_mask, temperature=temperature, with_entropy=True
+            )
+        packed = checked_pack(input_ids, attention_mask, completion_mask)
+        logp, entropy = policy_logprobs(self.model, packed, temperature=temperature, with_entropy=True)  # [N] each
+        keep = packed.pack(completion_mask)  # [N]
+        return packed.unpack(logp * keep), packed.unpack(entropy * keep)  # [B, T] each
 
     def generate(self, *args, **kwargs):
         """`model.generate` (the rollout engine's entry point)."""
         return self.model.generate(*args, **kwargs)
+
+
+def checked_pack(input_ids: Tensor, attention_mask: Tensor, completion_mask: Tensor) -> PackedSequences:
+    """The rows packed; a completion token kept by `completion_mask` but not by `attention_mask` is a ValueError
+    (padded, the model would not see it; packed, it would not exist)."""
+    num_completion = completion_mask.shape[1]
+    if input_ids.shape[1] <= num_completion:
+        raise ValueError(
+            f"input_ids must hold a prompt before the {num_completion} completion tokens, got {list(input_ids.shape)}"
+        )
+    if bool((completion_mask.bool() & ~attention_mask[:, -num_completion:].bool()).any()):
+        raise ValueError("completion_mask keeps a token that attention_mask drops: they must agree to pack the rows")
+    return PackedSequences.from_padded(input_ids, attention_mask, num_completion)

@@ -5,7 +5,12 @@ A `Rollout` only has to return a `RolloutBatch`: token ids, masks and the sampli
 optimizer step. `HFRollout` samples with `transformers`' `generate`; `VLLMRollout` (`vllm_rollout.py`) with a
 colocated `vllm.LLM`.
 Layout (TRL's): `input_ids = prompt ‖ completion`, prompts left-padded `[B, P]`, completions right-padded `[B, T]`;
-`completion_mask` covers each completion up to and including its first `<eos>`.
+`completion_mask` covers each completion up to and including its first end-of-sequence token.
+
+End of sequence is a *set* of ids, the same for both engines (`eos_token_ids`): the tokenizer's `eos_token_id` and
+every id of the model's `generation_config.eos_token_id` (an int or a list; Qwen2.5-Instruct lists `<|im_end|>` and
+`<|endoftext|>`). vLLM stops on that union by itself (`vllm/sampling_params.py`, `update_from_generation_config`), and
+so does TRL; a row is `truncated` only when it used the whole budget without one.
 """
 
 from __future__ import annotations
@@ -25,11 +30,11 @@ class RolloutBatch:
     prompt_ids: Tensor  # [B, P] long, left-padded
     prompt_mask: Tensor  # [B, P] bool
     completion_ids: Tensor  # [B, T] long, right-padded with the pad id
-    completion_mask: Tensor  # [B, T] bool, up to and including the first <eos>
+    completion_mask: Tensor  # [B, T] bool, up to and including the first end-of-sequence token
     sampling_logp: Tensor  # [B, T] float32: log-prob of each drawn token under the sampler, 0 where masked
     group_ids: Tensor  # [B] long: index of the prompt
-    completions: list[str]  # decoded completions, without the <eos> and what follows
-    truncated: Tensor  # [B] bool: no <eos> within max_completion_length
+    completions: list[str]  # decoded completions, without the end-of-sequence token and what follows
+    truncated: Tensor  # [B] bool: no end-of-sequence token within max_completion_length
 
     @property
     def input_ids(self) -> Tensor:
@@ -56,23 +61,50 @@ class Rollout(Protocol):
         ...
 
 
-def completion_mask(completion_ids: Tensor, eos_token_id: int) -> Tensor:
-    """[B, T] bool: each row up to and including its first `eos_token_id` (all of it when there is none)."""
-    is_eos = completion_ids == eos_token_id  # [B, T]
+def eos_token_ids(tokenizer, model: nn.Module | None = None) -> tuple[int, ...]:
+    """The end-of-sequence set, sorted: `tokenizer.eos_token_id` and the id(s) of `model.generation_config.eos_token_id`
+    (`model`: a Hugging Face model or a `PolicyModule` around one). A ValueError when neither names one."""
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is None:  # a PolicyModule: the Hugging Face model is its .model
+        generation_config = getattr(getattr(model, "model", None), "generation_config", None)
+    config_ids = getattr(generation_config, "eos_token_id", None)
+    if config_ids is not None:
+        ids.update(int(i) for i in ([config_ids] if isinstance(config_ids, int) else config_ids))
+    if not ids:
+        raise ValueError(
+            "no end-of-sequence token: the tokenizer's eos_token_id and generation_config.eos_token_id are None"
+        )
+    return tuple(sorted(ids))
+
+
+def completion_mask(completion_ids: Tensor, eos_token_id: int | Sequence[int]) -> Tensor:
+    """[B, T] bool: each row up to and including its first token of `eos_token_id` (one id or the set), all of the row
+    when it has none."""
+    is_eos = _is_eos(completion_ids, eos_token_id)  # [B, T]
     before = torch.cumsum(is_eos, dim=1) - is_eos.long()  # [B, T]: EOS tokens strictly before t
     return before == 0
 
 
-def decode_completions(tokenizer, completion_ids: Tensor, mask: Tensor) -> tuple[list[str], Tensor]:
-    """Texts of the completions without their `<eos>` (special tokens before it are kept, so they show) and the
-    `truncated` flags [B] (no `<eos>` within the budget)."""
-    eos = tokenizer.eos_token_id
-    ended = ((completion_ids == eos) & mask).any(dim=1)  # [B]
+def decode_completions(
+    tokenizer, completion_ids: Tensor, mask: Tensor, eos_token_id: int | Sequence[int] | None = None
+) -> tuple[list[str], Tensor]:
+    """Texts of the completions without their end-of-sequence token (special tokens before it are kept, so they show)
+    and the `truncated` flags [B] (no end-of-sequence token within the budget). `eos_token_id`: one id or the set
+    (default: the tokenizer's)."""
+    ended = (_is_eos(completion_ids, tokenizer.eos_token_id if eos_token_id is None else eos_token_id) & mask).any(1)
     texts = []
     for ids, keep, has_eos in zip(completion_ids.tolist(), mask.tolist(), ended.tolist(), strict=True):
         tokens = [t for t, k in zip(ids, keep, strict=True) if k]
         texts.append(tokenizer.decode(tokens[:-1] if has_eos else tokens, skip_special_tokens=False))
     return texts, ~ended
+
+
+def _is_eos(completion_ids: Tensor, eos_token_id: int | Sequence[int]) -> Tensor:
+    eos = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id), dtype=torch.long)
+    return torch.isin(completion_ids, eos.to(completion_ids.device))  # [B, T]
 
 
 def group_ids(num_prompts: int, num_generations: int, device: torch.device | str = "cpu") -> Tensor:
@@ -84,7 +116,8 @@ class HFRollout:
 
     The sampling log-probs are log_softmax of the processed scores `generate` sampled from (logits / temperature),
     so they equal the trainer's teacher-forced `policy_logprobs(..., temperature=temperature)` up to float error:
-    the importance ratio between them is 1 (`tests/test_rollout.py` checks it).
+    the importance ratio between them is 1 (`tests/test_rollout.py` checks it). It stops on every id of
+    `eos_token_ids` (the set `VLLMRollout` stops on too).
     """
 
     def __init__(self, model: nn.Module, tokenizer, max_completion_length: int, temperature: float = 1.0) -> None:
@@ -92,6 +125,7 @@ class HFRollout:
         self.tokenizer = tokenizer
         self.max_completion_length = max_completion_length
         self.temperature = temperature
+        self.eos_token_ids = eos_token_ids(tokenizer, model)
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[str], num_generations: int) -> RolloutBatch:
@@ -108,15 +142,15 @@ class HFRollout:
             output_scores=True,
             return_dict_in_generate=True,
             pad_token_id=self.tokenizer.pad_token_id,
-            eos_token_id=self.tokenizer.eos_token_id,
+            eos_token_id=list(self.eos_token_ids),
         )
         prompt_ids = encoded["input_ids"].repeat_interleave(num_generations, dim=0)  # [B, P]
         prompt_mask = encoded["attention_mask"].bool().repeat_interleave(num_generations, dim=0)  # [B, P]
         completion_ids = out.sequences[:, prompt_ids.shape[1] :]  # [B, T]
-        mask = completion_mask(completion_ids, self.tokenizer.eos_token_id)  # [B, T]
+        mask = completion_mask(completion_ids, self.eos_token_ids)  # [B, T]
         scores = torch.stack(out.scores, dim=1).float()  # [B, T, V]: logits / temperature
         logp = torch.log_softmax(scores, dim=-1).gather(-1, completion_ids[..., None]).squeeze(-1)  # [B, T]
-        texts, truncated = decode_completions(self.tokenizer, completion_ids, mask)
+        texts, truncated = decode_completions(self.tokenizer, completion_ids, mask, self.eos_token_ids)
         return RolloutBatch(
             prompt_ids=prompt_ids,
             prompt_mask=prompt_mask,

@@ -43,6 +43,7 @@ RESUMABLE = (
     "plot",
     "vllm_gpu_memory_utilization",
     "vllm_enable_sleep_mode",
+    "sources",  # labels only: the values they describe are compared themselves
 )
 
 

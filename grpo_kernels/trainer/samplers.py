@@ -1,10 +1,18 @@
 """A preset's sampler in the training loop: which rollouts of a step reach the update, and how many rounds it takes.
 
 A round is one `Rollout.generate` call on fresh prompts (or, for XRPO, on chosen ones) with the task's scores. The
-samplers of `grpo_kernels.sampling` decide on each round's step rewards; the rows they keep are merged into one
-batch (prompts re-padded on the left, completions on the right), and dropped rows are simply not in it, so the
-loss normalisers count the kept rows, as the papers do. Every sampler returns the step's batch, optional sequence
-weights (GPG's α) and its metrics (`sampling/...`: groups generated and kept, rounds).
+samplers of `grpo_kernels.sampling` decide on each round's task verdicts (DAPO keeps a group when 0 < #correct < G,
+GPG counts such groups as valid; a shaped reward would keep an all-wrong group whose lengths differ) or, for XRPO,
+its step rewards; the rows they keep are merged into one batch (prompts re-padded on the left, completions on the
+right), and dropped rows are simply not in it, so the loss normalisers count the kept rows, as the papers do. Every
+sampler returns the step's batch, optional sequence weights (GPG's α) and its metrics (`sampling/...`: groups
+generated and kept, rounds).
+
+Under data parallelism (`GLOBAL_SAMPLERS`) every rank generates its share of the prompts, then the rounds of all
+ranks are gathered (`gather_round`: rank order, the order of one process's batch), every rank takes the same
+decision on the same global round, and keeps its contiguous share of the kept groups (`local_share`): the ranks
+agree, and K processes train on the rows one process would. XRPO's groups end up of different sizes, which do not
+split evenly over ranks, so it stays a single-process sampler.
 """
 
 from __future__ import annotations
@@ -13,15 +21,20 @@ from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
 from grpo_kernels.sampling import DAPOBatchFiller, gpg_valid, xrpo_allocate
+from grpo_kernels.trainer.parallel import ParallelState
 from grpo_kernels.trainer.rollout import RolloutBatch
 from grpo_kernels.trainer.tasks import Prompt, RewardBatch
 
-MAX_NUM_GEN_BATCHES = 10  # DAPO: generation rounds before giving up on filling a batch (verl's recipe/dapo value)
+# DAPO: rounds before giving up on filling a batch. verl's recipe/dapo allows 10 generation batches of 3× the training
+# batch (gen_prompt_bsz = 3 · train_prompt_bsz); a round here draws one training batch of prompts, so 30 rounds
+MAX_NUM_GEN_BATCHES = 30
 GPG_MAX_ROUNDS = 20  # GPG: resampling rounds before giving up (AMAP-ML/GPG's `max_gen`)
+GLOBAL_SAMPLERS = ("dapo_dynamic", "gpg_valid")  # decide on the rounds of every rank (data parallelism)
 
 
 class Round(NamedTuple):
@@ -49,9 +62,11 @@ class Collected(NamedTuple):
 
 
 class Source(Protocol):
-    """Rounds for a sampler: fresh prompts, their rollouts and scores, and the step rewards of a round."""
+    """Rounds for a sampler: fresh prompts (this rank's share), their rollouts and scores, and the step rewards of a
+    round. `parallel` (absent or None: one process) lets a global sampler gather the ranks' rounds."""
 
     num_generations: int
+    parallel: ParallelState | None
 
     def draw(self) -> list[Prompt]: ...
 
@@ -69,43 +84,46 @@ def single_round(source: Source) -> Collected:
 
 
 class DynamicSampling:
-    """DAPO dynamic sampling (`dapo_dynamic`, arXiv:2503.14476 §3.2): drop the groups whose step rewards are all
-    equal and generate more rounds until `target_groups` prompts are kept (`DAPOBatchFiller`, verl's semantics: the
-    filling round keeps the groups it needs; after `max_num_gen_batches` rounds it is a ValueError). The filter reads
-    the step reward (verl's `seq_final_reward`); DAPO's `acc` is the same when the reward is the binary verifier."""
+    """DAPO dynamic sampling (`dapo_dynamic`, arXiv:2503.14476 §3.2): keep the groups with 0 < #correct < G (the
+    task's verdicts, DAPO's `acc`: an all-wrong group is dropped whatever its shaped rewards) and generate more
+    rounds until `target_groups` prompts are kept over all ranks (`DAPOBatchFiller`, verl's semantics: the filling
+    round keeps the groups it needs; after `max_num_gen_batches` rounds it is a ValueError)."""
 
     def __init__(self, target_groups: int, max_num_gen_batches: int = MAX_NUM_GEN_BATCHES) -> None:
         self.filler = DAPOBatchFiller(target_groups, max_num_gen_batches)
 
     def __call__(self, source: Source) -> Collected:
+        parallel = getattr(source, "parallel", None)
         kept, generated = [], 0
         while True:
-            round = source.generate(source.draw(), source.num_generations)
+            round = gather_round(source.generate(source.draw(), source.num_generations), parallel)
             generated += round.num_groups
-            verdict = self.filler.add(source.rewards(round), round.batch.group_ids.cpu())
+            verdict = self.filler.add(round.scores.verdict, round.batch.group_ids.cpu())
             kept.append(select(round, verdict.keep))
             if not verdict.generate_more:
                 break
         metrics = {"sampling/groups_generated": generated, "sampling/groups_kept": verdict.num_kept}
-        return Collected(concat(kept), None, {**metrics, "sampling/rounds": len(kept)})
+        return Collected(local_share(concat(kept), parallel), None, {**metrics, "sampling/rounds": len(kept)})
 
 
 class GPGResampling:
-    """GPG's resampling (`gpg_valid`, arXiv:2504.02546): rounds until the groups with unequal rewards hold at least
-    `min_inverse_alpha` of a round's B rows; the batch is those valid rows (chronological) then the last round's
-    other rows, cut to B, and every sequence weighs α = B / B_valid (AMAP-ML/GPG's loop, ≤ 20 rounds)."""
+    """GPG's resampling (`gpg_valid`, arXiv:2504.02546): rounds until the valid groups (0 < #correct < G, the task's
+    verdicts) hold at least `min_inverse_alpha` of a round's B rows over all ranks; the batch is those valid rows
+    (chronological) then the last round's other rows, cut to B, and every sequence weighs α = B / B_valid
+    (AMAP-ML/GPG's loop, ≤ 20 rounds)."""
 
     def __init__(self, min_inverse_alpha: float = 0.5, max_rounds: int = GPG_MAX_ROUNDS) -> None:
         self.min_inverse_alpha, self.max_rounds = min_inverse_alpha, max_rounds
 
     def __call__(self, source: Source) -> Collected:
-        rounds, rewards = [], []
+        parallel = getattr(source, "parallel", None)
+        rounds, verdicts = [], []
         while True:
-            rounds.append(source.generate(source.draw(), source.num_generations))
-            rewards.append(source.rewards(rounds[-1]))
+            rounds.append(gather_round(source.generate(source.draw(), source.num_generations), parallel))
+            verdicts.append(rounds[-1].scores.verdict)
             merged = concat(rounds)
-            size = len(rewards[0])
-            verdict = gpg_valid(torch.cat(rewards), merged.batch.group_ids.cpu(), size, self.min_inverse_alpha)
+            size = len(verdicts[0])
+            verdict = gpg_valid(torch.cat(verdicts), merged.batch.group_ids.cpu(), size, self.min_inverse_alpha)
             if not verdict.generate_more:
                 break
             if len(rounds) == self.max_rounds:
@@ -117,8 +135,9 @@ class GPGResampling:
         last = torch.arange(len(verdict.valid)) >= len(verdict.valid) - size  # [R·B] the last round's rows
         order = torch.cat([verdict.valid.nonzero(), (last & ~verdict.valid).nonzero()]).squeeze(1)[:size]  # [B]
         kept = select(merged, order)
-        weights = torch.full((size,), verdict.alpha)  # [B]
         metrics = {"sampling/groups_generated": merged.num_groups, "sampling/groups_kept": kept.num_groups}
+        kept = local_share(kept, parallel)
+        weights = torch.full((len(kept.batch.group_ids),), verdict.alpha)  # [B]
         return Collected(
             kept, weights, {**metrics, "sampling/rounds": len(rounds), "sampling/gpg_alpha": verdict.alpha}
         )
@@ -150,6 +169,33 @@ class XRPOAllocation:
 
 
 # ------------------------------------------------------------------------------------------------ rows of rounds
+def gather_round(round: Round, parallel: ParallelState | None) -> Round:
+    """Every rank's round (exchanged through CPU), concatenated in rank order on this rank's device, each rank's group
+    ids offset past the prompts of the ranks before it (`concat`): the same global round on every rank, in the order
+    one process would have it. One process: `round` itself."""
+    if parallel is None or parallel.world_size == 1:
+        return round
+    batch = RolloutBatch(**{k: v.cpu() if isinstance(v, Tensor) else v for k, v in vars(round.batch).items()})
+    parts: list[Round | None] = [None] * parallel.world_size
+    dist.all_gather_object(parts, Round(round.prompts, batch, round.scores))
+    merged = concat(parts)
+    device = round.batch.group_ids.device
+    fields = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in vars(merged.batch).items()}
+    return Round(merged.prompts, RolloutBatch(**fields), merged.scores)
+
+
+def local_share(round: Round, parallel: ParallelState | None) -> Round:
+    """This rank's contiguous share of a global round's rows: 1/K of its groups, whole (the groups are of equal size
+    and their number splits evenly over the K ranks, as a global sampler's batch does). One process: `round`."""
+    if parallel is None or parallel.world_size == 1:
+        return round
+    rows, k = len(round.batch.group_ids), parallel.world_size
+    if rows % k or round.num_groups % k or rows % round.num_groups:
+        raise ValueError(f"{round.num_groups} groups of {rows} rows do not split evenly over {k} ranks")
+    share = rows // k
+    return select(round, torch.arange(parallel.rank * share, (parallel.rank + 1) * share))
+
+
 def select(round: Round, rows: Tensor) -> Round:
     """The round's rows `rows` ([B] bool, or indices), in that order."""
     rows = rows.nonzero().squeeze(1) if rows.dtype == torch.bool else rows  # [b]

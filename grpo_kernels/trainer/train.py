@@ -23,7 +23,7 @@ from grpo_kernels.trainer.components import PresetComponents, StepSamples, gathe
 from grpo_kernels.trainer.config import ROLLOUTS, TrainConfig, advantage_function, check_config, loss_options
 from grpo_kernels.trainer.evaluate import evaluate
 from grpo_kernels.trainer.logging import MetricsLogger, read_metrics, start_line
-from grpo_kernels.trainer.model import TINY, apply_lora, load_policy
+from grpo_kernels.trainer.model import TINY, apply_lora, configure_attention, load_policy
 from grpo_kernels.trainer.parallel import (
     init_parallel,
     mean_over_ranks,
@@ -31,8 +31,10 @@ from grpo_kernels.trainer.parallel import (
     wrap_policy,
 )
 from grpo_kernels.trainer.policy import PolicyModule, UpdateBatch
+from grpo_kernels.trainer.precision import follower_dtype, policy_dtype
 from grpo_kernels.trainer.ref_model import build_ref_model, sync_ref_model
 from grpo_kernels.trainer.rollout import HFRollout, Rollout, RolloutBatch
+from grpo_kernels.trainer.settings import resolve_settings
 from grpo_kernels.trainer.tasks import PromptStream, build_task
 from grpo_kernels.trainer.update import inner_updates, sampler_correction
 
@@ -60,8 +62,7 @@ class GRPOTrainer:
         torch.manual_seed(config.seed)
         random.seed(config.seed)
         self.task = task if task is not None else build_task(config)
-        if config.max_completion_length is None:
-            config = dataclasses.replace(config, max_completion_length=self.task.max_completion_length)
+        config = resolve_settings(config, self.task.max_completion_length)  # the budget; `sources` for config.yaml
         self.config = config
         self.options = loss_options(config)
         self.components = PresetComponents(config, self.task, self.parallel)  # a ValueError for what it cannot apply
@@ -70,8 +71,12 @@ class GRPOTrainer:
         self.resumed_from = None if start is None else start.path
         if model is None:
             model, tokenizer = load_policy(config, self.task.alphabet, self.task.max_prompt_length)
-        model = model.to(self.parallel.device)
+        model = model.to(self.parallel.device, dtype=policy_dtype(config.dtype, self.parallel.device))
+        max_length = self.task.max_prompt_length + config.max_completion_length
+        self.padding_free = configure_attention(model, config, max_length, self.parallel.is_main)
         self.ref_model = build_ref_model(model, self.options.beta)  # the initial weights, without adapters
+        if self.ref_model is not None:
+            self.ref_model.to(follower_dtype(config.ref_model_dtype, next(model.parameters()).dtype, "ref_model_dtype"))
         if config.lora:
             if self.parallel.mode == "fsdp":
                 raise ValueError("--lora with --parallel fsdp is not supported: use --parallel ddp")
@@ -81,7 +86,7 @@ class GRPOTrainer:
         self.step = 0
         if start is not None:  # weights before wrapping: FSDP2 shards what it is given
             checkpoint.load_weights(start.path, self.model, self.ref_model)
-        self.policy = wrap_policy(PolicyModule(self.model), self.parallel)
+        self.policy = wrap_policy(self.components.policy_module(self.model, self.padding_free), self.parallel)
         trainable = [p for p in self.policy.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate, weight_decay=config.weight_decay)
         if start is not None:
@@ -91,7 +96,10 @@ class GRPOTrainer:
             self.step = start.step
         elif self.parallel.world_size > 1:  # same initial weights on every rank, different samples
             torch.manual_seed(config.seed + self.parallel.rank)
-        self.rollout = rollout if rollout is not None else build_rollout(config, unwrap(self.policy), tokenizer)
+        if rollout is None:
+            rollout = build_rollout(config, unwrap(self.policy), tokenizer, self.parallel, self.task)
+        self.rollout = rollout
+        self.components.bind_policy(self.model, tokenizer, self.ref_model)  # DRA's embeddings, PVPO's pre-rollouts
 
     # ------------------------------------------------------------------------------------------------ the loop
     def train(self) -> list[dict]:
@@ -172,6 +180,7 @@ class GRPOTrainer:
             config.num_iterations,
             config.max_grad_norm,
             config.gradient_accumulation_steps,
+            config.max_tokens_per_microbatch,
         )
         stats.update(self.components.learn(weights))
         # ---- weight sync (sampler and reference)
@@ -196,7 +205,7 @@ class GRPOTrainer:
         """log π_ref(completion) [B, T] (fused lm_head, no grad), or None without a reference model."""
         if self.ref_model is None:
             return None
-        logp, _ = PolicyModule(self.ref_model).logprobs(
+        logp, _ = PolicyModule(self.ref_model, self.padding_free).logprobs(
             batch.input_ids, batch.attention_mask, batch.completion_mask, self.temperature
         )
         return logp
@@ -221,28 +230,21 @@ class GRPOTrainer:
         )
 
 
-def build_rollout(config: TrainConfig, model: nn.Module, tokenizer) -> Rollout:
-    """The rollout engine `config.rollout` sampling from `model` (a `PolicyModule` or a Hugging Face model)."""
+def build_rollout(config: TrainConfig, model: nn.Module, tokenizer, parallel=None, task=None) -> Rollout:
+    """The rollout engine `config.rollout` sampling from `model` (a `PolicyModule` or a Hugging Face model); vLLM's
+    needs this rank's `parallel` state and the `task` (its longest prompt sizes the engine)."""
     temperature = loss_options(config).temperature  # the loss's temperature is the sampler's
     if config.rollout == "hf":
         return HFRollout(model, tokenizer, config.max_completion_length, temperature)
     if config.rollout == "vllm":
-        from grpo_kernels.trainer.vllm_rollout import VLLMRollout
+        from grpo_kernels.trainer.vllm_rollout import build_vllm_rollout, import_vllm
 
         if config.model == TINY:
             raise ValueError("--rollout vllm needs --model <Hugging Face directory or hub name>; 'tiny' has none")
         if config.parallel == "fsdp" or config.lora:
             raise ValueError("--rollout vllm is not supported with --parallel fsdp or --lora yet: use hf rollouts")
-        return VLLMRollout(
-            getattr(model, "model", model),
-            tokenizer,
-            config.model,
-            max_completion_length=config.max_completion_length,
-            temperature=temperature,
-            gpu_memory_utilization=config.vllm_gpu_memory_utilization,
-            enable_sleep_mode=config.vllm_enable_sleep_mode,
-            seed=config.seed,
-        )
+        import_vllm()  # an ImportError naming the install command, before any work
+        return build_vllm_rollout(config, getattr(model, "model", model), tokenizer, parallel, task)
     raise ValueError(f"rollout must be one of {list(ROLLOUTS)}, got {config.rollout!r}")
 
 

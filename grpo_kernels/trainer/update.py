@@ -8,13 +8,14 @@ import math
 from collections import defaultdict
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from grpo_kernels.distributed import micro_batch_scale, num_items_in_batch, num_sequences_in_batch
 from grpo_kernels.losses.policy import POLICY_LOSSES
 from grpo_kernels.options import LossOptions
-from grpo_kernels.trainer.parallel import no_gradient_sync
-from grpo_kernels.trainer.policy import UpdateBatch
+from grpo_kernels.trainer.parallel import no_gradient_sync, unwrap
+from grpo_kernels.trainer.policy import UpdateBatch, token_budget_groups
 from grpo_kernels.trainer.rollout import RolloutBatch
 
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
@@ -68,9 +69,10 @@ def inner_updates(
     num_iterations: int,
     max_grad_norm: float,
     gradient_accumulation_steps: int = 1,
+    max_tokens_per_microbatch: int | None = None,
 ) -> dict[str, float]:
     """μ = `num_iterations` optimizer steps on this rank's rollout batch with the fused lm_head + GRPO loss, each
-    accumulated over `gradient_accumulation_steps` micro-batches; the metrics are averaged over them.
+    accumulated over micro-batches (`micro_batches`); the metrics are averaged over them.
 
     `policy` is the `PolicyModule`, bare or under DDP / FSDP2. The normalisers are those of the whole step batch
     (`num_items_in_batch`, `num_sequences_in_batch` all-reduced, `micro_batch_scale` for the rest), so K ranks × M
@@ -78,7 +80,7 @@ def inner_updates(
     other metrics are token-weighted means over the micro-batches (averaged over ranks: the whole batch's means).
     """
     policy.train()
-    micro_batches = batch.split(gradient_accumulation_steps)
+    micro_batches = split_batch(batch, gradient_accumulation_steps, max_tokens_per_microbatch, policy)
     masks = [micro.completion_mask for micro in micro_batches]
     options = dataclasses.replace(
         options,
@@ -102,3 +104,22 @@ def inner_updates(
         optimizer.step()
         totals["grad_norm"] += float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
     return {name: value / num_iterations for name, value in totals.items()}
+
+
+def split_batch(
+    batch: UpdateBatch, gradient_accumulation_steps: int, max_tokens_per_microbatch: int | None, policy: nn.Module
+) -> list[UpdateBatch]:
+    """The micro-batches of one update: `gradient_accumulation_steps` of them by rows, or, with a token budget,
+    consecutive rows filled up to `max_tokens_per_microbatch` tokens of the policy's forward (real tokens when it is
+    padding-free, else the padded width), at least `gradient_accumulation_steps` of them. Every rank makes as many
+    as the rank that needs the most (FSDP2 gathers the parameters once per micro-batch, on every rank together)."""
+    if max_tokens_per_microbatch is None:
+        return batch.split(gradient_accumulation_steps)
+    padding_free = getattr(unwrap(policy), "padding_free", False)
+    costs = batch.token_costs(padding_free)
+    parts = len(token_budget_groups(costs, max_tokens_per_microbatch, gradient_accumulation_steps))
+    if dist.is_available() and dist.is_initialized():
+        count = torch.tensor(parts, device=batch.input_ids.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        parts = int(count)
+    return batch.split_by_tokens(max_tokens_per_microbatch, padding_free, parts)

@@ -1,33 +1,32 @@
-"""VLLMRollout: a colocated `vllm.LLM` samples the rollouts; the policy's weights are pushed into it in-process.
+"""VLLMRollout: a colocated `vllm.LLM` on each rank samples the rollouts; the policy's weights are pushed into it.
 
 vLLM is optional (`pip install 'grpo-kernels[vllm]'`, CUDA only) and imported only when a `VLLMRollout` is built;
-without it that raises an ImportError naming the install command. Everything here except `VLLMRollout` itself is
-plain Python on lists and tensors, unit-tested without vLLM (`tests/test_rollout.py`).
+without it that raises an ImportError naming the install command. How the engine is built (device, environment,
+random state, memory, sizes, weight sync) is `vllm_engine.py`'s; here are the rollout and the parsing of vLLM's
+outputs, plain Python on lists and tensors (`tests/test_rollout.py`, `tests/test_vllm_rollout_ranks.py` run them on
+the stand-in `tests/fake_vllm.py`).
 
-Written against vLLM's and TRL's sources as stored in 2026 (read with the search tools, not run here):
-- `vllm/entrypoints/llm.py`: `LLM(model, *, seed, gpu_memory_utilization, dtype, **EngineArgs)` (EngineArgs take
-  `enable_sleep_mode`, `logprobs_mode`, `max_model_len`); `generate(prompts, sampling_params, use_tqdm=False)`
-  accepts `{"prompt_token_ids": [...]}` prompts and returns one `RequestOutput` per prompt whose `.outputs` are the
-  n `CompletionOutput`s (`.token_ids`, `.logprobs`: per token a dict token id -> `Logprob(logprob, rank, ...)`);
-  `sleep(level)` resets the prefix cache then sleeps; `wake_up(tags)` with tags in ("weights", "kv_cache");
-  `reset_prefix_cache()`.
-- `vllm/config/model.py`, `logprobs_mode`: "raw_logprobs" (default) are before any logits processing;
-  "processed_logprobs" are after temperature and top-k/top-p, i.e. of the distribution the token was drawn from,
-  which is what the importance ratio against the trainer's `logp / temperature` needs (TRL passes the same).
-- `vllm/sampling_params.py`: `SamplingParams(n, temperature, top_p=1.0, top_k=0, min_p=0.0, max_tokens, logprobs)`;
-  top_k 0 (or -1) keeps all tokens; `logprobs=0` returns only the sampled token's log-prob.
-- `docs/features/sleep_mode.md`: level 1 offloads the weights to CPU and drops the KV cache; level 2 drops both
-  ("good for ... update the model, e.g. RLHF weight update"); `wake_up(tags=["weights"])` reallocates the weights
-  only, then the weights are updated, then `wake_up(tags=["kv_cache"])`.
-- `vllm/v1/engine/llm_engine.py`: when `VLLM_ENABLE_V1_MULTIPROCESSING=0` the engine core runs in this process and
-  `llm.llm_engine.model_executor` is its executor ("for v0 compatibility"), so
-  `model_executor.driver_worker.model_runner.model.load_weights([(name, tensor), ...])` writes into the running
-  model: TRL's colocate path (`trl/generation/vllm_generation.py`, `_push_param_to_vllm`).
-- The order that keeps the pushed weights: wake the weights *before* `load_weights` (TRL issue #5142: loading into a
-  sleeping engine writes to unmapped memory); after a level-2 sleep the weights are garbage until rewritten (vLLM
-  issue #29341), so every `generate` after a sleep is preceded by a full push; and never
-  `collective_rpc("reload_weights")` after a push: it reloads the checkpoint from disk over the pushed weights (TRL
-  issue #5312, fixed by PR #5313 with the same "weights are asleep" flag as `_weights_valid` here).
+Written against vLLM 0.33.0's source (its wheel) and TRL 1.16 (`trl/generation/vllm_generation.py`):
+- `vllm/entrypoints/llm.py`: `generate(prompts, sampling_params, use_tqdm=False)` takes `{"prompt_token_ids": [...]}`
+  prompts and one `SamplingParams` per prompt, and returns one `RequestOutput` per prompt whose `.outputs` are the n
+  `CompletionOutput`s (`.token_ids`, the stop token included; `.logprobs`: per token a dict token id ->
+  `Logprob(logprob, ...)`; `.finish_reason`: "stop" or "length"); `sleep(level)` resets the prefix cache, then
+  sleeps; `wake_up(tags)` with tags in ("weights", "kv_cache"); `reset_prefix_cache()`.
+- `vllm/config/model.py`, `logprobs_mode`: "processed_logprobs" are after temperature and top-k/top-p, i.e. of the
+  distribution the token was drawn from, which the importance ratio against the trainer's `logp / temperature` needs.
+- `vllm/sampling_params.py`: top_k 0 (or -1) keeps all tokens; `logprobs=0` returns only the sampled token's
+  log-prob; the engine adds the tokenizer's EOS and `generation_config.eos_token_id` to the stop set
+  (`update_from_generation_config`); `stop_token_ids` passes ours, the same set. A request with a `seed` samples
+  from its own stream, and the n samples of a prompt get seed, seed + 1, ... (`vllm/v1/engine/parallel_sampling.py`);
+  without one, vLLM draws from the process's global numpy / CUDA generators, i.e. the trainer's. The seeds here come
+  from the trainer's torch generator (per rank, and checkpointed), one per prompt.
+- `vllm/v1/engine/input_processor.py`: a prompt of `max_model_len` tokens or more is an error; `generate` says so
+  first, naming the length the engine was sized for.
+- Sleep mode (`docs/features/sleep_mode.md`): level 2 drops the weights and the KV cache; wake the weights, push them
+  (TRL issue #5142: loading into a sleeping engine writes to unmapped memory), then wake the KV cache. After a level-2
+  sleep the weights are garbage until rewritten (vLLM issue #29341), so every `generate` after a sleep is preceded by
+  a full push; never `collective_rpc("reload_weights")` after a push: it reloads the checkpoint from disk over the
+  pushed weights (TRL issue #5312).
 """
 
 from __future__ import annotations
@@ -39,7 +38,25 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from grpo_kernels.trainer.rollout import RolloutBatch, completion_mask, decode_completions, group_ids
+from grpo_kernels.trainer.rollout import (
+    RolloutBatch,
+    completion_mask,
+    decode_completions,
+    eos_token_ids,
+    group_ids,
+)
+from grpo_kernels.trainer.vllm_engine import (
+    IN_PROCESS,
+    OFFICIAL,
+    check_gpu_memory,
+    engine_sizes,
+    llm_kwargs,
+    official_weight_api,
+    preserved_rng_state,
+    push_weights,
+    rank_environment,
+    register_in_process_backend,
+)
 
 INSTALL_HINT = "pip install 'grpo-kernels[vllm]' (needs a CUDA GPU), or use --rollout hf"
 _WRAPPER_PREFIXES = ("_orig_mod.", "module.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
@@ -54,31 +71,11 @@ def import_vllm():
     return vllm
 
 
-def llm_kwargs(
-    model_path: str,
-    *,
-    gpu_memory_utilization: float,
-    enable_sleep_mode: bool,
-    seed: int,
-    max_model_len: int,
-    dtype: str = "auto",
+def sampling_params_kwargs(
+    num_generations: int, temperature: float, max_tokens: int, stop_token_ids: Sequence[int], seed: int
 ) -> dict[str, Any]:
-    """Keyword arguments of `vllm.LLM` for a sampler colocated with the trainer on the same GPU."""
-    if not 0.0 < gpu_memory_utilization <= 1.0:
-        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
-    return {
-        "model": model_path,
-        "gpu_memory_utilization": gpu_memory_utilization,  # the rest of the GPU is the trainer's
-        "enable_sleep_mode": enable_sleep_mode,
-        "logprobs_mode": "processed_logprobs",  # log-probs of the distribution sampled from (after temperature)
-        "seed": seed,
-        "max_model_len": max_model_len,
-        "dtype": dtype,
-    }
-
-
-def sampling_params_kwargs(num_generations: int, temperature: float, max_tokens: int) -> dict[str, Any]:
-    """Keyword arguments of `vllm.SamplingParams`: G samples per prompt from softmax(logits / temperature)."""
+    """Keyword arguments of `vllm.SamplingParams`: G samples of one prompt from softmax(logits / temperature), ending
+    at any of `stop_token_ids` (the end-of-sequence set), drawn from the stream `seed`."""
     if num_generations < 1 or max_tokens < 1 or not temperature > 0:
         raise ValueError(
             f"need num_generations >= 1, max_tokens >= 1 and temperature > 0, "
@@ -92,6 +89,8 @@ def sampling_params_kwargs(num_generations: int, temperature: float, max_tokens:
         "min_p": 0.0,
         "max_tokens": max_tokens,
         "logprobs": 0,  # only the sampled token's log-prob
+        "stop_token_ids": list(stop_token_ids),
+        "seed": seed,
     }
 
 
@@ -109,10 +108,10 @@ def named_weights(model: nn.Module) -> Iterable[tuple[str, Tensor]]:
         yield vllm_weight_name(name), param.detach()
 
 
-def sampled_tokens(request_outputs: Sequence[Any]) -> tuple[list[list[int]], list[list[float]]]:
-    """Completion token ids and their sampling log-probs, prompt-major (the G samples of prompt i are rows
-    [i·G, (i+1)·G)), from `LLM.generate`'s outputs with `logprobs=0`."""
-    ids, logps = [], []
+def sampled_tokens(request_outputs: Sequence[Any]) -> tuple[list[list[int]], list[list[float]], list[str]]:
+    """Completion token ids, their sampling log-probs and finish reasons ("stop" / "length"), prompt-major (the G
+    samples of prompt i are rows [i·G, (i+1)·G)), from `LLM.generate`'s outputs with `logprobs=0`."""
+    ids, logps, reasons = [], [], []
     for request in request_outputs:
         for sample in request.outputs:
             tokens = list(sample.token_ids)
@@ -120,7 +119,23 @@ def sampled_tokens(request_outputs: Sequence[Any]) -> tuple[list[list[int]], lis
                 raise ValueError("vLLM returned no per-token logprobs: SamplingParams must have logprobs=0")
             ids.append(tokens)
             logps.append([step[token].logprob for token, step in zip(tokens, sample.logprobs, strict=True)])
-    return ids, logps
+            reasons.append(sample.finish_reason)
+    return ids, logps, reasons
+
+
+def check_finish_reasons(rows: Sequence[Sequence[int]], reasons: Sequence[str], eos_token_ids: Sequence[int]) -> None:
+    """A ValueError when vLLM ended a row otherwise than on a token of the end-of-sequence set ("stop") or by using
+    the budget ("length"): the trainer would mistake where the row ends."""
+    for i, (row, reason) in enumerate(zip(rows, reasons, strict=True)):
+        stopped = bool(row) and row[-1] in eos_token_ids
+        if reason == "stop" and not stopped:
+            last = row[-1] if row else None
+            raise ValueError(
+                f"vLLM stopped row {i} on token {last}, which is not in the end-of-sequence set {list(eos_token_ids)}: "
+                f"the engine's stop tokens and the trainer's differ"
+            )
+        if reason not in ("stop", "length"):
+            raise ValueError(f"vLLM finished row {i} with finish_reason {reason!r}; expected 'stop' or 'length'")
 
 
 def pad_right(rows: Sequence[Sequence[float]], value: float, dtype: torch.dtype, length: int | None = None) -> Tensor:
@@ -145,12 +160,14 @@ def pad_left(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor
 
 
 class VLLMRollout:
-    """Sampling with a colocated `vllm.LLM`; `sync_weights()` pushes the policy's parameters into it in-process.
+    """Sampling with this rank's colocated `vllm.LLM`; `sync_weights()` pushes the policy's parameters into it.
 
     Per training step: `generate` (wake the KV cache, sample, sleep at level 2 to free the GPU for the update), the
-    optimizer step, then `sync_weights` (wake the weights, `load_weights` every parameter, reset the prefix cache).
-    `model_path` must hold the policy's architecture and config (a Hugging Face directory or hub name); its
-    weights only seed the engine and are replaced by the first push.
+    optimizer step, then `sync_weights` (wake the weights, push every parameter, reset the prefix cache).
+    `model_path` must hold the policy's architecture, config and tokenizer (a Hugging Face directory or hub name); its
+    weights only seed the engine and are replaced by the first push. The engine runs on `device` (this rank's GPU)
+    with `seed` (this rank's), in `dtype`, sized for prompts of at most `max_prompt_tokens` tokens and
+    `rows_per_call` rows per `generate`; building it leaves the trainer's random state as it was.
     """
 
     def __init__(
@@ -160,52 +177,81 @@ class VLLMRollout:
         model_path: str,
         *,
         max_completion_length: int,
+        max_prompt_tokens: int,
+        rows_per_call: int,
+        device: torch.device | str,
+        rank: int = 0,
+        world_size: int = 1,
         temperature: float = 1.0,
         gpu_memory_utilization: float = 0.3,
         enable_sleep_mode: bool = True,
         seed: int = 0,
-        max_model_len: int = 2048,
-        dtype: str = "auto",
+        dtype: str = "bfloat16",
+        trainer_memory: str = "the trainer",
     ) -> None:
         vllm = import_vllm()
         self.model, self.tokenizer = model, tokenizer
         self.max_completion_length, self.temperature = max_completion_length, temperature
         self.enable_sleep_mode = enable_sleep_mode
-        self._sampling_params = vllm.SamplingParams
-        # The in-process engine core: llm_engine.model_executor exists only then (vllm/v1/engine/llm_engine.py).
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        self.llm = vllm.LLM(
-            **llm_kwargs(
-                model_path,
-                gpu_memory_utilization=gpu_memory_utilization,
-                enable_sleep_mode=enable_sleep_mode,
-                seed=seed,
-                max_model_len=max_model_len,
-                dtype=dtype,
-            )
+        self.eos_token_ids = eos_token_ids(tokenizer, model)  # the set HFRollout stops on too
+        self.sizes = engine_sizes(max_prompt_tokens, max_completion_length, rows_per_call)
+        environment = rank_environment(rank, world_size, torch.device(device))
+        check_gpu_memory(torch.device(device), gpu_memory_utilization, trainer_memory)
+        self.official_weight_api = official_weight_api(vllm)
+        kwargs = llm_kwargs(
+            model_path,
+            sizes=self.sizes,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enable_sleep_mode=enable_sleep_mode,
+            seed=seed,
+            dtype=dtype,
+            weight_backend=register_in_process_backend() if self.official_weight_api else None,
         )
-        if enable_sleep_mode:
-            self.llm.sleep(level=2)  # free the GPU until the first generate; the weights are gone until pushed
+        self._sampling_params = vllm.SamplingParams
+        os.environ.update(environment)
+        with preserved_rng_state():  # vLLM seeds random, numpy, torch and CUDA with its own seed
+            self.llm = vllm.LLM(**kwargs)
+            if enable_sleep_mode:
+                self.llm.sleep(level=2)  # free the GPU until the first generate; the weights are gone until pushed
         self._weights_valid = False  # the engine holds the disk weights, not (necessarily) the policy's
+        self.description = (
+            f"cuda:{environment['LOCAL_RANK']} (RANK={rank}, WORLD_SIZE={world_size}, external_launcher), seed {seed}, "
+            f"dtype {dtype}, max_model_len {self.sizes.max_model_len}, max_num_seqs {self.sizes.max_num_seqs}, "
+            f"max_num_batched_tokens {self.sizes.max_num_batched_tokens}, gpu_memory_utilization "
+            f"{gpu_memory_utilization}, end of sequence {list(self.eos_token_ids)}, weight sync: "
+            f"{OFFICIAL if self.official_weight_api else IN_PROCESS}"
+        )
 
     def sync_weights(self) -> None:
         """Wake the weights (no-op when awake), push every parameter, drop the prefix cache of the old weights."""
         if self.enable_sleep_mode:
-            self.llm.wake_up(tags=["weights"])  # before load_weights: a sleeping engine's weights are unmapped
-        engine_model = self.llm.llm_engine.model_executor.driver_worker.model_runner.model
-        engine_model.load_weights(named_weights(self.model))
+            self.llm.wake_up(tags=["weights"])  # before the push: a sleeping engine's weights are unmapped
+        push_weights(self.llm, list(named_weights(self.model)), self.official_weight_api)
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
         self._weights_valid = True
 
     def generate(self, prompts: Sequence[str], num_generations: int) -> RolloutBatch:
+        prompt_rows = [self.tokenizer(p)["input_ids"] for p in prompts]
+        longest = self.sizes.max_model_len - self.max_completion_length
+        for text, row in zip(prompts, prompt_rows, strict=True):
+            if len(row) > longest:
+                raise ValueError(
+                    f"prompt {text[:60]!r} has {len(row)} tokens; the vLLM engine was sized for prompts of at most "
+                    f"{longest} (max_model_len {self.sizes.max_model_len} = longest prompt + max_completion_length)"
+                )
+        seeds = torch.randint(0, 2**62, (len(prompts),)).tolist()  # the trainer's (per-rank) generator
+        params = [
+            self._sampling_params(
+                **sampling_params_kwargs(
+                    num_generations, self.temperature, self.max_completion_length, self.eos_token_ids, seed
+                )
+            )
+            for seed in seeds
+        ]
         if not self._weights_valid:  # after init, or after a level-2 sleep discarded them
             self.sync_weights()
         if self.enable_sleep_mode:
             self.llm.wake_up(tags=["kv_cache"])  # weights first (above), then the KV cache
-        prompt_rows = [self.tokenizer(p)["input_ids"] for p in prompts]
-        params = self._sampling_params(
-            **sampling_params_kwargs(num_generations, self.temperature, self.max_completion_length)
-        )
         outputs = self.llm.generate([{"prompt_token_ids": r} for r in prompt_rows], params, use_tqdm=False)
         if self.enable_sleep_mode:
             self.llm.sleep(level=2)  # free weights and KV cache for the update; the next generate re-pushes
@@ -214,12 +260,13 @@ class VLLMRollout:
 
     def _batch(self, prompt_rows: list[list[int]], outputs, num_generations: int) -> RolloutBatch:
         device = next(self.model.parameters()).device
-        pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
+        pad = self.tokenizer.pad_token_id
         prompt_ids, prompt_mask = pad_left([r for r in prompt_rows for _ in range(num_generations)], pad)  # [B, P]
-        ids, logps = sampled_tokens(outputs)
+        ids, logps, reasons = sampled_tokens(outputs)
+        check_finish_reasons(ids, reasons, self.eos_token_ids)
         completion_ids = pad_right(ids, pad, torch.long)  # [B, T]
-        mask = completion_mask(completion_ids, eos) & _lengths_mask(ids)  # [B, T]
-        texts, truncated = decode_completions(self.tokenizer, completion_ids, mask)
+        mask = completion_mask(completion_ids, self.eos_token_ids) & _lengths_mask(ids)  # [B, T]
+        texts, truncated = decode_completions(self.tokenizer, completion_ids, mask, self.eos_token_ids)
         return RolloutBatch(
             prompt_ids=prompt_ids.to(device),
             prompt_mask=prompt_mask.to(device),
@@ -237,3 +284,49 @@ def _lengths_mask(rows: Sequence[Sequence[int]]) -> Tensor:
     lengths = torch.tensor([len(r) for r in rows])  # [B]
     width = max(int(lengths.max()) if len(rows) else 1, 1)
     return torch.arange(width)[None, :] < lengths[:, None]
+
+
+def longest_prompt_tokens(task, tokenizer) -> int:
+    """The longest prompt of `task` in `tokenizer`'s tokens, which sizes the engine: every prompt of the task's splits
+    when it holds them (`train`, `test`: the dataset tasks), else the held-out ones, and never less than the task's
+    own `max_prompt_length` (the generated tasks' longest prompt, in characters + <bos>)."""
+    prompts = [*getattr(task, "train", ()), *getattr(task, "test", ()), *task.eval_prompts()]
+    longest = max((len(tokenizer(p.text)["input_ids"]) for p in prompts), default=0)
+    return max(longest, task.max_prompt_length)
+
+
+def build_vllm_rollout(config, model: nn.Module, tokenizer, parallel, task) -> VLLMRollout:
+    """This rank's `VLLMRollout` for `TrainConfig` `config`: on `parallel.device` with seed `config.seed + rank`, in
+    the sampler's dtype (`vllm_dtype`, auto: the policy's), sized for the task's longest prompt and this rank's share
+    of a step's rows; prints one start-up line per rank (device, seed, sizes, dtypes, weight sync)."""
+    from grpo_kernels.trainer.config import loss_options
+    from grpo_kernels.trainer.precision import dtype_name, follower_dtype
+
+    policy = next(model.parameters()).dtype
+    reference = follower_dtype(config.ref_model_dtype, policy, "ref_model_dtype")
+    sampler = follower_dtype(config.vllm_dtype, policy, "vllm_dtype")
+    has_reference = loss_options(config).beta != 0.0
+    gib = sum(p.numel() for p in model.parameters()) / 2.0**30
+    trainer = f"the policy ({gib * policy.itemsize:.2f} GiB, {dtype_name(policy)})"
+    if has_reference:
+        trainer += f" and the reference ({gib * reference.itemsize:.2f} GiB, {dtype_name(reference)})"
+    rollout = VLLMRollout(
+        model,
+        tokenizer,
+        config.model,
+        max_completion_length=config.max_completion_length,
+        max_prompt_tokens=longest_prompt_tokens(task, tokenizer),
+        rows_per_call=config.prompts_per_step // parallel.world_size * config.num_generations,
+        device=parallel.device,
+        rank=parallel.rank,
+        world_size=parallel.world_size,
+        temperature=loss_options(config).temperature,  # the loss's temperature is the sampler's
+        gpu_memory_utilization=config.vllm_gpu_memory_utilization,
+        enable_sleep_mode=config.vllm_enable_sleep_mode,
+        seed=config.seed + parallel.rank,
+        dtype=dtype_name(sampler),
+        trainer_memory=trainer,
+    )
+    dtypes = f"policy {dtype_name(policy)}, reference {dtype_name(reference) if has_reference else 'none'}"
+    print(f"vLLM rollout, rank {parallel.rank}: {rollout.description}; trainer: {dtypes}", flush=True)
+    return rollout

@@ -46,6 +46,8 @@ class FusedLinearOptions:
     final_logit_softcapping: float | None = None
     stats: tuple[str, ...] = ()  # extra non-differentiable statistics (function.TOKEN_STATS)
     finite: checks.RowCheck | None = LINEAR_ROWS  # the check of each row's lse / logp; None: check_finite=False
+    memory: str = "fast"  # "fast": row chunks, 3 or 4 GEMMs; "lean": 2-D tiles at the memory floor (fused_linear_lean)
+    tile: tuple[int, int] | None = None  # lean: (rows, vocab) per tile; None: from the budget and the dtypes
 
     def transform(self) -> dict:
         """The backends' keyword arguments for the logit transform."""
@@ -319,12 +321,21 @@ class _FusedLinearTokenLossFunction(torch.autograd.Function):
         return (*sink.result(weight, bias, scale=grad_loss), None, None, None, None)
 
 
+def _logprobs_function(opts: FusedLinearOptions):
+    """The Function of `opts.memory`: row chunks ("fast") or 2-D tiles ("lean")."""
+    if opts.memory == "lean":
+        from grpo_kernels.vocab.fused_linear_lean import _LeanLinearLogprobsFunction  # it builds on this module
+
+        return _LeanLinearLogprobsFunction
+    return _FusedLinearLogprobsFunction
+
+
 def fused_linear_logprobs(
     hidden, weight, bias, targets, opts: FusedLinearOptions, row_mask: Tensor | None = None
 ) -> tuple[Tensor, Tensor | None]:
     """logp [M] and entropy [M] (None unless asked) of the rows (0 where `row_mask` drops one); differentiable in
     hidden, weight, bias."""
-    logp, entropy, *_ = _FusedLinearLogprobsFunction.apply(hidden, weight, bias, targets, row_mask, opts)
+    logp, entropy, *_ = _logprobs_function(opts).apply(hidden, weight, bias, targets, row_mask, opts)
     return logp, (entropy if opts.with_entropy else None)
 
 
@@ -332,7 +343,7 @@ def fused_linear_logprobs_with_stats(
     hidden, weight, bias, targets, opts: FusedLinearOptions, row_mask: Tensor | None = None
 ) -> dict[str, Tensor]:
     """`fused_linear_logprobs` returning {"logp", "entropy" (if asked), each of `opts.stats`}, all [M]."""
-    logp, entropy, *stats = _FusedLinearLogprobsFunction.apply(hidden, weight, bias, targets, row_mask, opts)
+    logp, entropy, *stats = _logprobs_function(opts).apply(hidden, weight, bias, targets, row_mask, opts)
     out = {"logp": logp} | ({"entropy": entropy} if opts.with_entropy else {})
     return out | dict(zip(opts.stats, stats, strict=True))
 

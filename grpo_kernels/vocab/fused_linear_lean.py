@@ -1,0 +1,212 @@
+"""The fused lm_head at the memory floor (`memory="lean"`): 2-D tiles and a vocabulary-major backward.
+
+Forward: per tile of rows, each vocabulary tile's logits [rows, vocab] come from one GEMM and are folded into the rows'
+running statistics (an online log-sum-exp across vocabulary tiles); only O(M) statistics are kept. Backward: per
+vocabulary tile, each row tile's logits are computed again (the 4th GEMM), overwritten by dL/dlogits, and give dH
+(accumulated in float32 over the vocabulary tiles) and that tile's dW, written once, in the weight's dtype: with one
+row tile, one GEMM over all rows straight into dW; with several, summed in a [vocab, H] float32 tile for bf16/fp16
+weights. No [V, H] float32 buffer exists, so the extra memory is dW + dH (+ dH in float32 for bf16/fp16) + one tile.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+from grpo_kernels.vocab import backends
+from grpo_kernels.vocab.function import _kernels, checked_rows
+from grpo_kernels.vocab.fused_linear import accumulate, chunk_rows, gemm_mode
+
+LEAN_BACKENDS = ("torch", "triton")
+# Tile budget: the [rows, vocab] logits in the weight's dtype (plus their float32 copy where `gemm_mode` upcasts, and
+# the [vocab, H] float32 dW tile for bf16/fp16 when the rows take several tiles). CPU: 32 MiB (the CPU bar, extra
+# memory ≤ 1.15× dW + dH at N = 2,048, H = 896, V = 151,936 fp32, leaves ~79 MiB); CUDA: 64 MiB, at most 1/16 of
+# free memory.
+CPU_TILE_BYTES = 32 << 20
+CUDA_TILE_BYTES = 64 << 20
+TILE_ROWS = {"cpu": 2048, "cuda": 16384}  # rows per tile at most: the GEMMs stay large in rows, V is cut instead
+MIN_TILE_VOCAB = 1024  # below it the budget cuts rows, not the vocabulary
+TILE_VOCAB_ALIGN = 128
+CAST_ROWS = 1024  # rows per block of the in-place float32 -> bf16/fp16 cast of dH
+
+
+def tile_shape(rows: int, vocab: int, hidden: int, dtype: torch.dtype, device: torch.device, tile) -> tuple[int, int]:
+    """(rows, vocab) of a tile: `tile` (cut to the problem), else from the budget above and the dtypes: up to
+    TILE_ROWS rows, and as many vocabulary columns (a multiple of 128, at least 1,024) as the budget holds."""
+    if tile is not None:
+        return max(1, min(tile[0], rows)), max(1, min(tile[1], vocab))
+    elem = dtype.itemsize + (4 if gemm_mode(device) == "upcast" and dtype.itemsize < 4 else 0)
+    if device.type == "cuda":
+        free = 1 << 34 if torch.cuda.is_current_stream_capturing() else torch.cuda.mem_get_info(device)[0]
+        budget = min(CUDA_TILE_BYTES, free // 16)
+    else:
+        budget = CPU_TILE_BYTES
+    tile_rows = max(1, min(rows, TILE_ROWS["cuda" if device.type == "cuda" else "cpu"]))
+    acc = 4 * hidden if dtype.itemsize < 4 and tile_rows < rows else 0  # the float32 dW tile, per column
+    columns = budget // (tile_rows * elem + acc)
+    if columns < MIN_TILE_VOCAB:  # the rows take several tiles now
+        columns = MIN_TILE_VOCAB
+        acc = 4 * hidden if dtype.itemsize < 4 else 0
+        tile_rows = max(1, (budget - columns * acc) // (columns * elem))
+    columns = max(TILE_VOCAB_ALIGN, columns // TILE_VOCAB_ALIGN * TILE_VOCAB_ALIGN)
+    return tile_rows, min(columns, vocab)
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """Free memory of the device (CPU: available physical pages); None inside a CUDA graph capture (not asked)."""
+    if device.type == "cuda":
+        return None if torch.cuda.is_current_stream_capturing() else torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def resolve_memory(memory: str, backend: str, rows: int, weight: Tensor, chunk_size: int | None, tile=None) -> str:
+    """The mode, "fast" or "lean", of `memory`. "auto" is "lean" when `tile` is given, "fast" when `chunk_size`
+    is; else "lean" when what "fast" adds beyond the gradients would not fit in half the free memory (CPU: the
+    available physical memory): its float32 dW accumulator [V, H] (plus the cast to bf16/fp16 weights) and one
+    chunk of logits [chunk rows, V]. "fast" inside a CUDA graph capture (free memory is not asked there) and on the
+    "cuda" backend (no tile pass)."""
+    if memory != "auto":
+        return memory
+    if tile is not None:
+        return "lean"
+    free = available_bytes(weight.device)
+    if chunk_size is not None or backend not in LEAN_BACKENDS or free is None:
+        return "fast"
+    V, H = weight.shape
+    dtype = weight.dtype
+    chunk = chunk_rows(rows, V, H, weight.device, None, dtype) * V * dtype.itemsize
+    dw = V * H * (4 + (dtype.itemsize if dtype.itemsize < 4 else 0))
+    return "fast" if dw + chunk <= free // 2 else "lean"
+
+
+def _tiles(n: int, step: int):
+    for start in range(0, n, step):
+        yield slice(start, min(start + step, n))
+
+
+def _tile_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, buffer: Tensor) -> Tensor:
+    """hidden [c, H] @ weight[v].T (+ bias[v]) as a contiguous [c, w] view of `buffer` (one buffer for every tile)."""
+    out = buffer[: hidden.shape[0] * weight.shape[0]].view(hidden.shape[0], weight.shape[0])
+    if bias is None:
+        return torch.mm(hidden, weight.T, out=out)
+    return torch.addmm(bias, hidden, weight.T, out=out)
+
+
+def _tile_pass(backend: str):
+    """The module with `TileStats` and `tile_grad_` for `backend`."""
+    if backend == "torch":
+        from grpo_kernels.vocab import lean_torch
+
+        return lean_torch
+    if backend == "triton":
+        _kernels(backend)  # the triton version check, before triton is imported
+        from grpo_kernels.vocab import lean_triton
+
+        return lean_triton
+    raise ValueError(f"memory='lean' runs on backends {LEAN_BACKENDS}, got backend={backend!r}")
+
+
+def cast_in_place(acc: Tensor, dtype: torch.dtype) -> Tensor:
+    """acc [M, H] float32 as `dtype` (2 bytes) in acc's own storage, block by block (each block read into a temporary
+    before its values are written over rows already read): no second [M, H] buffer."""
+    M, H = acc.shape
+    out = acc.view(-1).view(dtype)[: M * H]
+    for rows in _tiles(M, CAST_ROWS):
+        out[rows.start * H : rows.stop * H].copy_(acc[rows].to(dtype).view(-1))
+    return out.view(M, H)
+
+
+class _LeanLinearLogprobsFunction(torch.autograd.Function):
+    """`_FusedLinearLogprobsFunction` on 2-D tiles: (hidden [M, H], weight [V, H], bias [V] | None, targets [M],
+    row_mask [M] | None) -> logp [M], entropy [M] or empty, each asked statistic [M]."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, row_mask, opts):
+        tiles = _tile_pass(opts.backend)
+        M, (V, H) = targets.shape[0], weight.shape
+        rows, vocab = tile_shape(M, V, H, weight.dtype, hidden.device, opts.tile)
+        buffer = weight.new_empty(rows * vocab)
+        logps, lses, entropies, stats = [], [], [], {name: [] for name in opts.stats}
+        for r in _tiles(M, rows):
+            running = tiles.TileStats(targets[r], None if row_mask is None else row_mask[r], weight.dtype, opts)
+            for v in _tiles(V, vocab):
+                backends.launches[opts.backend] += 1
+                running.add(_tile_logits(hidden[r], weight[v], None if bias is None else bias[v], buffer), v.start)
+            logp, lse, entropy, tile_stats = running.finish(V)
+            logps.append(logp)
+            lses.append(lse)
+            entropies.append(entropy if opts.with_entropy else logp.new_empty(0))
+            for name, acc in stats.items():
+                acc.append(tile_stats[name])
+        cat = lambda parts, dtype=torch.float32: torch.cat(parts) if parts else hidden.new_empty(0, dtype=dtype)  # noqa: E731
+        logp, lse, entropy = cat(logps), cat(lses), cat(entropies)  # [M] each
+        logp = checked_rows(opts.finite, lse, logp, row_mask)
+        stats = [cat(acc, torch.bool if name == "is_top1" else torch.float32) for name, acc in stats.items()]
+        ctx.mark_non_differentiable(*stats, *([] if opts.with_entropy else [entropy]))
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(hidden, weight, bias, targets, row_mask, lse, entropy)
+        ctx.opts, ctx.tile = opts, (rows, vocab)
+        return logp, entropy, *stats
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy, *_grad_stats):
+        hidden, weight, bias, targets, row_mask, lse, entropy = ctx.saved_tensors
+        opts, (rows, vocab) = ctx.opts, ctx.tile
+        tiles = _tile_pass(opts.backend)
+        needs_h, needs_w, needs_b = ctx.needs_input_grad[:3]
+        M, (V, H) = targets.shape[0], weight.shape
+        if grad_logp is None:
+            grad_logp = torch.zeros_like(lse)
+        if not opts.with_entropy:
+            grad_entropy = None
+        mode = gemm_mode(weight.device)
+        acc_dtype = torch.promote_types(weight.dtype, torch.float32)
+        d_hidden = torch.zeros(M, H, dtype=acc_dtype, device=hidden.device) if needs_h else None  # [M, H]
+        new = torch.zeros if M == 0 else torch.empty  # every dW row is written once when a row is kept
+        d_weight = new(weight.shape, dtype=weight.dtype, device=weight.device) if needs_w else None  # [V, H]
+        d_bias = torch.zeros(V, dtype=acc_dtype, device=weight.device) if needs_b else None  # [V]
+        w_acc = None  # [vocab, H] float32: a low-precision dW tile summed over several row tiles
+        if needs_w and M > rows and weight.dtype != acc_dtype:
+            w_acc = torch.empty(vocab, H, dtype=acc_dtype, device=weight.device)
+        buffer = weight.new_empty(rows * vocab)
+        scaled: dict[int, Tensor] = {}  # row tile -> its hidden rows times the row factor σ (`lean_torch.row_scale`)
+        for v in _tiles(V, vocab):
+            w_v, b_v = weight[v], None if bias is None else bias[v]
+            for i, r in enumerate(_tiles(M, rows)):
+                backends.launches[opts.backend] += 1
+                g = _tile_logits(hidden[r], w_v, b_v, buffer)  # [c, w], overwritten by dL/dlogits (up to σ)
+                sigma = tiles.tile_grad_(
+                    g, v.start, targets[r], None if row_mask is None else row_mask[r], lse[r],
+                    None if grad_entropy is None else entropy[r], grad_logp[r],
+                    None if grad_entropy is None else grad_entropy[r], opts,
+                )  # fmt: skip
+                h_r = hidden[r]
+                if sigma is not None:  # σ depends on the row alone: one scaled copy per row tile ([M, H] in all)
+                    if r.start not in scaled:
+                        scaled[r.start] = h_r * sigma[:, None]
+                    h_r = scaled[r.start]
+                if d_hidden is not None and sigma is None:
+                    accumulate(d_hidden[r], g, w_v, mode)
+                elif d_hidden is not None:
+                    d_hidden[r].addcmul_(torch.mm(g, w_v), sigma[:, None])
+                if w_acc is not None:
+                    tile = w_acc[: v.stop - v.start]
+                    if i == 0:
+                        tile.zero_()
+                    accumulate(tile, g.T, h_r, mode)
+                elif d_weight is not None and i == 0:
+                    torch.mm(g.T, h_r, out=d_weight[v])
+                elif d_weight is not None:
+                    d_weight[v].addmm_(g.T, h_r)
+                if d_bias is not None:
+                    d_bias[v] += g.sum(0, dtype=d_bias.dtype) if sigma is None else sigma.to(d_bias.dtype) @ g
+            if w_acc is not None and M > 0:
+                d_weight[v].copy_(w_acc[: v.stop - v.start])
+        del buffer, w_acc
+        if d_hidden is not None and d_hidden.dtype != hidden.dtype:
+            d_hidden = cast_in_place(d_hidden, hidden.dtype)
+        if d_bias is not None:
+            d_bias = d_bias.to(bias.dtype)
+        return d_hidden, d_weight, d_bias, None, None, None

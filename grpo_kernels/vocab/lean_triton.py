@@ -1,0 +1,66 @@
+"""The vocabulary pass on 2-D tiles with the Triton kernels, for the lean fused lm_head: each vocabulary tile is a
+split-V launch whose V-blocks write partial statistics; the partials of all the tiles of a row are merged once, by the
+split pass's merge kernel, when the row's last tile is in. The backward kernel runs on a tile as it is: a target
+outside the tile only never meets its one-hot. Targets are passed relative to the tile (any int32)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+from torch import Tensor
+
+from grpo_kernels.vocab import token_logprobs_triton as k
+
+
+class TileStats:
+    """The Triton counterpart of `lean_torch.TileStats`: `add` each vocabulary tile, then `finish`."""
+
+    def __init__(self, targets: Tensor, mask: Tensor | None, dtype: torch.dtype, opts):
+        if mask is None:
+            mask = torch.ones(targets.shape, dtype=torch.bool, device=targets.device)
+        self.targets, self.mask, self.opts = targets, mask.contiguous(), opts
+        self.a, self.b = k.transform_coefficients(opts.temperature, opts.logit_scale, opts.final_logit_softcapping)
+        self.flags = k._flags(opts.with_entropy, opts.final_logit_softcapping, opts.stats)
+        self.parts: list[Tensor] = []
+        self.v_t = torch.zeros(targets.shape[0], dtype=torch.float32, device=targets.device)  # v at the target
+
+    def add(self, x: Tensor, v0: int) -> None:
+        """Fold the tile x [rows, w] (last stride 1), columns v0 .. v0 + w of the vocabulary."""
+        tile = x[None]  # [1, rows, w]
+        rel = (self.targets - v0).to(torch.int32)[None]  # [1, rows]
+        partial = k.launch_partials(tile, rel.contiguous(), self.mask[None], self.a, self.b, self.flags,
+                                    k.vocab_plan(tile))  # fmt: skip
+        inside = (rel[0] >= 0) & (rel[0] < x.shape[1])
+        self.v_t = torch.where(inside, partial[7, :, 0], self.v_t)  # written only where the target is in the tile
+        self.parts.append(partial)
+
+    def finish(self, vocab: int) -> tuple[Tensor, Tensor, Tensor | None, dict[str, Tensor]]:
+        """(logp, lse, entropy or None, {stat: [rows]}), float32; masked rows 0 (False)."""
+        rows, device = self.targets.shape[0], self.targets.device
+        partial = torch.cat(self.parts, dim=2)  # [PARTIAL_FIELDS, rows, all V-blocks]
+        partial[7, :, 0] = self.v_t
+        logp = torch.empty(rows, dtype=torch.float32, device=device)
+        lse = torch.empty_like(logp)
+        entropy = torch.empty_like(logp) if self.opts.with_entropy else None
+        out = {n: torch.empty_like(logp, dtype=torch.int8 if n == "is_top1" else None) for n in self.opts.stats}
+        outputs = (logp, lse, logp if entropy is None else entropy, *(out.get(n, logp) for n in k._STATS))
+        splits = partial.shape[2]
+        k._token_logprobs_merge_kernel[(rows,)](
+            partial, self.mask, *outputs, splits, vocab, self.a, self.b, **self.flags,
+            SPLITS=triton.next_power_of_2(splits), num_warps=1, enable_fp_fusion=True,
+        )  # fmt: skip
+        if "is_top1" in out:
+            out["is_top1"] = out["is_top1"].bool()
+        return logp, lse, entropy, out
+
+
+def tile_grad_(x: Tensor, v0: int, targets: Tensor, mask: Tensor, lse: Tensor, entropy: Tensor | None,
+               grad_logp: Tensor, grad_entropy: Tensor | None, opts) -> None:  # fmt: skip
+    """Overwrite the tile x [rows, w] (last stride 1) with dL/dx, as `lean_torch.tile_grad_` (no row factor left)."""
+    rel = (targets - v0).to(torch.int32)[None]
+    if mask is None:
+        mask = torch.ones(targets.shape, dtype=torch.bool, device=targets.device)
+    k.token_logprobs_bwd(
+        x[None], rel, mask[None], lse[None], None if entropy is None else entropy[None], grad_logp[None],
+        None if grad_entropy is None else grad_entropy[None], opts.temperature, x[None], **opts.transform(),
+    )  # fmt: skip

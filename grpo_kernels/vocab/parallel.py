@@ -1,0 +1,210 @@
+"""The vocabulary pass on a vocabulary-sharded lm_head or logits (tensor parallel), merged through O(N) statistics.
+
+Rank r of a process group holds the rows [start_r, start_r + V_r) of the [V, H] weight (or those columns of the
+logits). It runs the backend's own vocabulary pass on its shard, a target outside the shard being an ordinary token
+there (the shard's pass takes column 0 in its place and that logp is dropped), then the ranks merge per row:
+
+  1. all-reduce MAX of the shard log-sum-exps lse_r                           -> m                      N floats
+  2. all-reduce SUM of s_r = exp(lse_r − m), the owner's target logit z_t, and (with entropy)
+     s_r·(H_r − log s_r)                                                       -> S, z_t, E         2N or 3N floats
+     lse = m + log S,   logp = z_t − lse,   H = E / S + log S   (H = Σ_r w_r (H_r − log w_r), w_r = s_r / S)
+
+The backward is local: each rank runs the backend's vocabulary backward on its shard with the global lse and
+entropy (so its softmax is the global one) and takes the one-hot term back out of the rows whose target it does not
+own (column 0 then carries one rounding of g: an absolute error of ulp(g), the gradient's own scale); the fused
+lm_head then forms dW of its shard and a partial dH, which one all-reduce SUM adds up (verl's convention, inside
+`partial_hidden_grad`: left to the caller, 0 bytes).
+
+Bytes communicated per call, R ranks, n rows of the pass (B·T for logits, the kept rows M for the fused lm_head),
+float32 statistics, e = 1 with entropy (else 0):
+  16·R (all-gather of each shard's (start, size), int64)  +  4·(3 + e)·n  forward
+  + H·itemsize(hidden)·n  backward of the fused lm_head (the dH all-reduce; none for logits in).
+Nothing of size [N, V] or [V, H] crosses ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from grpo_kernels.vocab import backends
+from grpo_kernels.vocab.function import (
+    VocabPassOptions,
+    _consume,
+    _in_place_or_new,
+    _kernels,
+    _mark_overwritten,
+    check_not_overwritten,
+    checked_rows,
+)
+
+_REDUCE_HIDDEN_GRAD = contextvars.ContextVar("reduce_hidden_grad", default=True)
+
+
+@contextlib.contextmanager
+def partial_hidden_grad() -> Iterator[None]:
+    """Within it, a fused lm_head on a vocabulary shard leaves dH as this rank's share instead of all-reducing it:
+    verl's and Megatron's convention, where the caller's sequence-parallel region sums the shares."""
+    token = _REDUCE_HIDDEN_GRAD.set(False)
+    try:
+        yield
+    finally:
+        _REDUCE_HIDDEN_GRAD.reset(token)
+
+
+def reduce_hidden_grad() -> bool:
+    """Whether the fused lm_head's dH is all-reduced over the vocabulary shards (not inside `partial_hidden_grad`)."""
+    return _REDUCE_HIDDEN_GRAD.get()
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """This rank's slice [start, start + size) of a vocabulary of `vocab` tokens, sharded over `group`."""
+
+    group: Any
+    start: int
+    size: int
+    vocab: int
+
+    def local_targets(self, targets: Tensor) -> tuple[Tensor, Tensor]:
+        """(targets as shard columns, 0 where the shard does not own the target; owned [same shape] bool)."""
+        local = targets - self.start
+        owned = (local >= 0) & (local < self.size)
+        return torch.where(owned, local, 0), owned
+
+
+def vocab_shard(process_group: Any, local_size: int, vocab_start: int | None, stats: tuple[str, ...] = ()):
+    """The VocabShard of this rank (None without a process group): one all-gather of each rank's (start, size).
+
+    `vocab_start` None: shards lie in rank order, start = the sizes of the lower ranks. The shards must tile
+    [0, V) without gap or overlap; anything else is a ValueError naming `vocab_start`.
+    """
+    if process_group is None:
+        if vocab_start is not None:
+            raise ValueError(f"vocab_start={vocab_start} needs a process_group (the vocabulary's shards)")
+        return None
+    if stats:
+        raise ValueError(f"stats {stats} are not merged across vocabulary shards: pass stats=() with process_group")
+    if vocab_start is not None and vocab_start < 0:
+        raise ValueError(f"vocab_start must be >= 0, got {vocab_start}")
+    world, rank = dist.get_world_size(process_group), dist.get_rank(process_group)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(process_group) == "nccl" else None
+    mine = torch.tensor([-1 if vocab_start is None else vocab_start, local_size], dtype=torch.int64, device=device)
+    parts = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(parts, mine, group=process_group)
+    layout = torch.stack(parts).tolist()  # [[start or -1, size] per rank]
+    given = [start >= 0 for start, _ in layout]
+    if any(given) and not all(given):
+        raise ValueError(f"vocab_start must be given on every rank of the group or on none, got {layout}")
+    if not any(given):
+        sizes = [size for _, size in layout]
+        layout = [[sum(sizes[:r]), size] for r, size in enumerate(sizes)]
+    end = 0
+    for start, size in sorted(layout):
+        if start != end:
+            raise ValueError(
+                f"vocab_start: the shards (start, size) {layout} do not tile [0, V) without gaps or overlaps"
+            )
+        end = start + size
+    return VocabShard(process_group, layout[rank][0], local_size, end)
+
+
+def _all_reduce(x: Tensor, group: Any, op=dist.ReduceOp.SUM) -> Tensor:
+    dist.all_reduce(x, op=op, group=group)
+    return x
+
+
+def merge_stats(
+    lse_r: Tensor, logp_r: Tensor, entropy_r: Tensor | None, owned: Tensor, mask: Tensor, group: Any
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The whole vocabulary's (lse, logp, entropy) of each row from each shard's (lse_r, logp_r of its column
+    target, entropy_r), all of one shape; two all-reduces (module doc). Rows where `mask` is False give 0."""
+    lse_r, logp_r = lse_r.float(), logp_r.float()
+    m = _all_reduce(lse_r.clone(), group, dist.ReduceOp.MAX)
+    m = torch.where(torch.isfinite(m), m, 0.0)  # an all -inf (or NaN) row: lse stays non-finite below
+    s = torch.exp(lse_r - m)  # [n]
+    parts = [s, torch.where(owned, logp_r + lse_r, 0.0)]  # the owner's z_t = logp_r + lse_r
+    if entropy_r is not None:
+        parts.append(torch.where(s > 0, s * (entropy_r.float() - torch.log(s)), 0.0))  # 0 for an all -inf shard
+    sums = _all_reduce(torch.stack(parts), group)  # [2 or 3, n]
+    lse = m + torch.log(sums[0])
+    logp = sums[1] - lse
+    entropy = None if entropy_r is None else sums[2] / sums[0] + torch.log(sums[0])
+    zero = lambda x: None if x is None else x.masked_fill(~mask, 0.0)  # noqa: E731
+    return zero(lse), zero(logp), zero(entropy)
+
+
+def onehot_slope(x: Tensor, temperature: float, logit_scale: float, softcap: float | None) -> Tensor:
+    """dz/dx of the logit transform (`token_logprobs_torch.transform_`) at raw logits x, float32."""
+    slope = logit_scale / temperature
+    if softcap is None:
+        return torch.full_like(x, slope, dtype=torch.float32)
+    return slope / torch.cosh(x.float() * (logit_scale / softcap)).square()
+
+
+def remove_foreign_onehot(grad: Tensor, x0: Tensor, owned: Tensor, grad_logp: Tensor | None, opts) -> None:
+    """In place: take g·dz/dx back out of column 0 of the gradient rows whose target another shard owns (the
+    shard's backward put the one-hot there, for the column its forward stood in with). grad [..., V_r], x0 the raw
+    logits of column 0 before the backward overwrote them, owned / grad_logp [...]."""
+    if grad_logp is None:
+        return
+    foreign = grad_logp.float() * onehot_slope(x0, opts.temperature, opts.logit_scale, opts.final_logit_softcapping)
+    grad[..., 0].sub_(torch.where(owned, 0.0, foreign).to(grad.dtype))
+
+
+class _ParallelTokenLogprobsFunction(torch.autograd.Function):
+    """Shard logits [B, T, V_r] -> (logp [B, T], entropy [B, T] or empty) over the whole vocabulary; saves O(B·T)
+    statistics, never [B, T, V_r] beyond the logits themselves."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, targets: Tensor, mask: Tensor, opts: VocabPassOptions, shard: VocabShard):
+        check_not_overwritten(logits)
+        if opts.backend in ("triton", "cuda") and logits.stride(-1) != 1:
+            logits = logits.contiguous()
+        local, owned = shard.local_targets(targets)
+        backends.launches[opts.backend] += 1
+        logp_r, lse_r, entropy_r, _ = _kernels(opts.backend).token_logprobs_fwd(
+            logits, local, mask, opts.temperature, opts.with_entropy, **opts.transform()
+        )
+        lse, logp, entropy = merge_stats(lse_r, logp_r, entropy_r, owned, mask, shard.group)
+        logp = checked_rows(opts.finite, lse, logp, mask)
+        entropy = logp.new_empty(0) if entropy is None else entropy
+        if not opts.with_entropy:
+            ctx.mark_non_differentiable(entropy)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(logits, local, owned, mask, lse, entropy)
+        ctx.opts, ctx.consumed = opts, False
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp: Tensor | None, grad_entropy: Tensor | None):
+        opts: VocabPassOptions = ctx.opts
+        _consume(ctx)
+        logits, local, owned, mask, lse, entropy = ctx.saved_tensors
+        if not opts.with_entropy:
+            grad_entropy, entropy = None, None
+        x0 = logits[..., 0].clone()  # [B, T]: column 0 before an in-place backward overwrites it
+        version = logits._version
+        out = _in_place_or_new(ctx, logits)
+        backends.launches[opts.backend] += 1
+        _kernels(opts.backend).token_logprobs_bwd(
+            logits, local, mask, lse, entropy, grad_logp, grad_entropy, opts.temperature, out, **opts.transform()
+        )
+        remove_foreign_onehot(out, x0, owned | ~mask, grad_logp, opts)
+        _mark_overwritten(ctx, logits, version)
+        return out, None, None, None, None
+
+
+def vocab_pass(
+    logits: Tensor, targets: Tensor, mask: Tensor, opts: VocabPassOptions, shard: VocabShard
+) -> tuple[Tensor, Tensor | None]:
+    """`function.vocab_pass` on this rank's shard [B, T, V_r] of the logits; targets are whole-vocabulary ids."""
+    logp, entropy = _ParallelTokenLogprobsFunction.apply(logits, targets, mask, opts, shard)
+    return logp, (entropy if opts.with_entropy else None)

@@ -1,0 +1,135 @@
+"""The fused lm_head on a vocabulary shard of the weight (`vocab/parallel.py` holds the merge and the byte count).
+
+Per chunk of rows: the shard's logits [c, V_r] (one GEMM), the backend's vocabulary pass on them; once every chunk's
+O(c) statistics are in, two all-reduces merge them over the group (`merge_stats`). The backward recomputes each
+chunk's shard logits, runs the backend's vocabulary backward with the global lse and entropy, and forms dW of the
+shard and this rank's partial dH, which one all-reduce sums (`reduce_hidden_grad`; verl's `linear_cross_entropy`
+leaves it to the caller). 4 GEMMs per chunk in all; memory beyond the gradients is one [c, V_r] chunk.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from grpo_kernels.vocab import backends
+from grpo_kernels.vocab.function import _kernels, checked_rows
+from grpo_kernels.vocab.fused_linear import FusedLinearOptions, accumulate, chunk_rows, gemm_mode
+from grpo_kernels.vocab.parallel import VocabShard, merge_stats, reduce_hidden_grad, remove_foreign_onehot
+
+
+def _chunk_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, buffer: Tensor) -> Tensor:
+    """The chunk's shard logits [1, c, V_r] of hidden rows [c, H], in `buffer` (one buffer serves every chunk)."""
+    out = buffer[: hidden.shape[0]]
+    if bias is None:
+        return torch.mm(hidden, weight.T, out=out)[None]
+    return torch.addmm(bias, hidden, weight.T, out=out)[None]
+
+
+def _row_chunks(hidden: Tensor, weight: Tensor, opts: FusedLinearOptions):
+    rows = chunk_rows(hidden.shape[0], weight.shape[0], weight.shape[1], hidden.device, opts.chunk_size, weight.dtype)
+    return rows, [slice(s, min(s + rows, hidden.shape[0])) for s in range(0, hidden.shape[0], rows)]
+
+
+class _ParallelFusedLinearFunction(torch.autograd.Function):
+    """(hidden [M, H], shard weight [V_r, H], shard bias [V_r] | None, targets [M] whole-vocabulary ids,
+    row_mask [M] | None) -> logp [M], entropy [M] or empty, over the whole vocabulary."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, row_mask, opts: FusedLinearOptions, shard, reduce_hidden_grad):
+        kernels = _kernels(opts.backend)
+        M = targets.shape[0]
+        mask = torch.ones(M, dtype=torch.bool, device=hidden.device) if row_mask is None else row_mask  # [M]
+        local, owned = shard.local_targets(targets)  # [M] each
+        rows, chunks = _row_chunks(hidden, weight, opts)
+        buffer = weight.new_empty(rows, weight.shape[0])  # [rows, V_r]
+        logp_r, lse_r = hidden.new_zeros(M, dtype=torch.float32), hidden.new_zeros(M, dtype=torch.float32)
+        entropy_r = hidden.new_zeros(M, dtype=torch.float32) if opts.with_entropy else None
+        for r in chunks:
+            backends.launches[opts.backend] += 1
+            z = _chunk_logits(hidden[r], weight, bias, buffer)  # [1, c, V_r]
+            logp, lse, entropy, _ = kernels.token_logprobs_fwd(
+                z, local[None, r], mask[None, r], opts.temperature, opts.with_entropy, **opts.transform()
+            )
+            logp_r[r], lse_r[r] = logp[0], lse[0]
+            if entropy_r is not None:
+                entropy_r[r] = entropy[0]
+        lse, logp, entropy = merge_stats(lse_r, logp_r, entropy_r, owned, mask, shard.group)  # [M] each
+        logp = checked_rows(opts.finite, lse, logp, row_mask)
+        entropy = logp.new_empty(0) if entropy is None else entropy
+        if not opts.with_entropy:
+            ctx.mark_non_differentiable(entropy)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(hidden, weight, bias, local, owned, mask, lse, entropy)
+        ctx.opts, ctx.shard, ctx.reduce_hidden_grad = opts, shard, reduce_hidden_grad
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden, weight, bias, local, owned, mask, lse, entropy = ctx.saved_tensors
+        opts: FusedLinearOptions = ctx.opts
+        kernels = _kernels(opts.backend)
+        if not opts.with_entropy:
+            grad_entropy = None
+        needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+        acc = torch.promote_types(weight.dtype, torch.float32)
+        mode = gemm_mode(weight.device)
+        grad_hidden = torch.zeros_like(hidden) if needs_hidden else None  # [M, H]
+        grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if needs_weight else None
+        grad_bias = torch.zeros(bias.shape, dtype=acc, device=bias.device) if needs_bias else None
+        rows, chunks = _row_chunks(hidden, weight, opts)
+        buffer = weight.new_empty(rows, weight.shape[0])  # [rows, V_r]
+        pick = lambda x, r: None if x is None else x[None, r]  # noqa: E731  [1, c]
+        for r in chunks:
+            backends.launches[opts.backend] += 1
+            z = _chunk_logits(hidden[r], weight, bias, buffer)  # [1, c, V_r], overwritten by its gradient
+            x0 = z[..., 0].clone()  # [1, c]
+            kernels.token_logprobs_bwd(
+                z,
+                local[None, r],
+                mask[None, r],
+                lse[None, r],
+                pick(entropy if grad_entropy is not None else None, r),
+                pick(grad_logp, r),
+                pick(grad_entropy, r),
+                opts.temperature,
+                z,
+                **opts.transform(),
+            )
+            remove_foreign_onehot(z, x0, pick(owned | ~mask, r), pick(grad_logp, r), opts)
+            if grad_hidden is not None:
+                torch.mm(z[0], weight, out=grad_hidden[r])
+            if grad_weight is not None:
+                accumulate(grad_weight, z[0].T, hidden[r], mode)
+            if grad_bias is not None:
+                grad_bias += z[0].sum(0, dtype=grad_bias.dtype)
+        if grad_hidden is not None and ctx.reduce_hidden_grad:
+            dist.all_reduce(grad_hidden, group=ctx.shard.group)
+        cast = lambda g, like: None if g is None else g.to(like.dtype)  # noqa: E731
+        return grad_hidden, cast(grad_weight, weight), cast(grad_bias, bias), None, None, None, None, None
+
+
+def fused_linear_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    targets: Tensor,
+    opts: FusedLinearOptions,
+    row_mask: Tensor | None,
+    shard: VocabShard,
+) -> tuple[Tensor, Tensor | None]:
+    """`fused_linear.fused_linear_logprobs` on this rank's shard of the lm_head: logp [M] and entropy [M] (None
+    unless asked) over the whole vocabulary; dW and db of the shard; dH summed over the group (inside
+    `parallel.partial_hidden_grad`: this rank's share of it)."""
+    logp, entropy = _ParallelFusedLinearFunction.apply(
+        hidden, weight, bias, targets, row_mask, opts, shard, reduce_hidden_grad()
+    )
+    return logp, (entropy if opts.with_entropy else None)
+
+
+def on_shard(shard: VocabShard):
+    """`fused_linear_logprobs` with `fused_linear.fused_linear_logprobs`'s signature, on `shard`."""
+    return lambda hidden, weight, bias, targets, opts, row_mask=None: fused_linear_logprobs(
+        hidden, weight, bias, targets, opts, row_mask, shard
+    )

@@ -1,0 +1,287 @@
+"""A stand-in `vllm` package that behaves like vLLM 0.33.0 wherever the trainer depends on it, so the tests can show
+that the trainer handles each point (`install(monkeypatch, ...)` puts it in `sys.modules`).
+
+What it reproduces, with the vLLM file it follows:
+- `LLM(**kwargs)` records its arguments and the environment it was built in. Under "external_launcher" it reads RANK
+  and LOCAL_RANK (a KeyError without them) and needs VLLM_ENABLE_V1_MULTIPROCESSING=0; otherwise its device index is
+  0, whatever the trainer's device (`vllm/v1/executor/uniproc_executor.py`). `max_num_batched_tokens` below
+  `max_num_seqs` is a ValueError (`vllm/config/scheduler.py`); `max_model_len` defaults to the model's context.
+- Building it reseeds python `random`, numpy and torch with its seed, twice (`vllm/v1/worker/gpu_worker.py`,
+  `init_device` and after warm-up; `vllm/utils/torch_utils.py`, `set_random_seed`).
+- `generate` rejects a prompt of `max_model_len` tokens or more (`vllm/v1/engine/input_processor.py`); samples each
+  prompt's n completions from the stream of its `SamplingParams.seed` (child k: seed + k,
+  `vllm/v1/engine/parallel_sampling.py`), or from the global numpy generator without a seed (the V2 model runner,
+  `vllm/v1/worker/gpu/sample/states.py`); stops on the tokenizer's EOS, the generation config's EOS ids and
+  `stop_token_ids`, keeping the stop token (finish_reason "stop"), or at `max_tokens` / `max_model_len` ("length")
+  (`vllm/v1/core/sched/utils.py`, `check_stop`); returns the processed log-prob of each sampled token.
+- Sleep mode: level 2 discards the weights (garbage until rewritten) and the KV cache; `generate` needs both awake,
+  `load_weights` needs the weights awake.
+- With `official=True`, the RL weight-update API (`vllm/entrypoints/rl/offline.py`): `start_weight_update`,
+  `update_weights({"update_info": ...})`, `finish_weight_update` drive the weight-transfer engine named by
+  `weight_transfer_config` from the registry (`vllm/distributed/weight_transfer/factory.py`, `base.py`). With
+  `official=False` those are absent, as in vLLM before them; the in-process `llm_engine.model_executor` path is
+  always there.
+The sampled tokens come from a fixed distribution (`PROBS`), not from the pushed weights: the trainer's side is what
+is under test.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+import types
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any, Generic, TypeVar
+
+import numpy as np
+import torch
+
+ENV_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "VLLM_ENABLE_V1_MULTIPROCESSING")
+MODEL_MAX_LEN = 2048  # the "model's" context: max_model_len when none is given
+
+
+class SamplingParams:
+    def __init__(self, n=1, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, max_tokens=16, logprobs=None, **rest):
+        self.kwargs = dict(
+            n=n, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, max_tokens=max_tokens, **rest
+        )
+        self.kwargs["logprobs"] = logprobs
+        self.n, self.temperature, self.max_tokens, self.logprobs = n, temperature, max_tokens, logprobs
+        self.stop_token_ids = list(rest.get("stop_token_ids") or [])
+        self.seed = rest.get("seed")
+
+
+class _Model:
+    """The engine's model: `load_weights` writes into it (while its memory is mapped)."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.llm, self.weights, self.pushes, self.calls = llm, {}, [], []
+
+    def load_weights(self, weights) -> None:
+        if "weights" in self.llm.asleep:
+            raise RuntimeError("load_weights into a sleeping engine: its weight memory is unmapped")
+        pushed = {name: tensor.detach().clone() for name, tensor in weights}
+        self.weights.update(pushed)
+        self.pushes.append(pushed)
+        self.llm.weights_garbage = False
+
+
+class LLM:
+    """`vllm.LLM` without the RL weight-update API."""
+
+    built: list = []  # every engine of this process, in order
+    probs: torch.Tensor  # [V] the distribution tokens are drawn from (before temperature)
+    eos_token_ids: tuple[int, ...]  # the tokenizer's EOS and the generation config's, as vLLM reads them
+
+    def __init__(self, model: str, *, seed: int = 0, max_model_len: int | None = None, **kwargs: Any) -> None:
+        self.kwargs = dict(model=model, seed=seed, max_model_len=max_model_len, **kwargs)
+        self.env = {k: os.environ.get(k) for k in ENV_KEYS}
+        self.calls: list = []
+        if kwargs.get("distributed_executor_backend") == "external_launcher":
+            assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0", (
+                "please set VLLM_ENABLE_V1_MULTIPROCESSING=0"
+            )
+            self.rank, self.device_index = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+        else:
+            self.rank, self.device_index = 0, 0  # the bare device string "cuda"
+        max_num_seqs = kwargs.get("max_num_seqs") or 256
+        if (kwargs.get("max_num_batched_tokens") or 8192) < max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens must be greater than or equal to max_num_seqs ({max_num_seqs})")
+        self.max_model_len = max_model_len or MODEL_MAX_LEN
+        self.asleep: set[str] = set()
+        self.weights_garbage = False
+        self.model = _Model(self)
+        runner = SimpleNamespace(model_runner=SimpleNamespace(model=self.model))
+        self.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(driver_worker=runner))
+        self._transfer = self._transfer_engine(kwargs.get("weight_transfer_config"))
+        _set_random_seed(seed)  # init_device
+        _set_random_seed(seed)  # compile_or_warm_up_model
+        LLM.built.append(self)
+
+    def _transfer_engine(self, config):
+        if config is None:
+            return None
+        factory = sys.modules["vllm.distributed.weight_transfer.factory"].WeightTransferEngineFactory
+        return factory.create_engine(SimpleNamespace(**config), None, torch.device("cpu"), self.model)
+
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        self.calls.append(("sleep", level))
+        self.asleep = {"weights", "kv_cache"}
+        self.weights_garbage = self.weights_garbage or level == 2
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        self.calls.append(("wake_up", tuple(tags or ())))
+        self.asleep -= set(tags or ("weights", "kv_cache"))
+        return not self.asleep
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        self.calls.append(("reset_prefix_cache",))
+        return True
+
+    def collective_rpc(self, method, *args, **kwargs):
+        self.calls.append(("collective_rpc", method))
+
+    def generate(self, prompts, sampling_params=None, *, use_tqdm=True, **kwargs):
+        params = sampling_params if isinstance(sampling_params, list | tuple) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError("the lengths of prompts and sampling_params must be the same")
+        if self.asleep:
+            raise RuntimeError(f"generate while {sorted(self.asleep)} sleep: the scheduler is paused")
+        if self.weights_garbage:
+            raise RuntimeError("generate on weights discarded by a level-2 sleep and never rewritten")
+        self.calls.append(("generate", len(prompts), params[0].n))
+        self.last_params = params
+        for prompt in prompts:
+            length = len(prompt["prompt_token_ids"])
+            if length >= self.max_model_len:
+                raise ValueError(
+                    f"The decoder prompt (length {length}) is longer than the maximum model length of "
+                    f"{self.max_model_len}. Make sure that `max_model_len` is no smaller than the number of text "
+                    "tokens."
+                )
+        return [self._request(p["prompt_token_ids"], sp) for p, sp in zip(prompts, params, strict=True)]
+
+    def _request(self, prompt: list[int], params: SamplingParams):
+        stop = set(self.eos_token_ids) | set(params.stop_token_ids)
+        logp_all = torch.log_softmax(self.probs.log() / params.temperature, dim=-1)  # processed log-probs [V]
+        samples = []
+        for k in range(params.n):
+            seed = np.random.randint(0, 2**62) if params.seed is None else params.seed + k
+            generator = torch.Generator().manual_seed(int(seed) % 2**63)
+            tokens, logprobs, reason = [], [], None
+            while reason is None:
+                token = int(torch.multinomial(logp_all.exp(), 1, generator=generator))
+                tokens.append(token)
+                logprobs.append({token: SimpleNamespace(logprob=float(logp_all[token]), rank=1)})
+                if token in stop:
+                    reason = "stop"
+                elif len(tokens) >= params.max_tokens or len(prompt) + len(tokens) >= self.max_model_len:
+                    reason = "length"
+            samples.append(SimpleNamespace(index=k, token_ids=tuple(tokens), logprobs=logprobs, finish_reason=reason))
+        return SimpleNamespace(prompt_token_ids=prompt, outputs=samples)
+
+
+class OfficialLLM(LLM):
+    """`vllm.LLM` with the RL weight-update API (`vllm/entrypoints/rl/offline.py`)."""
+
+    def _engine(self):
+        if self._transfer is None:
+            raise RuntimeError("Weight transfer not configured. Please set weight_transfer_config")
+        return self._transfer
+
+    def start_weight_update(self) -> None:
+        self.calls.append(("start_weight_update",))
+        self._engine().start_weight_update()
+
+    def update_weights(self, request: dict) -> None:
+        self.calls.append(("update_weights",))
+        self._engine().update_weights(request["update_info"])
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.calls.append(("finish_weight_update",))
+        self._engine().finish_weight_update()
+
+
+def _set_random_seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+# ------------------------------------------------------------------------ vllm.distributed.weight_transfer
+InitT, UpdateT = TypeVar("InitT"), TypeVar("UpdateT")
+
+
+@dataclass
+class WeightTransferInitInfo(ABC):  # noqa: B024
+    pass
+
+
+@dataclass
+class WeightTransferUpdateInfo(ABC):  # noqa: B024
+    pass
+
+
+class WeightTransferEngine(ABC, Generic[InitT, UpdateT]):
+    init_info_cls: type
+    update_info_cls: type
+
+    def __init__(self, config, vllm_config, device, model) -> None:
+        self.config, self.vllm_config, self.device, self.model = config, vllm_config, device, model
+        self.model_config = SimpleNamespace(dtype=torch.float32)
+
+    def update_weights(self, update_info: dict) -> None:
+        try:
+            typed = self.update_info_cls(**update_info)
+        except TypeError as error:
+            raise ValueError(f"Invalid update_info for {type(self).__name__}: {error}") from error
+        self.receive_weights(typed)
+
+    @abstractmethod
+    def receive_weights(self, update_info) -> None: ...
+
+
+class WeightTransferEngineFactory:
+    _registry: dict = {}
+
+    @classmethod
+    def register_engine(cls, name: str, engine_cls) -> None:
+        if name in cls._registry:
+            raise ValueError(f"Weight transfer engine '{name}' is already registered.")
+        cls._registry[name] = engine_cls
+
+    @classmethod
+    def create_engine(cls, config, vllm_config, device, model):
+        if config.backend not in cls._registry:
+            raise ValueError(f"Invalid weight transfer backend: {config.backend}.")
+        return cls._registry[config.backend](config, vllm_config, device, model)
+
+
+def initialize_layerwise_reload(model) -> None:
+    model.calls.append("initialize_layerwise_reload")
+
+
+def finalize_layerwise_reload(model, model_config) -> None:
+    model.calls.append("finalize_layerwise_reload")
+
+
+# --------------------------------------------------------------------------------------------------- install
+def install(monkeypatch, *, official: bool, eos_token_ids, probs: torch.Tensor) -> types.ModuleType:
+    """Put the stand-in in `sys.modules` as `vllm` (with the weight-update API when `official`); the "model directory"
+    stops on `eos_token_ids` and its tokens are drawn from `probs` [V]. `monkeypatch`: pytest's, or None to install
+    for the rest of the process (a spawned rank)."""
+    setitem = monkeypatch.setitem if monkeypatch is not None else (lambda d, k, v: d.__setitem__(k, v))
+    llm = type("LLM", (OfficialLLM if official else LLM,), {"probs": probs, "eos_token_ids": tuple(eos_token_ids)})
+    vllm = types.ModuleType("vllm")
+    vllm.LLM, vllm.SamplingParams, vllm.__version__ = llm, SamplingParams, "0.33.0"
+    setitem(sys.modules, "vllm", vllm)
+    LLM.built = []
+    WeightTransferEngineFactory._registry = {}
+    names = (
+        "vllm.distributed",
+        "vllm.distributed.weight_transfer",
+        "vllm.distributed.weight_transfer.base",
+        "vllm.distributed.weight_transfer.factory",
+        "vllm.model_executor",
+        "vllm.model_executor.model_loader",
+        "vllm.model_executor.model_loader.reload",
+    )
+    for name in names:
+        module = types.ModuleType(name) if official else None  # None: "No module named ..." on import
+        setitem(sys.modules, name, module)
+    if official:
+        base, factory, reload = (sys.modules[n] for n in (names[2], names[3], names[6]))
+        base.WeightTransferEngine, base.WeightTransferInitInfo = WeightTransferEngine, WeightTransferInitInfo
+        base.WeightTransferUpdateInfo = WeightTransferUpdateInfo
+        factory.WeightTransferEngineFactory = WeightTransferEngineFactory
+        reload.initialize_layerwise_reload, reload.finalize_layerwise_reload = (
+            initialize_layerwise_reload,
+            finalize_layerwise_reload,
+        )
+        sys.modules["vllm.distributed.weight_transfer"].base = base
+        sys.modules["vllm.distributed.weight_transfer"].factory = factory
+        sys.modules["vllm.model_executor.model_loader"].reload = reload
+    return vllm
