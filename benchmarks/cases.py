@@ -15,6 +15,7 @@ import torch
 
 import grpo_kernels as gk
 from benchmarks import baselines
+from benchmarks.peak_memory import peak_extra_bytes as measure_peak
 from benchmarks.shapes import SIZES, Shape
 
 BENCHES = ("grpo_loss", "fused_linear", "token_logprobs")
@@ -167,12 +168,7 @@ def peak_extra_bytes(bench: str, provider: str, shape: Shape, mode: str, data: d
     """Peak memory of one call beyond what existed before it: CUDA allocator stats, or (CPU) VmHWM − VmRSS
     of a fresh process running the case alone."""
     if device().type == "cuda":
-        run = step(bench, provider, shape, mode, data)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        run()
-        return torch.cuda.max_memory_allocated() - base
+        return measure_peak(step(bench, provider, shape, mode, data))
     import subprocess
 
     out = subprocess.run(
@@ -197,22 +193,13 @@ def preload(provider: str) -> None:
         importlib.import_module(module)
 
 
-def status_kib(field: str) -> int:
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) for line in status if line.startswith(field + ":"))
-
-
 if __name__ == "__main__":  # the CPU memory measurement of one case, in this fresh process
     bench, provider, name, mode, size = sys.argv[1:6]
     shape = next(s for s in SIZES[size] if s.name == name)
     data = inputs(shape)
     run = step(bench, provider, shape, mode, data)
     preload(provider)
-    with open("/proc/self/clear_refs", "w") as clear:  # peak RSS := current RSS
-        clear.write("5")
-    base = status_kib("VmRSS")
-    run()
-    print((status_kib("VmHWM") - base) * 1024)
+    print(measure_peak(run))
 
 
 def case_info(bench: str, provider: str, shape, mode: str, size: str) -> dict:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.measure_cpu_memory import _reset_peak_rss, _status_kib
+from benchmarks.peak_memory import peak_extra_bytes as measure_peak
 
 SHAPES = {
     "cpu": dict(B=8, T=256, H=896, V=151_936, dtype="float32"),
@@ -93,12 +93,7 @@ def peak_extra_bytes(mode: str, data: dict, device: torch.device, shape_name: st
         step(mode, data)  # warm-up: kernels compiled, allocator primed
         for name in ("hidden", "weight"):
             data[name].grad = None
-        torch.cuda.synchronize(device)
-        base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        step(mode, data)
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - base
+        return measure_peak(lambda: step(mode, data), device)
     cmd = [sys.executable, "-m", "benchmarks.lean_memory", "--shape", shape_name, "--dtype", dtype, "--memory-of", mode]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return int(out.split()[-1])
@@ -106,9 +101,7 @@ def peak_extra_bytes(mode: str, data: dict, device: torch.device, shape_name: st
 
 def _child(mode: str, shape: dict) -> None:
     data = inputs(shape, torch.device("cpu"))
-    base = _reset_peak_rss()
-    step(mode, data)
-    print((_status_kib("VmHWM") - base) * 1024)
+    print(measure_peak(lambda: step(mode, data), torch.device("cpu")))
 
 
 def times(data: dict, device: torch.device, rounds: int) -> dict[str, list[float]]:

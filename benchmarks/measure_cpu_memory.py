@@ -16,6 +16,8 @@ import time
 
 import torch
 
+from benchmarks.peak_memory import reset_peak_rss, status_kib
+
 LOGITS_SHAPE = dict(B=4, T=256, V=151936, H=64)
 FUSED_SHAPE = dict(B=8, T=256, V=151936, H=896)  # 78% of the tokens valid
 
@@ -45,26 +47,14 @@ def _step(case: str, provider: str, hidden, weight, targets, mask, adv, old, ref
     return gk.grpo_loss(hidden @ weight.T, targets, adv, old, ref, mask, **options).loss
 
 
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) for line in status if line.startswith(field + ":"))
-
-
-def _reset_peak_rss() -> int:
-    """Reset the peak RSS (VmHWM) to the current RSS, so that transients of the setup do not hide the run's."""
-    with open("/proc/self/clear_refs", "w") as clear:
-        clear.write("5")
-    return _status_kib("VmRSS")
-
-
 def run(case: str, provider: str) -> None:
     shape = FUSED_SHAPE if case == "fused_linear" else LOGITS_SHAPE
     inputs = _inputs(**shape, keep=0.78 if case == "fused_linear" else 0.9)
-    base = _reset_peak_rss()
+    base = reset_peak_rss()
     start = time.perf_counter()
     _step(case, provider, *inputs).backward()
     seconds = time.perf_counter() - start
-    extra = (_status_kib("VmHWM") - base) / 2**20
+    extra = (status_kib("VmHWM") - base) / 2**20
     grads = sum(x.numel() for x in inputs[:2]) * 4 / 2**30
     print(
         f"{case} {shape} {provider}: {seconds:.2f} s, extra peak RSS {extra:.3f} GiB (grad_W + grad_hidden "

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import report
+from benchmarks.peak_memory import peak_extra_bytes as measure_peak
 
 LAYOUTS = ("padded", "padding_free")
 LOSS = dict(loss_type="dapo", beta=0.04, epsilon_high=0.28)
@@ -142,18 +143,7 @@ def _one_step(size_name: str, layout: str, attn: str) -> int:
     policy, batch = build(SIZES[size_name], layout, attn, device)
     _, update = steps(policy, batch)
     gc.collect()
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        update()
-        return torch.cuda.max_memory_allocated() - base
-    from benchmarks.cases import status_kib
-
-    with open("/proc/self/clear_refs", "w") as clear:  # peak RSS := current RSS
-        clear.write("5")
-    base = status_kib("VmRSS")
-    update()
-    return (status_kib("VmHWM") - base) * 1024
+    return measure_peak(update, device)
 
 
 def measure(size_name: str, rounds: int, attn: str) -> tuple[list[dict], float]:

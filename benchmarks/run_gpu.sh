@@ -21,6 +21,9 @@
 #   lean_memory  python -m benchmarks.lean_memory --device cuda: the fused lm_head + loss, memory="fast" against
 #                memory="lean" (bf16, B·T = 8,192, H = 4,096, V = 151,936): peak extra memory against the bf16
 #                gradients, time against the bare lm_head GEMMs; OUTDIR/bench/lean_memory.json
+#   packing      python -m benchmarks.packing_step --size gpu: a trainer step padding-free (flash-attn's varlen kernels
+#                when installed, else SDPA per sequence) against padded, lengths 10-100% of the budget;
+#                OUTDIR/bench/packing.{json,md}
 #   vllm_train   python -m benchmarks.vllm_train: a 3-step training with --rollout vllm on a small Llama written to
 #                OUTDIR/vllm (summary.json, train.log); skipped, and said so, when vllm is not importable
 #   report       OUTDIR/bench/benchmarks.{json,md} and plots, OUTDIR/SUMMARY.md
@@ -41,7 +44,7 @@
 set -uo pipefail
 
 ALL_STEPS=(env build tests alltests parity bench_grpo_loss bench_fused_linear bench_token_logprobs interleaved lean_memory
-    vllm_train report)
+    packing vllm_train report)
 declare -A TIMEOUT=([env]=120 [build]=900 [tests]=600 [alltests]=1500 [parity]=900 [bench_grpo_loss]=480
     [bench_fused_linear]=600 [bench_token_logprobs]=480 [interleaved]=300 [report]=180)
 declare -A MINIMUM=([env]=10 [build]=120 [tests]=30 [alltests]=120 [parity]=90 [bench_grpo_loss]=60
@@ -81,7 +84,8 @@ expand() {  # a comma list of steps and groups -> one step a line
 }
 TIMEOUT[vllm_train]=420 MINIMUM[vllm_train]=90
 TIMEOUT[lean_memory]=300 MINIMUM[lean_memory]=60
-WANTED="$(expand "${ONLY:-env,build,tests,parity,bench,interleaved,lean_memory,vllm_train,report}")" || exit 2
+TIMEOUT[packing]=600 MINIMUM[packing]=60
+WANTED="$(expand "${ONLY:-env,build,tests,parity,bench,interleaved,lean_memory,packing,vllm_train,report}")" || exit 2
 UNWANTED="$(expand "$SKIP")" || exit 2
 STEPS=()
 for step in "${ALL_STEPS[@]}"; do
@@ -162,6 +166,9 @@ commands() {  # GPU and CPU (dry run) command of step $1; an empty CPU one: not 
         lean_memory)
             GPU=("$PY" -m benchmarks.lean_memory --device cuda --out "$OUTDIR/bench/lean_memory.json")
             CPU=("$PY" -m benchmarks.lean_memory --smoke --rounds 1 --out "$OUTDIR/bench/lean_memory.json") ;;
+        packing)
+            GPU=("$PY" -m benchmarks.packing_step --size gpu --out "$OUTDIR/bench/packing.json")
+            CPU=("$PY" -m benchmarks.packing_step --size smoke --rounds 1 --out "$OUTDIR/bench/packing.json") ;;
         vllm_train) GPU=("$PY" -m benchmarks.vllm_train "$OUTDIR/vllm") ;;
         report) GPU=("$PY" -m benchmarks.gpu_run report "$OUTDIR"); CPU=("${GPU[@]}") ;;
     esac

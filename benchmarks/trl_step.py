@@ -197,19 +197,7 @@ def _one_step(provider: str, size_name: str) -> int:
         inputs = batch(size, trainer.accelerator.device)
         step = step_fn(trainer, inputs)
         gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            step()
-            return torch.cuda.max_memory_allocated() - base
-        from benchmarks.cases import status_kib
-
-        with open("/proc/self/clear_refs", "w") as clear:  # peak RSS := current RSS
-            clear.write("5")
-        base = status_kib("VmRSS")
-        step()
-        return (status_kib("VmHWM") - base) * 1024
+        return peak_extra_bytes(step)
 
 
 def info(provider: str, size_name: str) -> dict:

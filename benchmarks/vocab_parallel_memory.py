@@ -19,7 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from benchmarks.measure_cpu_memory import _reset_peak_rss, _status_kib
+from benchmarks.peak_memory import reset_peak_rss, status_kib
 
 SHAPE = dict(B=4, T=256, V=151936, H=896)  # Qwen2.5-0.5B's lm_head
 
@@ -45,12 +45,12 @@ def run(world: int, rank: int, port: int) -> None:
         weight = weight[rank * rows : (rank + 1) * rows].clone()
         group = dict(process_group=dist.group.WORLD)
     weight.requires_grad_()
-    base = _reset_peak_rss()
+    base = reset_peak_rss()
     start = time.perf_counter()
     loss = gk.fused_linear_grpo_loss(hidden, weight, targets, adv, old, mask=mask, loss_type="dapo", **group).loss
     loss.backward()
     seconds = time.perf_counter() - start
-    extra = (_status_kib("VmHWM") - base) / 2**20
+    extra = (status_kib("VmHWM") - base) / 2**20
     grad_w = weight.numel() * 4 / 2**30
     print(
         f"world {world} rank {rank}: weight {list(weight.shape)}, {seconds:.2f} s, extra peak RSS {extra:.3f} GiB "

@@ -49,6 +49,7 @@ def test_dry_run(tmp_path):
         "--bench-size gpu --benchmark-json",
         "-m benchmarks.interleaved --out",
         "-m benchmarks.lean_memory --device cuda",
+        "-m benchmarks.packing_step --size gpu",
         "-m benchmarks.vllm_train",
         "-m benchmarks.gpu_run report",
         "--bench-size smoke --benchmark-disable",
@@ -65,6 +66,7 @@ def test_dry_run(tmp_path):
         bench_token_logprobs="ok",
         interleaved="ok",
         lean_memory="ok",
+        packing="ok",
         vllm_train="dry run: printed",  # the GPU run does it when vllm is importable
         report="ok",
     )
