@@ -7,19 +7,25 @@ import dataclasses
 import torch
 from torch import Tensor
 
-from grpo_kernels import checks
+from grpo_kernels import checks, kept_rows, token_level
+from grpo_kernels.kept_rows import (
+    as_rows,
+    checked_mask,
+    kept_index,
+    layout_view,
+    poison,
+    row_check,
+    safe_targets,
+    scatter,
+    take,
+)
 from grpo_kernels.loss_inputs import LossInputs
-from grpo_kernels.losses.aggregate import token_weights_for
-from grpo_kernels.losses.loss import GRPOLossOutput, compute_loss, loss_metrics, per_token_loss
-from grpo_kernels.losses.policy import POLICY_LOSSES
-from grpo_kernels.losses.terms import build_terms, per_sequence_or_token
+from grpo_kernels.losses.loss import GRPOLossOutput, compute_loss, loss_metrics
 from grpo_kernels.options import LossOptions, resolve_options
 from grpo_kernels.vocab import parallel, parallel_linear
 from grpo_kernels.vocab.backends import resolve_backend
 from grpo_kernels.vocab.function import (
-    TokenEpilogue,
     VocabPassOptions,
-    fused_token_loss,
     poisoned,
     vocab_pass,
     vocab_pass_with_stats,
@@ -34,7 +40,6 @@ from grpo_kernels.vocab.fused_linear import (
 from grpo_kernels.vocab.fused_linear_lean import resolve_memory
 
 LossResult = GRPOLossOutput | tuple[GRPOLossOutput, Tensor]
-FUSED_KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")  # those the fused epilogues implement (Triton, CUDA)
 
 
 def token_logprobs(
@@ -84,15 +89,15 @@ def token_logprobs(
     checks.check_logit_transform(logit_scale, final_logit_softcapping)
     checks.check_tensor("logits", logits)
     squeeze = logits.dim() == 2
-    rows, targets, mask = _rows(logits, targets, mask)
+    rows, targets, mask = as_rows(logits, targets, mask)
     backend = resolve_backend(backend, logits.device)
     stats = checks.check_stats(stats, backend)
     checks.check_logits(rows, backend)
     shard = parallel.vocab_shard(process_group, rows.shape[-1], vocab_start, stats)
     vocab = rows.shape[-1] if shard is None else shard.vocab
     with checks.one_sync(check_finite):
-        mask = _checked_mask(mask, rows, targets, vocab=vocab)
-    targets, invalid = _safe_targets(targets, mask, vocab, check_finite)
+        mask = checked_mask(mask, rows, targets, vocab=vocab)
+    targets, invalid = safe_targets(targets, mask, vocab, check_finite)
     opts = VocabPassOptions(
         backend,
         temperature,
@@ -101,17 +106,17 @@ def token_logprobs(
         logit_scale,
         final_logit_softcapping,
         stats,
-        _row_check(check_finite, checks.RowCheck(), squeeze),
+        row_check(check_finite, checks.RowCheck(), squeeze),
     )
     if stats:
         out = vocab_pass_with_stats(rows, targets, mask, opts)
-        out["logp"] = _poison(out["logp"], invalid)
+        out["logp"] = poison(out["logp"], invalid)
         return {name: x[0] for name, x in out.items()} if squeeze else out
     if shard is None:
         logp, entropy = vocab_pass(rows, targets, mask, opts)
     else:
         logp, entropy = parallel.vocab_pass(rows, targets, mask, opts, shard)
-    logp = _poison(logp, invalid)
+    logp = poison(logp, invalid)
     if squeeze:
         logp, entropy = logp[0], None if entropy is None else entropy[0]
     return (logp, entropy) if with_entropy else logp
@@ -157,7 +162,7 @@ def fused_linear_token_logprobs(
     checks.check_logit_transform(logit_scale, final_logit_softcapping)
     checks.check_tensor("hidden", hidden)
     squeeze = hidden.dim() == 2
-    rows, targets, mask = _rows(hidden, targets, mask, name="hidden")
+    rows, targets, mask = as_rows(hidden, targets, mask, name="hidden")
     backend = resolve_backend(backend, hidden.device)
     stats = checks.check_stats(stats, backend)
     checks.check_linear(rows, weight, bias, backend)
@@ -165,13 +170,13 @@ def fused_linear_token_logprobs(
     tile = checks.check_memory(memory, tile, chunk_size, backend)
     shard = parallel.vocab_shard(process_group, weight.shape[0], vocab_start, stats)
     vocab = weight.shape[0] if shard is None else shard.vocab
-    all_rows = _all_rows(check_finite, hidden.device)
+    all_rows = kept_rows.all_rows(check_finite, hidden.device)
     with checks.one_sync(check_finite) as reads:
-        mask = _checked_mask(mask, rows, targets, vocab=vocab)
+        mask = checked_mask(mask, rows, targets, vocab=vocab)
         if not all_rows:
             reads.read(mask.sum())  # the kept-row count sizes the gather: read with the checks
-    targets, invalid = _safe_targets(targets, mask, vocab, check_finite)
-    kept, row_mask = _kept_rows(mask, None if all_rows else reads.numbers[0])
+    targets, invalid = safe_targets(targets, mask, vocab, check_finite)
+    kept, row_mask = kept_index(mask, None if all_rows else reads.numbers[0])
     memory = _memory_mode(memory, backend, shard, kept, weight, chunk_size, tile)
     opts = FusedLinearOptions(
         backend,
@@ -181,22 +186,22 @@ def fused_linear_token_logprobs(
         logit_scale,
         final_logit_softcapping,
         stats,
-        _row_check(check_finite, LINEAR_ROWS, squeeze, kept),
+        row_check(check_finite, LINEAR_ROWS, squeeze, kept),
         memory=memory,
         tile=tile,
     )
     if stats:
         out = fused_linear_logprobs_with_stats(
-            _take(rows, kept, row_mask), weight, bias, _take(targets, kept, row_mask), opts, row_mask
+            take(rows, kept, row_mask), weight, bias, take(targets, kept, row_mask), opts, row_mask
         )
-        out = {name: _scatter(x, kept, mask) for name, x in out.items()}
-        out["logp"] = _poison(out["logp"], invalid)
+        out = {name: scatter(x, kept, mask) for name, x in out.items()}
+        out["logp"] = poison(out["logp"], invalid)
         return {name: x[0] for name, x in out.items()} if squeeze else out
     pass_ = fused_linear_logprobs if shard is None else parallel_linear.on_shard(shard)
     logp_kept, entropy_kept = pass_(
-        _take(rows, kept, row_mask), weight, bias, _take(targets, kept, row_mask), opts, row_mask
+        take(rows, kept, row_mask), weight, bias, take(targets, kept, row_mask), opts, row_mask
     )
-    logp, entropy = _poison(_scatter(logp_kept, kept, mask), invalid), _scatter(entropy_kept, kept, mask)
+    logp, entropy = poison(scatter(logp_kept, kept, mask), invalid), scatter(entropy_kept, kept, mask)
     if squeeze:
         logp, entropy = logp[0], None if entropy is None else entropy[0]
     return (logp, entropy) if with_entropy else logp
@@ -260,29 +265,13 @@ def grpo_loss(
     options = resolve_options(options, loss_options)
     checks.check_tensor("logits", logits)
     backend = resolve_backend(backend, logits.device)
-    checks.check_logits(_layout_view("logits", logits, cu_seqlens), backend)
+    checks.check_logits(layout_view("logits", logits, cu_seqlens), backend)
     shard = parallel.vocab_shard(process_group, logits.shape[-1], vocab_start)
     vocab = logits.shape[-1] if shard is None else shard.vocab
+    tensors = (targets, advantages, old_logp, ref_logp, mask, is_ratio, token_weights, sequence_weights, cu_seqlens)
     with checks.one_sync(check_finite):
-        inputs = LossInputs.check(
-            tuple(logits.shape[:-1]),
-            vocab,
-            logits.device,
-            targets,
-            advantages,
-            old_logp,
-            ref_logp,
-            mask,
-            is_ratio,
-            token_weights,
-            sequence_weights,
-            cu_seqlens,
-            options,
-            sampling_logp,
-        )
-        if check_finite:
-            inputs.check_finite(options)
-    safe, invalid = _safe_targets(inputs.targets, inputs.mask, vocab, check_finite)
+        inputs = _checked_inputs(logits, vocab, tensors, sampling_logp, options, check_finite)
+    safe, invalid = safe_targets(inputs.targets, inputs.mask, vocab, check_finite)
     inputs = dataclasses.replace(inputs, targets=safe, vocab_shard=shard, sequence_group=sequence_group)
     rows = logits if inputs.layout is None else logits[None]  # [R, C, V]
     opts = VocabPassOptions(
@@ -292,17 +281,21 @@ def grpo_loss(
         inplace,
         options.logit_scale,
         options.final_logit_softcapping,
-        finite=_row_check(check_finite, checks.RowCheck(), inputs.layout is not None, loss=True),
+        finite=row_check(check_finite, checks.RowCheck(), inputs.layout is not None, loss=True),
     )
-    in_kernel = _token_level(options, inputs) and options.top_entropy_quantile == 1.0 and options.entropy_coef == 0.0
-    in_kernel = in_kernel and (options.beta == 0.0 or options.kl_estimator in FUSED_KL_ESTIMATORS)
+    in_kernel = (
+        token_level.is_token_level(options, inputs)
+        and options.top_entropy_quantile == 1.0
+        and options.entropy_coef == 0.0
+    )
+    in_kernel = in_kernel and (options.beta == 0.0 or options.kl_estimator in token_level.FUSED_KL_ESTIMATORS)
     if backend in ("triton", "cuda") and inputs.layout is None and in_kernel and not return_sequence_losses:
-        return _fused_grpo_loss(rows, inputs, opts, options, invalid)
+        return token_level.fused_grpo_loss(rows, inputs, opts, options, invalid)
     if shard is None:
         logp, entropy = vocab_pass(rows, inputs.targets, inputs.mask, opts)  # [R, C] each
     else:
         logp, entropy = parallel.vocab_pass(rows, inputs.targets, inputs.mask, opts, shard)  # [R, C] each
-    return _loss(inputs.terms(_poison(logp, invalid), entropy, options), options, return_sequence_losses)
+    return _loss(inputs.terms(poison(logp, invalid), entropy, options), options, return_sequence_losses)
 
 
 def fused_linear_grpo_loss(
@@ -349,37 +342,21 @@ def fused_linear_grpo_loss(
     options = resolve_options(options, loss_options)
     checks.check_tensor("hidden", hidden)
     backend = resolve_backend(backend, hidden.device)
-    checks.check_linear(_layout_view("hidden", hidden, cu_seqlens), weight, bias, backend)
+    checks.check_linear(layout_view("hidden", hidden, cu_seqlens), weight, bias, backend)
     checks.check_chunk_size(chunk_size)
     tile = checks.check_memory(memory, tile, chunk_size, backend)
     shard = parallel.vocab_shard(process_group, weight.shape[0], vocab_start)
     vocab = weight.shape[0] if shard is None else shard.vocab
-    all_rows = _all_rows(check_finite, hidden.device)
+    all_rows = kept_rows.all_rows(check_finite, hidden.device)
+    tensors = (targets, advantages, old_logp, ref_logp, mask, is_ratio, token_weights, sequence_weights, cu_seqlens)
     with checks.one_sync(check_finite) as reads:
-        inputs = LossInputs.check(
-            tuple(hidden.shape[:-1]),
-            vocab,
-            hidden.device,
-            targets,
-            advantages,
-            old_logp,
-            ref_logp,
-            mask,
-            is_ratio,
-            token_weights,
-            sequence_weights,
-            cu_seqlens,
-            options,
-            sampling_logp,
-        )
-        if check_finite:
-            inputs.check_finite(options)
+        inputs = _checked_inputs(hidden, vocab, tensors, sampling_logp, options, check_finite)
         if not all_rows:
             reads.read(inputs.mask.sum())  # the kept-row count sizes the gather: read with the checks
-    safe, invalid = _safe_targets(inputs.targets, inputs.mask, vocab, check_finite)
+    safe, invalid = safe_targets(inputs.targets, inputs.mask, vocab, check_finite)
     inputs = dataclasses.replace(inputs, targets=safe, vocab_shard=shard, sequence_group=sequence_group)
     rows = hidden if inputs.layout is None else hidden[None]  # [R, C, H]
-    kept, row_mask = _kept_rows(inputs.mask, None if all_rows else reads.numbers[0])
+    kept, row_mask = kept_index(inputs.mask, None if all_rows else reads.numbers[0])
     memory = _memory_mode(memory, backend, shard, kept, weight, chunk_size, tile)
     opts = FusedLinearOptions(
         backend,
@@ -388,26 +365,38 @@ def fused_linear_grpo_loss(
         chunk_size,
         options.logit_scale,
         options.final_logit_softcapping,
-        finite=_row_check(check_finite, LINEAR_ROWS, inputs.layout is not None, kept, loss=True),
+        finite=row_check(check_finite, LINEAR_ROWS, inputs.layout is not None, kept, loss=True),
         memory=memory,
         tile=tile,
     )
-    hidden_rows, target_rows = _take(rows, kept, row_mask), _take(inputs.targets, kept, row_mask)  # [M, H], [M]
+    hidden_rows, target_rows = take(rows, kept, row_mask), take(inputs.targets, kept, row_mask)  # [M, H], [M]
     fast = memory == "fast" and not return_sequence_losses
-    if fast and _token_level(options, inputs) and options.top_entropy_quantile == 1.0:
-        chunk_loss = _chunk_loss(inputs, kept, options, row_mask)
+    if fast and token_level.is_token_level(options, inputs) and options.top_entropy_quantile == 1.0:
+        chunk_loss = token_level.chunk_loss(inputs, kept, options, row_mask)
         loss, logp, entropy = fused_linear_token_loss(
             hidden_rows, weight, bias, target_rows, opts, chunk_loss, row_mask
         )
-        logp = _poison(_scatter(logp, kept, inputs.mask), invalid)
-        terms = inputs.terms(logp, _scatter(entropy, kept, inputs.mask), options)
+        logp = poison(scatter(logp, kept, inputs.mask), invalid)
+        terms = inputs.terms(logp, scatter(entropy, kept, inputs.mask), options)
         loss = loss if invalid is None else poisoned(loss, invalid)
         return GRPOLossOutput(loss, loss_metrics(terms, options))
     pass_ = fused_linear_logprobs if shard is None else parallel_linear.on_shard(shard)
     logp, entropy = pass_(hidden_rows, weight, bias, target_rows, opts, row_mask)  # [M] each
-    logp = _poison(_scatter(logp, kept, inputs.mask), invalid)
-    terms = inputs.terms(logp, _scatter(entropy, kept, inputs.mask), options)
+    logp = poison(scatter(logp, kept, inputs.mask), invalid)
+    terms = inputs.terms(logp, scatter(entropy, kept, inputs.mask), options)
     return _loss(terms, options, return_sequence_losses)
+
+
+def _checked_inputs(
+    x: Tensor, vocab: int, tensors: tuple, sampling_logp: Tensor | None, options: LossOptions, check_finite: bool
+) -> LossInputs:
+    """A loss's inputs checked against logits / hidden `x` (shapes, dtypes, devices, mask and target values) and,
+    with `check_finite`, for non-finite values at kept tokens; run inside the caller's `checks.one_sync`, so that
+    every value read is one host sync."""
+    inputs = LossInputs.check(tuple(x.shape[:-1]), vocab, x.device, *tensors, options, sampling_logp)
+    if check_finite:
+        inputs.check_finite(options)
+    return inputs
 
 
 def _memory_mode(
@@ -422,180 +411,10 @@ def _memory_mode(
     return resolve_memory(memory, backend, kept[0].shape[0], weight, chunk_size, tile)
 
 
-def _layout_view(name: str, x: Tensor, cu_seqlens: Tensor | None) -> Tensor:
-    """x as [R, C, ·] rows: itself when padded; packed [N, ·] (with cu_seqlens) as [1, N, ·]."""
-    if cu_seqlens is None:
-        return x
-    if x.dim() != 2:
-        raise ValueError(f"with cu_seqlens, {name} must be packed [N, ·], got {list(x.shape)}")
-    return x[None]
-
-
-def _row_check(
-    check_finite: bool,
-    rows: checks.RowCheck,
-    flat: bool,
-    kept: tuple[Tensor, Tensor] | None = None,
-    loss: bool = False,
-) -> checks.RowCheck | None:
-    """The vocabulary pass's row check (None: `check_finite=False`), naming a bad row by the user's index: (b, t),
-    or n for `[N, ·]` inputs (`flat`), through `kept` when the pass saw only the kept rows. A loss refuses a
-    target of probability 0 (logp = -inf)."""
-    if not check_finite:
-        return None
-    if kept is not None:
-        position = lambda i: int(kept[1][i]) if flat else (int(kept[0][i]), int(kept[1][i]))  # noqa: E731
-    else:
-        position = (lambda i: i) if flat else None
-    return dataclasses.replace(rows, position=position, zero_prob_ok=not loss)
-
-
 def _needs_entropy(options: LossOptions, with_entropy: bool) -> bool:
     return with_entropy or options.top_entropy_quantile < 1.0 or options.entropy_coef != 0.0
-
-
-def _rows(x: Tensor, targets: Tensor, mask: Tensor | None, name: str = "logits"):
-    """[N, ·] inputs as one row of N tokens: [1, N, ·], targets and mask [1, N]."""
-    if x.dim() == 2:
-        return x[None], checks.check_tensor("targets", targets)[None], None if mask is None else mask[None]
-    if x.dim() != 3:
-        raise ValueError(f"{name} must be [B, T, ·] or [N, ·], got {list(x.shape)}")
-    return x, targets, mask
-
-
-def _checked_mask(mask: Tensor | None, rows: Tensor, targets: Tensor, vocab: int | None = None) -> Tensor:
-    B, T = rows.shape[:2]
-    mask = torch.ones((B, T), dtype=torch.bool, device=rows.device) if mask is None else mask
-    checks.check_mask(mask, B, T, rows.device)
-    checks.check_targets(targets, mask.bool(), rows.shape[-1] if vocab is None else vocab, rows.device)
-    return mask.bool()
-
-
-def _safe_targets(targets: Tensor, mask: Tensor, vocab: int, check_finite: bool) -> tuple[Tensor, Tensor | None]:
-    """Checked targets as they are; unchecked ones (`check_finite=False`) with ids outside [0, V) set to 0, and the
-    kept tokens that had one, whose logp becomes NaN (`_poison`): no host sync, no read outside a row."""
-    if check_finite:
-        return targets, None
-    return checks.targets_in_vocab(targets, mask, vocab)
-
-
-def _poison(logp: Tensor, invalid: Tensor | None) -> Tensor:
-    """logp, NaN at the kept tokens whose target was outside [0, V) (unchecked input)."""
-    return logp if invalid is None else logp.masked_fill(invalid, float("nan"))
-
-
-def _all_rows(check_finite: bool, device: torch.device) -> bool:
-    """Whether the fused lm_head runs every row, masked, instead of gathering the kept ones: only with the checks
-    off inside a CUDA graph capture, where reading the kept-row count (one host sync, batched with the checks') is
-    not allowed. Elsewhere that read costs less than the GEMMs on padding rows."""
-    return not check_finite and device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
-def _kept_rows(mask: Tensor, count: int | None) -> tuple[tuple[Tensor, Tensor], Tensor | None]:
-    """((r, c) indices of the rows the fused lm_head runs, in [R, C] order; the mask of those rows [M] or None when
-    they are all kept). `count` kept rows are gathered with no further sync; None: every row, masked."""
-    if count is None:
-        index = torch.arange(mask.numel(), device=mask.device)  # [R·C]
-        return (index // mask.shape[1], index % mask.shape[1]), mask.reshape(-1)
-    try:
-        index = torch.nonzero_static(mask, size=count)  # [M, 2]: the count is known, so no sync
-    except NotImplementedError:  # older torch on CUDA
-        index = mask.nonzero()
-    return (index[:, 0], index[:, 1]), None
-
-
-def _take(x: Tensor, kept: tuple[Tensor, Tensor], row_mask: Tensor | None) -> Tensor:
-    """x [R, C, ·] at the rows `_kept_rows` chose, [M, ·] (every row: a view, no gather)."""
-    return x[kept] if row_mask is None else x.flatten(0, 1)
-
-
-def _scatter(values: Tensor | None, kept: tuple[Tensor, Tensor], mask: Tensor) -> Tensor | None:
-    """Kept-token values [M] back into rows [R, C] (0 elsewhere); differentiable."""
-    if values is None:
-        return None
-    return values.new_zeros(mask.shape).index_put(kept, values)
 
 
 def _loss(terms, options: LossOptions, return_sequence_losses: bool) -> LossResult:
     output, sequence_losses = compute_loss(terms, options)
     return (output, sequence_losses) if return_sequence_losses else output
-
-
-def _token_level(options: LossOptions, inputs: LossInputs) -> bool:
-    """Whether a token's loss depends on that token alone (so it can be formed as soon as its log-prob is known)
-    and no gradient flows into the weights."""
-    weights = (inputs.token_weights, inputs.sequence_weights)
-    return (
-        POLICY_LOSSES[options.loss_type].epilogue is not None
-        and options.importance_sampling_level == "token"
-        and options.off_policy_mask_threshold is None  # a mean over the whole sequence
-        and not any(w is not None and w.requires_grad for w in weights)
-        and inputs.is_local()  # no statistics to merge across ranks first
-    )
-
-
-def _omega(inputs: LossInputs, options: LossOptions) -> Tensor:
-    """Each token's weight in the padded view: the normaliser's ω times any token / sequence weights, float32."""
-    omega = token_weights_for(inputs.padded_mask().float(), POLICY_LOSSES[options.loss_type].normaliser, options)
-    if inputs.token_weights is not None:
-        omega = omega * inputs.padded(inputs.token_weights).float()  # [B, T]
-    if inputs.sequence_weights is not None:
-        omega = omega * inputs.sequence_weights.float()[:, None]  # [B, T]
-    return omega
-
-
-def _fused_grpo_loss(
-    rows: Tensor, inputs: LossInputs, opts: VocabPassOptions, options: LossOptions, invalid: Tensor | None
-):
-    """One kernel pass: each token's weighted loss and dL/dlogp come out of the forward kernel's epilogue."""
-    epilogue = TokenEpilogue.from_options(POLICY_LOSSES[options.loss_type].epilogue, options)
-    adv, is_w = per_sequence_or_token(inputs.advantages), per_sequence_or_token(inputs.is_ratio)  # [B, 1] or [B, T]
-    loss, logp, entropy = fused_token_loss(
-        rows,
-        inputs.targets,
-        inputs.mask,
-        _omega(inputs, options),
-        adv,
-        inputs.old_logp,
-        inputs.ref_logp,
-        is_w,
-        opts,
-        epilogue,
-    )
-    if invalid is not None:
-        loss, logp = poisoned(loss, invalid), _poison(logp, invalid)
-    terms = build_terms(
-        logp, inputs.old_logp, inputs.ref_logp, inputs.advantages, inputs.mask, entropy, inputs.is_ratio, options
-    )  # for the metrics
-    return GRPOLossOutput(loss, loss_metrics(terms, options))
-
-
-def _chunk_loss(inputs: LossInputs, kept: tuple[Tensor, Tensor], options: LossOptions, row_mask: Tensor | None):
-    """A token-level loss as `(rows, logp, entropy) -> that chunk's share of the loss`, for the fused lm_head; the
-    rows `row_mask` drops (None: none) are padding to it."""
-    omega = inputs.from_padded(_omega(inputs, options), kept)  # [M]
-    side = {
-        name: inputs.per_kept_token(getattr(inputs, name), kept)
-        for name in ("old_logp", "ref_logp", "advantages", "is_ratio")
-    }
-    num_kept = inputs.mask.sum().clamp(min=1)  # a tensor: no host sync
-
-    def share(rows: slice, logp: Tensor, entropy: Tensor | None) -> Tensor:
-        pick = lambda x: None if x is None else x[rows][None]  # noqa: E731  [1, c]
-        terms = build_terms(
-            logp[None],
-            pick(side["old_logp"]),
-            pick(side["ref_logp"]),
-            pick(side["advantages"]),
-            torch.ones_like(logp, dtype=torch.bool)[None] if row_mask is None else pick(row_mask),
-            None if entropy is None else entropy[None],
-            pick(side["is_ratio"]),
-            options,
-            pick(omega),
-        )
-        loss = per_token_loss(terms, options).sum()
-        if options.entropy_coef != 0.0:
-            loss = loss - options.entropy_coef * entropy.sum() / num_kept
-        return loss
-
-    return share
