@@ -26,10 +26,14 @@ def device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+LEAN = "_lean"  # a provider suffix: our fused lm_head with memory="lean" (2-D tiles, vocabulary-major backward)
+
+
 def providers(bench: str) -> list[str]:
-    """Ours on each available backend, eager PyTorch, torch.compile of it, and the peers' counterparts (Liger,
-    TRL 1.16's fused head)."""
-    ours = ["torch"] + (["triton"] if device().type == "cuda" else [])
+    """Ours on each available backend (the fused lm_head also with `memory="lean"`: `<backend>_lean`), eager
+    PyTorch, torch.compile of it, and the peers' counterparts (Liger, TRL 1.16's fused head)."""
+    backends = ["torch"] + (["triton"] if device().type == "cuda" else [])
+    ours = backends if bench == "grpo_loss" else [*backends, *(b + LEAN for b in backends)]
     peers = {"grpo_loss": ["liger_triton"], "fused_linear": ["liger_chunked", "trl"], "token_logprobs": ["trl"]}
     return [*ours, "naive", "compile", *peers[bench]]
 
@@ -72,7 +76,8 @@ def step(bench: str, provider: str, shape: Shape, mode: str, data: dict) -> Call
     loss has no entropy output); its gradient is not taken."""
     options = shape.loss_options()
     args = [data[k] for k in ("targets", "advantages", "old_logp", "ref_logp", "mask")]
-    backend = provider if provider in ("torch", "triton") else None
+    backend = provider.removesuffix(LEAN) if provider.removesuffix(LEAN) in ("torch", "triton") else None
+    memory = "lean" if provider.endswith(LEAN) else "auto"
     compiled = torch.compile if provider == "compile" else (lambda f: f)
     naive, naive_logprobs = compiled(baselines.naive_loss), compiled(baselines.naive_logprobs)
     naive_entropy = compiled(baselines.naive_entropy)
@@ -90,16 +95,17 @@ def step(bench: str, provider: str, shape: Shape, mode: str, data: dict) -> Call
             return naive(logits, *args, **options)
         if bench == "token_logprobs":
             if backend:
-                logp, _ = gk.fused_linear_token_logprobs(
-                    hidden, weight, data["targets"], mask=data["mask"], with_entropy=True, backend=backend
-                )
+                fused = dict(mask=data["mask"], with_entropy=True, backend=backend, memory=memory)
+                logp, _ = gk.fused_linear_token_logprobs(hidden, weight, data["targets"], **fused)
             elif provider == "trl":
                 logp, _ = baselines.trl_logprobs(hidden, weight, data["targets"], data["mask"])
             else:
                 logp, _ = naive_logprobs(hidden, weight, data["targets"], data["mask"])
             return logp.sum()
         if backend:
-            return gk.fused_linear_grpo_loss(hidden, weight, *args, with_entropy=True, backend=backend, **options).loss
+            return gk.fused_linear_grpo_loss(
+                hidden, weight, *args, with_entropy=True, backend=backend, memory=memory, **options
+            ).loss
         if provider == "liger_chunked":
             return baselines.liger_chunked_loss(hidden, weight, *args, **options)
         if provider == "trl":

@@ -322,7 +322,7 @@ def test_two_ranks():
 
 
 def test_four_ranks():
-    _spawn(4, ("logprobs:torch", "logprobs:triton", "losses:torch", "bytes"))  # losses:triton: +20 s
+    _spawn(4, ("logprobs:torch", "logprobs:triton", "losses:torch", "losses:triton", "bytes"))
 
 
 def test_shard_layout_errors(monkeypatch):
