@@ -81,6 +81,20 @@ def test_rank_grpo_shapes_the_verdict_with_the_graded_rank():
     torch.testing.assert_close(rewards, torch.tensor([1.0, 0.0, 0.0, 0.0]))  # s · exp(τ(1 − k)), only "7" is right
 
 
+def test_amir_pairs_are_mined_on_the_verdict_not_the_partial_credit():
+    """AMIR's margin 1.5 separates its code's 2.0 / 0.0 correctness reward: a nearly right answer ("8" for 7) gets
+    partial credit in the shaped reward (2 × (0.2 · 0.9 + 0.1) = 0.56, a gap of 1.44 < 1.5) but 0 on the verdict."""
+    round = addition_round(["7", "8", "x", "7"], ["7"], group_size=4)
+    components = PresetComponents(apply_preset(TrainConfig(), "amir_grpo"), AdditionTask(), ONE_PROCESS)
+    shaped, terms = components.rewards(round)
+    verdict = components.rewards.on_verdict(terms, round.scores.verdict)
+    torch.testing.assert_close(verdict, torch.tensor([2.0, 0.0, 0.0, 2.0]))
+    assert 2.0 - shaped[1].item() < 1.5  # the shaped gap would drop the ("7", "8") pair
+    reshaping = PresetComponents(apply_preset(TrainConfig(), "rank_grpo"), AdditionTask(), ONE_PROCESS)
+    with pytest.raises(ValueError, match="reshaping entries"):
+        reshaping.rewards.on_verdict(terms, round.scores.verdict)
+
+
 def test_dra_embedding_is_the_policy_hidden_mean_without_gradient():
     model, tokenizer = tiny_policy()
     embed = PolicyEmbedder()

@@ -228,7 +228,7 @@ class PresetComponents:
             token = factor if token is None else token * factor
         sequence = None if step.sequence_weights is None else step.sequence_weights.to(old_logp.device)  # [B]
         if isinstance(self.policy, PreferencePolicy):
-            self.policy.set_step(step.rewards, step.group_ids)
+            self.policy.set_step(self.rewards.on_verdict(step.terms, step.correct), step.group_ids)
         elif isinstance(self.policy, InfoPolicy):
             self.policy.set_step(step.inputs["augmented"])
         if self.learner is None:

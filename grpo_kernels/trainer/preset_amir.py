@@ -4,8 +4,9 @@
 `amir_preference` on ℓ_θ(o_i) = Σ_t log π_θ(o_i,t), the per-sequence log-prob sums *with gradient*, which come from
 `policy_logprobs`: the policy's forward through the fused lm_head (`fused_linear_token_logprobs`, no [B, T, V]
 logits). It is a second forward of the policy: `fused_linear_grpo_loss` does not hand out the log-probs it computes.
-The pairs (same group, reward gap > margin) use the step rewards of the preset's pipeline (2 × the verifier,
-the code's 2.0/0.0 scale); the reference-free mode (ℓ_ref ≡ 0) is the code's default and the preset's.
+The pairs (same group, reward gap > margin) use the preset's pipeline on the task's 0/1 verdict (2 × the verdict,
+the code's 2.0/0.0 correctness scale: `RewardPipeline.on_verdict`); the reference-free mode (ℓ_ref ≡ 0) is the
+code's default and the preset's.
 λ is `AMIRLambda`'s, adapted once per step from the two losses (averaged over ranks, so every rank keeps the same λ)
 before mixing, as in the code; it is in the checkpoint. Under data parallelism each rank averages over its own pairs
 and DDP averages the ranks, as the reference trainer does per device.

@@ -70,6 +70,16 @@ class RewardPipeline:
             terms.append(term)
         return total, torch.stack(terms, dim=1)  # [B], [B, K]
 
+    def on_verdict(self, terms: Tensor, correct: Tensor) -> Tensor:
+        """The step reward [B] with every verifier term replaced by the 0/1 verdict `correct` [B]: Σ_k w_k·term_k
+        over `terms` [B, K] (a pipeline without reshaping entries). AMIR-GRPO mines its pairs on it: its code's
+        reward is 2.0 / 0.0 correctness, which its margin 1.5 separates; the task's shaped reward (partial credit
+        for a close answer) would leave right-versus-nearly-right pairs under the margin."""
+        if self.reshapes:
+            raise ValueError("on_verdict: the pipeline has reshaping entries, whose terms depend on the sum so far")
+        columns = [correct.float() if fn is None else terms[:, k] for k, (_, fn, _, _) in enumerate(self.entries)]
+        return (torch.stack(columns, dim=1) * torch.tensor(self.weights)).sum(1)  # [B]
+
 
 def _reward_inputs(round: Round) -> dict[str, Any]:
     batch = round.batch
