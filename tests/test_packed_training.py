@@ -9,7 +9,7 @@ import importlib.util
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 
 from grpo_kernels.integrations.attention import (  # noqa: E402
     VARLEN_SDPA,
@@ -24,21 +24,11 @@ from grpo_kernels.trainer import TrainConfig  # noqa: E402
 from grpo_kernels.trainer.policy import PolicyModule, UpdateBatch, token_budget_groups  # noqa: E402
 from grpo_kernels.trainer.update import inner_updates  # noqa: E402
 from tests.conftest import assert_close  # noqa: E402
+from tests.test_hf import MODELS as HF_MODELS  # noqa: E402
+from tests.test_hf import VOCAB, P, T  # noqa: E402
 
-B, P, T, VOCAB = 5, 4, 6, 97
-SIZES = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-)
-MODELS = {
-    "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**SIZES, tie_word_embeddings=True)),
-    "qwen2": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**SIZES, tie_word_embeddings=False)),
-}
+B = 5
+MODELS = {"llama": HF_MODELS["llama_tied"], "qwen2": HF_MODELS["qwen2"]}  # test_hf's tiny models, built from configs
 LOSSES = {  # a token-level and a sequence-level loss type, and the normaliser that reads T
     "dapo": dict(loss_type="dapo", epsilon_high=0.28, beta=0.04),
     "gspo": dict(loss_type="grpo", importance_sampling_level="sequence", beta=0.04),  # TRL's GSPO

@@ -14,29 +14,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional as distributed_nn
 from torch import Tensor
 
 
-class _AllReduceSum(torch.autograd.Function):
-    """Σ over the group's ranks; backward: the incoming gradients summed over the ranks as well."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, group: Any) -> Tensor:
-        ctx.group = group
-        out = x.clone()
-        dist.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
 def all_reduce_sum(x: Tensor, group: Any) -> Tensor:
-    """x summed over the ranks of `group` (x itself when None); differentiable."""
-    return x if group is None else _AllReduceSum.apply(x, group)
+    """x summed over the ranks of `group` (x itself when None); differentiable: torch's own collective, whose
+    backward sums the incoming gradients over the ranks as well."""
+    return x if group is None else distributed_nn.all_reduce(x, group=group)
 
 
 def sequence_sum(x: Tensor, mask: Tensor, group: Any) -> Tensor:

@@ -72,7 +72,7 @@ class TokenEpilogue:
         )
 
 
-def _kernels(backend: str):
+def backend_kernels(backend: str):
     if backend == "torch":
         return token_logprobs_torch
     if backend == "triton":
@@ -110,7 +110,7 @@ class _TokenLogprobsFunction(torch.autograd.Function):
         check_not_overwritten(logits)
         if opts.backend in ("triton", "cuda") and logits.stride(-1) != 1:
             logits = logits.contiguous()
-        kernels = _kernels(opts.backend)
+        kernels = backend_kernels(opts.backend)
         backends.launches[opts.backend] += 1
         logp, lse, entropy, stats = kernels.token_logprobs_fwd(
             logits, targets, mask, opts.temperature, opts.with_entropy, **opts.transform(), stats=opts.stats
@@ -129,17 +129,17 @@ class _TokenLogprobsFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp: Tensor | None, grad_entropy: Tensor | None, *_grad_stats):
         opts: VocabPassOptions = ctx.opts
-        _consume(ctx)
+        consume(ctx)
         logits, targets, mask, lse, entropy = ctx.saved_tensors
         if not opts.with_entropy:
             grad_entropy, entropy = None, None
         version = logits._version
-        out = _in_place_or_new(ctx, logits)
+        out = in_place_or_new(ctx, logits)
         backends.launches[opts.backend] += 1
-        _kernels(opts.backend).token_logprobs_bwd(
+        backend_kernels(opts.backend).token_logprobs_bwd(
             logits, targets, mask, lse, entropy, grad_logp, grad_entropy, opts.temperature, out, **opts.transform()
         )
-        _mark_overwritten(ctx, logits, version)
+        mark_overwritten(ctx, logits, version)
         return out, None, None, None
 
 
@@ -157,7 +157,7 @@ def vocab_pass_with_stats(logits: Tensor, targets: Tensor, mask: Tensor, opts: V
     return out | dict(zip(opts.stats, stats, strict=True))
 
 
-def _consume(ctx) -> None:
+def consume(ctx) -> None:
     """Refuse a second in-place backward (the first overwrote the saved logits), before touching saved tensors."""
     if ctx.consumed and ctx.opts.inplace:
         raise RuntimeError(
@@ -167,7 +167,7 @@ def _consume(ctx) -> None:
     ctx.consumed = True
 
 
-def _in_place_or_new(ctx, logits: Tensor) -> Tensor:
+def in_place_or_new(ctx, logits: Tensor) -> Tensor:
     """The buffer the backward writes dL/dlogits into: the logits themselves unless `inplace=False`."""
     if ctx.opts.inplace:  # triton's forward made the saved logits contiguous in V; torch takes any strides
         torch.autograd.graph.increment_version(logits)  # anything else that saved these logits now errors
@@ -189,7 +189,7 @@ def _byte_span(x: Tensor) -> tuple[int, int]:
     return x.storage_offset() * size, (x.storage_offset() + extent) * size - 1
 
 
-def _mark_overwritten(ctx, logits: Tensor, version: int) -> None:
+def mark_overwritten(ctx, logits: Tensor, version: int) -> None:
     """After an in-place backward that found the logits at `version`: record what it overwrote."""
     if not ctx.opts.inplace:
         return
@@ -275,15 +275,15 @@ class _FusedTokenLossFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_logp, _grad_entropy):
-        _consume(ctx)
+        consume(ctx)
         logits, targets, mask, lse, dlogp = ctx.saved_tensors
         version = logits._version
-        out = _in_place_or_new(ctx, logits)
+        out = in_place_or_new(ctx, logits)
         backends.launches[ctx.opts.backend] += 1
-        _kernels(ctx.opts.backend).token_logprobs_bwd(
+        backend_kernels(ctx.opts.backend).token_logprobs_bwd(
             logits, targets, mask, lse, None, dlogp * grad_loss, None, ctx.opts.temperature, out, **ctx.opts.transform()
         )
-        _mark_overwritten(ctx, logits, version)
+        mark_overwritten(ctx, logits, version)
         return out, *(None,) * 9
 
 

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from grpo_kernels import checks
 from grpo_kernels.vocab import backends
-from grpo_kernels.vocab.function import _kernels, checked_rows, nonfinite_rows, poisoned, transform_kwargs
+from grpo_kernels.vocab.function import backend_kernels, checked_rows, nonfinite_rows, poisoned, transform_kwargs
 
 # CPU: each chunk's GEMMs stream all of W (and dW) once, so a chunk needs a few hundred rows to keep them
 # compute-bound. Measured on 2 cores, B·T = 2048, H = 896, fused-linear forward + backward: V = 151,936 took
@@ -191,7 +191,7 @@ class _FusedLinearLogprobsFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, row_mask, opts: FusedLinearOptions):
-        kernels = _kernels(opts.backend)
+        kernels = backend_kernels(opts.backend)
         M, V = targets.shape[0], weight.shape[0]
         rows = chunk_rows(M, V, weight.shape[1], hidden.device, opts.chunk_size, weight.dtype)
         masks = _row_masks(rows, row_mask, hidden.device)
@@ -230,7 +230,7 @@ class _FusedLinearLogprobsFunction(torch.autograd.Function):
     def backward(ctx, grad_logp, grad_entropy, *_grad_stats):
         hidden, weight, bias, targets, row_mask, lse, entropy = ctx.saved_tensors
         opts, rows = ctx.opts, ctx.rows
-        kernels = _kernels(opts.backend)
+        kernels = backend_kernels(opts.backend)
         if not opts.with_entropy:
             grad_entropy = None
         sink = _GradientSink(hidden, weight, bias, ctx.needs_input_grad[:3])
@@ -265,7 +265,7 @@ class _FusedLinearTokenLossFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, row_mask, opts: FusedLinearOptions, chunk_loss: ChunkLoss):
-        kernels = _kernels(opts.backend)
+        kernels = backend_kernels(opts.backend)
         M, V = targets.shape[0], weight.shape[0]
         rows = chunk_rows(M, V, weight.shape[1], hidden.device, opts.chunk_size, weight.dtype)
         masks = _row_masks(rows, row_mask, hidden.device)

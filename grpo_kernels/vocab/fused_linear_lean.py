@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from grpo_kernels.vocab import backends
-from grpo_kernels.vocab.function import _kernels, checked_rows
+from grpo_kernels.vocab.function import backend_kernels, checked_rows
 from grpo_kernels.vocab.fused_linear import accumulate, chunk_rows, gemm_mode
 
 LEAN_BACKENDS = ("torch", "triton")
@@ -101,7 +101,7 @@ def _tile_pass(backend: str):
 
         return lean_torch
     if backend == "triton":
-        _kernels(backend)  # the triton version check, before triton is imported
+        backend_kernels(backend)  # the triton version check, before triton is imported
         from grpo_kernels.vocab import lean_triton
 
         return lean_triton

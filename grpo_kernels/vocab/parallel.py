@@ -37,12 +37,12 @@ from torch import Tensor
 from grpo_kernels.vocab import backends
 from grpo_kernels.vocab.function import (
     VocabPassOptions,
-    _consume,
-    _in_place_or_new,
-    _kernels,
-    _mark_overwritten,
+    backend_kernels,
     check_not_overwritten,
     checked_rows,
+    consume,
+    in_place_or_new,
+    mark_overwritten,
 )
 
 _REDUCE_HIDDEN_GRAD = contextvars.ContextVar("reduce_hidden_grad", default=True)
@@ -170,7 +170,7 @@ class _ParallelTokenLogprobsFunction(torch.autograd.Function):
             logits = logits.contiguous()
         local, owned = shard.local_targets(targets)
         backends.launches[opts.backend] += 1
-        logp_r, lse_r, entropy_r, _ = _kernels(opts.backend).token_logprobs_fwd(
+        logp_r, lse_r, entropy_r, _ = backend_kernels(opts.backend).token_logprobs_fwd(
             logits, local, mask, opts.temperature, opts.with_entropy, **opts.transform()
         )
         lse, logp, entropy = merge_stats(lse_r, logp_r, entropy_r, owned, mask, shard.group)
@@ -186,19 +186,19 @@ class _ParallelTokenLogprobsFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp: Tensor | None, grad_entropy: Tensor | None):
         opts: VocabPassOptions = ctx.opts
-        _consume(ctx)
+        consume(ctx)
         logits, local, owned, mask, lse, entropy = ctx.saved_tensors
         if not opts.with_entropy:
             grad_entropy, entropy = None, None
         x0 = logits[..., 0].clone()  # [B, T]: column 0 before an in-place backward overwrites it
         version = logits._version
-        out = _in_place_or_new(ctx, logits)
+        out = in_place_or_new(ctx, logits)
         backends.launches[opts.backend] += 1
-        _kernels(opts.backend).token_logprobs_bwd(
+        backend_kernels(opts.backend).token_logprobs_bwd(
             logits, local, mask, lse, entropy, grad_logp, grad_entropy, opts.temperature, out, **opts.transform()
         )
         remove_foreign_onehot(out, x0, owned | ~mask, grad_logp, opts)
-        _mark_overwritten(ctx, logits, version)
+        mark_overwritten(ctx, logits, version)
         return out, None, None, None, None
 
 

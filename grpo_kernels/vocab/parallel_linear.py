@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from grpo_kernels.vocab import backends
-from grpo_kernels.vocab.function import _kernels, checked_rows
+from grpo_kernels.vocab.function import backend_kernels, checked_rows
 from grpo_kernels.vocab.fused_linear import FusedLinearOptions, accumulate, chunk_rows, gemm_mode
 from grpo_kernels.vocab.parallel import VocabShard, merge_stats, reduce_hidden_grad, remove_foreign_onehot
 
@@ -38,7 +38,7 @@ class _ParallelFusedLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, row_mask, opts: FusedLinearOptions, shard, reduce_hidden_grad):
-        kernels = _kernels(opts.backend)
+        kernels = backend_kernels(opts.backend)
         M = targets.shape[0]
         mask = torch.ones(M, dtype=torch.bool, device=hidden.device) if row_mask is None else row_mask  # [M]
         local, owned = shard.local_targets(targets)  # [M] each
@@ -69,7 +69,7 @@ class _ParallelFusedLinearFunction(torch.autograd.Function):
     def backward(ctx, grad_logp, grad_entropy):
         hidden, weight, bias, local, owned, mask, lse, entropy = ctx.saved_tensors
         opts: FusedLinearOptions = ctx.opts
-        kernels = _kernels(opts.backend)
+        kernels = backend_kernels(opts.backend)
         if not opts.with_entropy:
             grad_entropy = None
         needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
