@@ -14,10 +14,11 @@ from dataclasses import dataclass
 import torch
 
 TRL_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
-LOSS_TYPES = (*TRL_LOSS_TYPES, "gpg", "gspo_token", "gmpo", "tic_grpo", "clip_cov", "kl_cov")
+LOSS_TYPES = (*TRL_LOSS_TYPES, "gpg", "gspo_token", "gmpo", "tic_grpo", "clip_cov", "kl_cov", "dppo_tv", "dppo_kl", "dro")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 CLIP_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 CLIPPED_SURROGATE_TYPES = (*CLIP_LOSS_TYPES, "gspo_token", "tic_grpo")  # where delta and clip_ratio_c act
+DPPO_TYPES = ("dppo_tv", "dppo_kl")  # divergence trust regions; clip_ratio_c caps their IS weight (truncated IS)
 TOKEN_LEVEL_ONLY_TYPES = ("vespo", "gspo_token", "tic_grpo")  # they form their own sequence weight
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl", "abs")
 _EPSILON_DEFAULT = 0.2
@@ -59,7 +60,8 @@ class LossOptions:
     top_entropy_quantile: float = 1.0  # keep only tokens in the top entropy quantile (arXiv:2506.01939)
     off_policy_mask_threshold: float | None = None  # drop A < 0 sequences whose mean KL(sampler || π) exceeds it
     kl_estimator: str = "k3"  # k1, k2, k3 (TRL's), low_var_kl (k3 clamped to ±10) or abs (|logp − ref|), verl's
-    clip_ratio_c: float | None = None  # dual-clip PPO: loss capped at −A·c where A < 0 (arXiv:1912.09729); > 1
+    clip_ratio_c: float | None = None  # dual-clip PPO: loss capped at −A·c where A < 0 (arXiv:1912.09729), > 1;
+    # dppo_tv / dppo_kl: cap of their detached IS weight (truncated IS), > 0; None: no cap
     cispo_two_sided: bool = False  # cispo weight clip(ρ, 1 − ε_low, 1 + ε_high) instead of TRL's min(ρ, ε_high)
     entropy_coef: float = 0.0  # entropy bonus: loss − coef · mean entropy of the kept tokens (TRL semantics)
     loss_agg_mode: str | None = None  # verl's aggregation, overriding the loss type's normaliser (None: keep it)
@@ -72,6 +74,7 @@ class LossOptions:
     clip_cov_ub: float = 5.0  # clip_cov: the window's upper bound (verl's defaults for all three)
     kl_cov_ratio: float = 0.0002  # kl_cov: fraction of kept tokens, the largest covariances, that get the penalty
     ppo_kl_coef: float = 0.1  # kl_cov: coefficient of |logp − old_logp| on those tokens (verl's config default)
+    dro_beta: float | None = None  # dro: coefficient β of the penalty ½β(logp − old_logp)²; required (> 0) for dro
     epsilon_low: float | None = None  # verl-style alias of `epsilon`: moved into it on construction, then None
 
     def __post_init__(self) -> None:
@@ -111,15 +114,19 @@ class LossOptions:
         _check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         if self.loss_agg_mode is not None:
             _check_choice("loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
-        for name in ("delta", "clip_ratio_c"):
-            if getattr(self, name) is not None and self.loss_type not in CLIPPED_SURROGATE_TYPES:
-                raise ValueError(
-                    f"{name} applies to loss_type in {CLIPPED_SURROGATE_TYPES}, got loss_type={self.loss_type!r}"
-                )
+        for name, types in (("delta", CLIPPED_SURROGATE_TYPES), ("clip_ratio_c", CLIPPED_SURROGATE_TYPES + DPPO_TYPES)):
+            if getattr(self, name) is not None and self.loss_type not in types:
+                raise ValueError(f"{name} applies to loss_type in {types}, got loss_type={self.loss_type!r}")
         if self.delta is not None:
             _check_positive("delta", self.delta)
-        if self.clip_ratio_c is not None and not self.clip_ratio_c > 1.0:
+        if self.clip_ratio_c is not None and self.loss_type in DPPO_TYPES:
+            _check_positive("clip_ratio_c", self.clip_ratio_c)  # the truncation cap of the IS weight
+        elif self.clip_ratio_c is not None and not self.clip_ratio_c > 1.0:
             raise ValueError(f"clip_ratio_c must be > 1 (dual-clip), got {self.clip_ratio_c}")
+        if self.dro_beta is not None and self.loss_type != "dro":
+            raise ValueError(f"dro_beta applies to loss_type='dro', got loss_type={self.loss_type!r}")
+        if self.loss_type == "dro" and not (self.dro_beta is not None and self.dro_beta > 0):
+            raise ValueError(f"loss_type='dro' needs dro_beta > 0, got {self.dro_beta}")
         if self.cispo_two_sided and self.loss_type != "cispo":
             raise ValueError(f"cispo_two_sided applies to loss_type='cispo', got loss_type={self.loss_type!r}")
         if self.loss_scale_factor is not None:

@@ -7,8 +7,8 @@ everything in float64, no chunking, no custom autograd.
 
 Semantics are those of TRL's `GRPOTrainer._compute_loss` for one process without gradient accumulation
 (`num_processes = 1`, `current_gradient_accumulation_steps = 1`, `steps_per_generation = 1`), extended with verl's
-options (kl_estimator, clip_ratio_c, cispo_two_sided, loss_agg_mode), the loss types gpg, gspo_token, gmpo,
-tic_grpo, clip_cov and kl_cov, token/sequence weights and per-sequence losses, as the project's semantics contract
+options (kl_estimator, clip_ratio_c, cispo_two_sided, loss_agg_mode, dro_beta), the loss types gpg, gspo_token,
+gmpo, tic_grpo, clip_cov, kl_cov, dppo_tv, dppo_kl and dro, token/sequence weights and per-sequence losses, as the project's semantics contract
 defines them. clip_cov draws its tokens with torch.randperm on the default generator, as verl does: seed torch
 before each call to compare two implementations.
 
@@ -32,7 +32,7 @@ from torch import Tensor
 F64 = torch.float64
 CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "gspo_token", "tic_grpo")  # PPO clip surrogate
 SEQUENCE_MEAN_TYPES = ("grpo", "sapo", "gspo_token", "tic_grpo", "gmpo")  # each sequence's token mean, mean over B
-LOSS_TYPES = (*CLIPPED_LOSS_TYPES, "cispo", "sapo", "vespo", "gpg", "gmpo", "clip_cov", "kl_cov")
+LOSS_TYPES = (*CLIPPED_LOSS_TYPES, "cispo", "sapo", "vespo", "gpg", "gmpo", "clip_cov", "kl_cov", "dppo_tv", "dppo_kl", "dro")
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl", "abs")
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 LOG_CLAMP = 20.0  # |log ratio| and |ref - logp| bound (verl)
@@ -180,6 +180,7 @@ def grpo_loss(
     clip_cov_ub: float = 5.0,
     kl_cov_ratio: float = 0.0002,
     ppo_kl_coef: float = 0.1,
+    dro_beta: float | None = None,
     token_weights: Tensor | None = None,
     sequence_weights: Tensor | None = None,
     return_sequence_losses: bool = False,
@@ -199,8 +200,10 @@ def grpo_loss(
         raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
     if loss_agg_mode is not None and loss_agg_mode not in LOSS_AGG_MODES:
         raise ValueError(f"loss_agg_mode must be None or one of {LOSS_AGG_MODES}, got {loss_agg_mode!r}")
-    if clip_ratio_c is not None and not clip_ratio_c > 1.0:
-        raise ValueError(f"clip_ratio_c must be > 1, got {clip_ratio_c}")
+    if clip_ratio_c is not None and not clip_ratio_c > (0.0 if loss_type in ("dppo_tv", "dppo_kl") else 1.0):
+        raise ValueError(f"clip_ratio_c must be > 1 (dual clip) or > 0 (DPPO's IS cap), got {clip_ratio_c}")
+    if loss_type == "dro" and not (dro_beta is not None and dro_beta > 0):
+        raise ValueError(f"loss_type='dro' needs dro_beta > 0, got {dro_beta}")
     if beta != 0.0 and ref_logp is None:
         raise ValueError("ref_logp is required when beta != 0")
     if loss_type == "dr_grpo" and max_completion_length is None:
@@ -238,7 +241,7 @@ def grpo_loss(
             kl = kl * coef_1  # [B, T]
 
     phi = None
-    dual_clipped = None
+    dual_clipped = truncated = None
     ratio_for_clip = coef_1  # the ratio the trust-region clip metrics look at
     ratio_logged = coef_1  # the ratio of the "ratio/mean" metric
     if loss_type in CLIPPED_LOSS_TYPES:
@@ -299,6 +302,27 @@ def grpo_loss(
                 pick = torch.topk(cov, max(int(kl_cov_ratio * len(a)), 1)).indices
                 chosen[positions[pick, 0], positions[pick, 1]] = True
             per_token_loss = -coef_1 * A + ppo_kl_coef * (logp - old).abs() * chosen  # [B, T]
+    elif loss_type in ("dppo_tv", "dppo_kl"):
+        # DPPO (arXiv:2602.04879; verl's form): -sg(min(w, c)) * A * logp, zeroed where the token's probability left
+        # the trust region on the side A pushes it (A > 0: up, else down). p = e^logp, q = e^old.
+        # TV: p - q <= eps_high (A > 0), p - q >= -eps_low (A <= 0).
+        # KL: d = q log(q / p) + (1 - q) log((1 - q + 1e-8) / (1 - p + 1e-8)), the binary KL; inside when
+        #     d <= eps_high or p <= q (A > 0), d <= eps_low or p >= q (A <= 0).
+        p, q = logp.detach().exp(), old.exp()  # [B, T]
+        if loss_type == "dppo_tv":
+            up_ok, down_ok = p - q <= eps_high, p - q >= -eps_low
+        else:
+            d = q * (old - logp.detach()) + (1.0 - q) * torch.log((1.0 - q + 1e-8) / (1.0 - p + 1e-8))  # [B, T]
+            up_ok, down_ok = (d <= eps_high) | (p <= q), (d <= eps_low) | (p >= q)
+        inside = torch.where(A > 0, up_ok, down_ok)  # [B, T]
+        w = coef_1 if clip_ratio_c is None else coef_1.clamp(max=clip_ratio_c)
+        per_token_loss = -A * w.detach() * logp * inside.to(F64)  # [B, T]
+        dppo_low, dppo_high = ~inside & ~(A > 0), ~inside & (A > 0)
+        if clip_ratio_c is not None:
+            truncated = (coef_1 > clip_ratio_c) & inside  # [B, T]
+    elif loss_type == "dro":
+        # DRO (arXiv:2405.19107; verl's form): -(A * logp - beta/2 * (logp - old)^2), the log-ratio not clamped.
+        per_token_loss = -(A * logp - 0.5 * dro_beta * (logp - old) ** 2)  # [B, T]
     else:
         # GMPO: L_i = -mean_t(A) * exp(mean_t(lr_min)); the token log-ratio lr is clipped to [-eps_low, eps_high] in
         # log space, on the side the sign of A selects: lr_min = sign(A) * min(sign(A) * lr, sign(A) * lr_c).
@@ -385,8 +409,10 @@ def grpo_loss(
     elif loss_type == "cispo":
         high = (coef_1 > eps_high) & (A > 0)
         low = torch.zeros_like(high)
-    elif loss_type in ("gpg", "kl_cov"):
+    elif loss_type in ("gpg", "kl_cov", "dro"):
         low = high = torch.zeros(B, T, dtype=torch.bool)
+    elif loss_type in ("dppo_tv", "dppo_kl"):
+        low, high = dppo_low, dppo_high
     elif loss_type == "gmpo":
         clipped = log_ratio != log_ratio.clamp(-eps_low, eps_high)  # [B, T]
         low, high = clipped & (A < 0), clipped & (A > 0)
@@ -404,6 +430,8 @@ def grpo_loss(
         metrics["cispo_clip_ratio"] = metrics["clip_ratio/region_mean"]
     if dual_clipped is not None:
         metrics["clip_ratio/dual_mean"] = _global_mean(dual_clipped, m)
+    if truncated is not None:  # DPPO: kept tokens inside the trust region whose IS weight is capped at c
+        metrics["clip_ratio/truncated_mean"] = _global_mean(truncated, m)
     if phi is not None:
         metrics["vespo/phi_seq_mean"] = _global_mean(phi, m)
     if loss_type == "clip_cov":  # verl's name: the fraction of kept tokens whose loss was cut

@@ -97,6 +97,8 @@ def test_loss_types(backend, dtype, loss_type, level, launches):
     options = dict(loss_type=loss_type, importance_sampling_level=level, beta=0.04, epsilon_high=0.28)
     if loss_type == "dr_grpo":
         options["max_completion_length"] = T + 2
+    if loss_type == "dro":
+        options["dro_beta"] = 0.3
     if loss_type == "clip_cov":  # cut every candidate, so the three calls below draw no differing random tokens
         options.update(clip_cov_ratio=1.0, clip_cov_lb=0.0)
     p = leaves(inputs, double=False)

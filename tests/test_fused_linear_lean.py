@@ -38,6 +38,8 @@ def _options(loss_type: str, level: str) -> dict:
     options = dict(loss_type=loss_type, importance_sampling_level=level, beta=0.04, epsilon_high=0.28)
     if loss_type == "dr_grpo":
         options["max_completion_length"] = T + 2
+    if loss_type == "dro":
+        options["dro_beta"] = 0.3
     if loss_type == "clip_cov":  # cut every candidate: no random draw differs between the calls
         options.update(clip_cov_ratio=1.0, clip_cov_lb=0.0)
     return options

@@ -19,6 +19,7 @@ def type_options(loss_type: str, T: int) -> dict:
         "dr_grpo": {"max_completion_length": T + 3},
         "clip_cov": {"clip_cov_ratio": 1.0, "clip_cov_lb": 0.0},
         "kl_cov": {"kl_cov_ratio": 0.25},
+        "dro": {"dro_beta": 0.3},
     }.get(loss_type, {})
 
 

@@ -7,7 +7,7 @@ import torch
 
 import grpo_kernels as gk
 from grpo_kernels import reference
-from grpo_kernels.options import CLIPPED_SURROGATE_TYPES, LOSS_AGG_MODES
+from grpo_kernels.options import CLIPPED_SURROGATE_TYPES, DPPO_TYPES, LOSS_AGG_MODES
 from tests.cases import Case
 from tests.conftest import BACKENDS, DEVICE, assert_close
 from tests.helpers import loss_inputs, oracle_logits
@@ -37,6 +37,10 @@ OPTION_SETS = {
 }
 ONLY_FOR = {"dual_clip": CLIPPED_SURROGATE_TYPES, "cispo_two_sided": ("cispo",)}
 TYPE_OPTIONS = [(t, o) for t in TYPES for o in OPTION_SETS if t in ONLY_FOR.get(o, TYPES)]
+# DPPO's truncated IS weight (clip_ratio_c) inside a tight trust region, and DRO under verl's aggregations
+OPTION_SETS["dppo_truncation"] = dict(clip_ratio_c=1.1, epsilon=0.005, epsilon_high=0.0075)  # masks and caps
+OPTION_SETS["dro_seq_mean"] = dict(dro_beta=0.3, loss_agg_mode="seq-mean-token-mean")
+TYPE_OPTIONS += [(t, "dppo_truncation") for t in DPPO_TYPES] + [("dro", "dro_seq_mean")]
 
 
 def _weights(shape, seed: int, requires_grad: bool) -> torch.Tensor:
@@ -89,7 +93,7 @@ def test_option_matches_reference(backend, dtype, loss_type, option_set):
     for name, value in out.metrics.items():
         assert_close(value, ref_metrics[name], dtype, name)
     if options.get("clip_ratio_c"):
-        assert "clip_ratio/dual_mean" in out.metrics
+        assert ("clip_ratio/truncated_mean" if loss_type in DPPO_TYPES else "clip_ratio/dual_mean") in out.metrics
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -305,6 +305,75 @@ def test_vespo_is_ratio_enters_phi():
     assert metrics["vespo/phi_seq_mean"] == approx(1.0)
 
 
+# --------------------------------------------------------------------------------- divergence trust regions
+# p = e^logp and p_old = p/ρ of the shared example's kept tokens, and the binary KL
+# d = p_old·ln(p_old/p) + (1 − p_old)·ln((1 − p_old)/(1 − p)):
+#   (0,0) p 0.36788 p_old 0.24525  p − p_old +0.12263  d 0.03438
+#   (0,1) p 0.13534 p_old 0.27067  p − p_old −0.13534  d 0.06347
+#   (0,2) p 0.60653 p_old 0.55139  p − p_old +0.05514  d 0.00628
+#   (1,0) p 0.22313 p_old 0.31876  p − p_old −0.09563  d 0.02421
+#   (1,1) p 0.49659 p_old 0.38199  p − p_old +0.11460  d 0.02653
+# clip_ratio_c = 1.2 truncates the detached weight: w = min(ρ, 1.2) = [[1.2, 0.5, 1.1], [0.7, 1.2]].
+
+
+def test_dppo_tv():
+    """DPPO-Binary-TV (arXiv:2602.04879, verl dppo_tv): −sg(min(ρ, c))·A·logp where p − p_old ≤ ε_high (A > 0)
+    or ≥ −ε_low (A ≤ 0), else 0; token sum / count."""
+    # ε = 0.1: (0,0) rose by 0.123 > 0.1 with A > 0 → masked; every other token is inside.
+    # losses −A·w·logp: (0,1) 0.5·2 = 1.0, (0,2) 1.1·0.5 = 0.55, (1,0) −2·0.7·1.5 = −2.1, (1,1) −2·1.2·0.7 = −1.68
+    # L = (1.0 + 0.55 − 2.1 − 1.68)/5 = −0.446;  dL/dlogp = −A·w·inside/5 = [0, −0.1, −0.22], [0.28, 0.48]
+    loss, metrics, grad = run(LossOptions(loss_type="dppo_tv", epsilon=0.1, clip_ratio_c=1.2))
+    assert loss == approx(-0.446)
+    assert grad == approx([[0.0, -0.1, -0.22], [0.28, 0.48, 0.0]])
+    assert metrics["clip_ratio/high_mean"] == approx(0.2)  # (0,0)
+    assert metrics["clip_ratio/low_mean"] == approx(0.0)
+    assert metrics["clip_ratio/truncated_mean"] == approx(0.2)  # (1,1): ρ = 1.3 > 1.2 inside; (0,0) is masked
+
+
+def test_dppo_kl():
+    """DPPO-Binary-KL (verl dppo_kl): masked where the binary KL passes ε on the side A pushes p."""
+    # ε = 0.02: (0,0) d 0.034 > ε and p rose with A > 0 → masked; (1,0) d 0.024 > ε and p fell with A < 0 → masked;
+    # (0,1) fell with A > 0, (1,1) rose with A < 0: inside whatever d; (0,2) d 0.006 ≤ ε.
+    # L = (1.0 + 0.55 − 1.68)/5 = −0.026;  dL/dlogp = [0, −0.1, −0.22], [0, 0.48]
+    loss, metrics, grad = run(LossOptions(loss_type="dppo_kl", epsilon=0.02, clip_ratio_c=1.2))
+    assert loss == approx(-0.026)
+    assert grad == approx([[0.0, -0.1, -0.22], [0.0, 0.48, 0.0]])
+    assert (metrics["clip_ratio/low_mean"], metrics["clip_ratio/high_mean"]) == approx([0.2, 0.2])
+    assert metrics["clip_ratio/region_mean"] == approx(0.4)
+
+
+def test_dppo_without_cap_is_untruncated():
+    """clip_ratio_c = None: the weight is sg(ρ) itself (TV ε = 0.2 masks nothing here)."""
+    # per token −A·ρ·logp: 1.5, 1.0, 0.55, −2.1, −1.82 → sum −0.87, L = −0.174;  dL/dlogp = −A·ρ/5
+    loss, metrics, grad = run(LossOptions(loss_type="dppo_tv"))
+    assert loss == approx(-0.174)
+    assert grad == approx([[-0.3, -0.1, -0.22], [0.28, 0.52, 0.0]])
+    assert "clip_ratio/truncated_mean" not in metrics
+
+
+def test_dro():
+    """DRO (arXiv:2405.19107, verl dro): −(A·logp − ½β(logp − old_logp)²); token sum / count."""
+    # β = 0.5, ln ρ = [[0.40547, −0.69315, 0.09531], [−0.35667, 0.26236]], Σ (ln ρ)² = 0.84999102
+    # Σ −A·logp = 3.5 − 4.4 = −0.9;  L = (−0.9 + 0.25·0.84999102)/5 = −0.13750045
+    # dL/dlogp = (−A + β·ln ρ)/5
+    loss, metrics, grad = run(LossOptions(loss_type="dro", dro_beta=0.5))
+    assert loss == approx(-0.13750044894555183)
+    assert grad == approx(
+        [[-0.15945348918918356, -0.26931471805599455, -0.1904689820195675], [0.36433250560612673, 0.42623642644674914, 0]]
+    )
+    assert metrics["clip_ratio/region_mean"] == 0.0
+
+
+def test_dro_and_dppo_options_are_checked():
+    with pytest.raises(ValueError, match="dro_beta > 0"):
+        LossOptions(loss_type="dro")
+    with pytest.raises(ValueError, match="dro_beta applies to loss_type='dro'"):
+        LossOptions(loss_type="grpo", dro_beta=0.1)
+    with pytest.raises(ValueError, match="clip_ratio_c must be > 0"):
+        LossOptions(loss_type="dppo_kl", clip_ratio_c=0.0)
+    assert LossOptions(loss_type="dppo_tv", clip_ratio_c=0.9).clip_ratio_c == 0.9  # a cap, not a dual clip
+
+
 # ------------------------------------------------------------------------------------------- gradcheck
 
 GRADCHECK_OPTIONS = {
@@ -322,8 +391,11 @@ GRADCHECK_OPTIONS = {
     "tic_grpo": {},
     "clip_cov": {"clip_cov_ratio": 1.0, "clip_cov_lb": 0.0},  # every candidate cut: no random draw to differ
     "kl_cov": {"kl_cov_ratio": 0.5},
+    "dppo_tv": {"epsilon": 0.05, "clip_ratio_c": 1.4},  # a trust region and a cap that act on the example
+    "dppo_kl": {"epsilon": 0.05, "clip_ratio_c": 1.4},
+    "dro": {"dro_beta": 0.5},
 }
-DETACHED_WEIGHT_TYPES = ("cispo", "vespo")
+DETACHED_WEIGHT_TYPES = ("cispo", "vespo", "dppo_tv", "dppo_kl")
 
 
 def gradcheck_inputs(seed: int = 0) -> dict:

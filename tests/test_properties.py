@@ -11,6 +11,7 @@ import grpo_kernels as gk
 from grpo_kernels import reference
 from grpo_kernels.options import (
     CLIPPED_SURROGATE_TYPES,
+    DPPO_TYPES,
     IMPORTANCE_SAMPLING_LEVELS,
     KL_ESTIMATORS,
     LOSS_AGG_MODES,
@@ -60,6 +61,10 @@ def cases(draw, backend: str, extreme: bool = False) -> dict:
         options["clip_ratio_c"] = draw(st.floats(1.05, 4.0))
     if loss_type == "cispo":
         options["cispo_two_sided"] = draw(st.booleans())
+    if loss_type in DPPO_TYPES and draw(st.booleans()):
+        options["clip_ratio_c"] = draw(st.floats(0.5, 4.0))  # the truncation cap of the IS weight
+    if loss_type == "dro":
+        options["dro_beta"] = draw(st.floats(0.01, 2.0))
     if loss_type == "clip_cov":  # every candidate cut: ours and the oracle draw no differing random tokens
         options["clip_cov_ratio"] = 1.0
     options["entropy_coef"] = draw(st.sampled_from((0.0, 0.1)))

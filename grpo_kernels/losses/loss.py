@@ -10,11 +10,12 @@ from torch import Tensor
 
 from grpo_kernels.losses.aggregate import token_weights_for
 from grpo_kernels.losses.entropy import high_entropy_mask
+from grpo_kernels.losses.divergence import dppo_keep
 from grpo_kernels.losses.kl import kl_penalty
 from grpo_kernels.losses.policy import POLICY_LOSSES, clip_cov_fraction, clipped_surrogate, vespo_weights
 from grpo_kernels.losses.reduce import batch_sum, sequence_mean, sequence_sum, sequence_tokens
 from grpo_kernels.losses.terms import TokenTerms
-from grpo_kernels.options import CLIPPED_SURROGATE_TYPES, LossOptions
+from grpo_kernels.options import CLIPPED_SURROGATE_TYPES, DPPO_TYPES, LossOptions
 
 
 class GRPOLossOutput(NamedTuple):
@@ -120,7 +121,9 @@ def loss_metrics(terms: TokenTerms, options: LossOptions) -> dict[str, Tensor]:
     if options.loss_type in CLIPPED_SURROGATE_TYPES:  # TRL's per-sequence extremes of the clip fractions
         metrics["clip_ratio/low_min"] = _sequence_extreme(low, terms.mask, torch.min, group)
         metrics["clip_ratio/high_max"] = _sequence_extreme(high, terms.mask, torch.max, group)
-    if options.clip_ratio_c is not None:  # where the dual clip's −A·c floor is the loss
+    if options.clip_ratio_c is not None and options.loss_type in DPPO_TYPES:  # kept tokens whose weight is capped
+        metrics["clip_ratio/truncated_mean"] = mean((ratio > options.clip_ratio_c) & dppo_keep(terms, options))
+    elif options.clip_ratio_c is not None:  # where the dual clip's −A·c floor is the loss
         adv = terms.advantages
         unfloored = clipped_surrogate(terms, options, ratio, dual_clip=False)
         metrics["clip_ratio/dual_mean"] = mean((adv < 0) & (unfloored > -adv * options.clip_ratio_c))

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from grpo_kernels.losses.divergence import dppo_flags, dppo_kl, dppo_tv, dro
 from grpo_kernels.losses.reduce import sequence_mean, sequence_sum
 from grpo_kernels.losses.terms import LOG_RATIO_CLAMP, TokenTerms
 from grpo_kernels.options import LossOptions
@@ -343,3 +344,10 @@ def kl_cov(terms: TokenTerms, options: LossOptions) -> Tensor:
     advantage and log-prob (`kl_cov_selected`), [B, T]."""
     penalty = options.ppo_kl_coef * terms.token_log_ratio.abs() * kl_cov_selected(terms, options)  # [B, T]
     return -terms.advantages * terms.ratio + penalty
+
+
+# DPPO and DRO (terms in divergence.py): verl's loss_mode dppo_tv / dppo_kl / dro, its default token-mean normaliser
+_DPPO = "DPPO, arXiv:2602.04879 (verl {})"
+policy_loss("dppo_tv", normaliser="item_mean", paper=_DPPO.format("dppo_tv"), clip_flags=dppo_flags)(dppo_tv)
+policy_loss("dppo_kl", normaliser="item_mean", paper=_DPPO.format("dppo_kl"), clip_flags=dppo_flags)(dppo_kl)
+policy_loss("dro", normaliser="item_mean", paper="DRO, arXiv:2405.19107 (verl dro)", clip_flags=no_clip_flags)(dro)
