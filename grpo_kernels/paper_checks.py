@@ -36,6 +36,26 @@ CHECKS: dict[tuple[str, str], Check] = {
     ("loss type", "dr_grpo"): Check(
         "V-ref", "Dr.GRPO (arXiv:2503.20783), sail-sg/understand-r1-zero recipe (constant = generation budget)", ""
     ),
+    ("loss type", "dppo_kl"): Check(
+        "V-ref",
+        "verl 0.9.1 `compute_policy_loss_dppo_kl`, run beside it in tests/test_verl.py; DPPO (arXiv:2602.04879v1) "
+        "abstract: masks from a binary approximation of the policy divergence replace PPO's ratio clip",
+        "only the abstract and figure captions could be read: the binary KL's form, its thresholds and the "
+        "truncation cap (verl: clip_ratio_c, 20 where the config lacks it) are verl's",
+    ),
+    ("loss type", "dppo_tv"): Check(
+        "V-ref",
+        "verl 0.9.1 `compute_policy_loss_dppo_tv`, run beside it in tests/test_verl.py; DPPO (arXiv:2602.04879v1) "
+        "abstract and Fig. 2 caption (a TV-based mask instead of the ratio's)",
+        "only the abstract and figure captions could be read: the thresholds and the truncation cap are verl's",
+    ),
+    ("loss type", "dro"): Check(
+        "V-ref",
+        "verl 0.9.1 `compute_policy_loss_dro`, run beside it in tests/test_verl.py; Tinker's DRO loss documentation "
+        "(objective log p·A − ½β(log p/q)², after Richemond et al., arXiv:2405.19107, and Kimi k1.5, "
+        "arXiv:2501.12599)",
+        "neither paper was read: the per-token form with q = the old policy is verl's and Tinker's",
+    ),
     ("loss type", "gmpo"): Check("V-ref", "verl `geo_mean` loss", "GMPO's paper (arXiv:2507.20673) not re-read"),
     ("loss type", "gpg"): Check("V-code", "GPG eq. 5; AMAP-ML/GPG @ e096da8c `open-r1/src/open_r1/gpg_trainer.py`", ""),
     ("loss type", "grpo"): Check(

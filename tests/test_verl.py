@@ -36,17 +36,24 @@ PAIRS = [
     ("gmpo", "geo_mean"),
     ("clip_cov", "clip_cov"),
     ("kl_cov", "kl_cov"),
+    ("dppo_tv", "dppo_tv"),
+    ("dppo_kl", "dppo_kl"),
+    ("dro", "dro"),
 ]
 CONFIGS = {
-    "defaults": {},
+    "defaults": dict(policy_loss=dict(dro_beta=0.1)),  # dro_beta has no default: verl's dro needs one
     # dual clip binding on many A < 0 tokens; clip_cov / kl_cov choosing several tokens out of many candidates
     "tight": dict(
         clip_ratio_c=1.1,
         clip_ratio_high=0.28,
         tau_pos=0.8,
         tau_neg=1.3,
-        policy_loss=dict(clip_cov_ratio=0.1, clip_cov_lb=0.2, clip_cov_ub=3.0, kl_cov_ratio=0.2, ppo_kl_coef=1.0),
+        policy_loss=dict(
+            clip_cov_ratio=0.1, clip_cov_lb=0.2, clip_cov_ub=3.0, kl_cov_ratio=0.2, ppo_kl_coef=1.0, dro_beta=1.5
+        ),
     ),
+    # DPPO's TV / KL trust regions masking tokens on both sides, its IS weight truncated
+    "divergence": dict(clip_ratio_low=0.02, clip_ratio_high=0.03, clip_ratio_c=1.2, policy_loss=dict(dro_beta=0.4)),
 }
 BATCH_INFO = {
     "local": {},
@@ -176,7 +183,7 @@ def test_gmpo_is_ratio_is_a_geometric_mean():
 @pytest.mark.parametrize("loss_agg_mode", LOSS_AGG_MODES)
 def test_every_registered_loss_runs(registered, loss_agg_mode):
     """The losses verl has no counterpart of (vespo, tic_grpo) run too: finite loss and gradient, verl's metric keys."""
-    config = actor_config(loss_agg_mode, batch_info=BATCH_INFO["global"])
+    config = actor_config(loss_agg_mode, batch_info=BATCH_INFO["global"], policy_loss=dict(dro_beta=0.1))
     for name in registered:
         loss, grad, metrics = run(core_algos.get_policy_loss_fn(name), verl_inputs(7), config, loss_agg_mode, True)
         assert torch.isfinite(loss) and torch.isfinite(grad).all(), name
@@ -185,7 +192,8 @@ def test_every_registered_loss_runs(registered, loss_agg_mode):
 
 def test_register_names_and_refusals(registered):
     assert set(registered) == {f"gk_{t}" for t in gk.LOSS_TYPES}
-    assert not set(registered) & {"vanilla", "gspo", "sapo", "gpg", "cispo", "geo_mean", "clip_cov", "kl_cov"}
+    verls = {"vanilla", "gspo", "sapo", "gpg", "cispo", "geo_mean", "clip_cov", "kl_cov", "dppo_tv", "dppo_kl", "dro"}
+    assert not set(registered) & verls
     assert core_algos.get_policy_loss_fn("gk_dapo").grpo_kernels_loss_type == "dapo"
     with pytest.raises(TypeError, match="beta"):
         gk_verl.register(beta=0.04)

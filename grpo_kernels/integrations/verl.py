@@ -33,8 +33,9 @@ vanilla, sapo, cispo the same; gspo at +10; clip_cov, kl_cov, geo_mean not at al
 from __future__ import annotations
 
 import importlib
+import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any
 
@@ -44,11 +45,12 @@ from torch import Tensor
 from grpo_kernels.api import fused_linear_token_logprobs
 from grpo_kernels.losses.loss import compute_loss
 from grpo_kernels.losses.terms import build_terms
-from grpo_kernels.options import CLIPPED_SURROGATE_TYPES, LOSS_TYPES, LossOptions
+from grpo_kernels.options import CLIPPED_SURROGATE_TYPES, DPPO_TYPES, LOSS_TYPES, LossOptions
 from grpo_kernels.vocab import parallel
 
 INSTALL = 'pip install "grpo-kernels[verl]"'
 PREFIX = "gk_"
+_PREFIX_CHARS = re.compile(r"[A-Za-z0-9_.-]*")  # what a Hydra override `policy_loss.loss_mode=<name>` can carry
 # LossOptions a registered loss may fix (`register(**loss_options)`): everything else comes from verl's call, or
 # needs what that call does not carry (logits, entropies, ref log-probs: beta, entropy_coef, top_entropy_quantile).
 EXTRA_OPTIONS = (
@@ -67,6 +69,7 @@ _VERL_POLICY_DEFAULTS = {  # verl's fallbacks when config.policy_loss holds None
     "kl_cov_ratio": 0.0002,
     "ppo_kl_coef": 1.0,
 }
+_BATCH_INFO = ("dp_size", "batch_num_tokens", "global_batch_size", "loss_scale_factor")  # config.global_batch_info
 PolicyLossFn = Callable[..., tuple[Tensor, dict[str, Any]]]
 
 
@@ -113,11 +116,7 @@ def policy_loss_fn(loss_type: str, **loss_options) -> PolicyLossFn:
         config: Any = None,
         rollout_is_weights: Tensor | None = None,
     ) -> tuple[Tensor, dict[str, Any]]:
-        if config is None:
-            raise ValueError(f"{PREFIX}{loss_type} needs verl's actor config (config=...), got None")
-        for name, x in (("old_log_prob", old_log_prob), ("response_mask", response_mask)):
-            if x.shape != log_prob.shape:
-                raise ValueError(f"{name} must be [B, T] = {list(log_prob.shape)}, got {list(x.shape)}")
+        _check_call(fn.__name__, config, old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
         options, dp_size = options_from_config(loss_type, config, loss_agg_mode, response_mask, loss_options)
         terms = build_terms(log_prob, old_log_prob, None, advantages, response_mask, None, rollout_is_weights, options)
         output, _ = compute_loss(terms, options)
@@ -131,18 +130,64 @@ def policy_loss_fn(loss_type: str, **loss_options) -> PolicyLossFn:
 
 def register(loss_types: tuple[str, ...] = LOSS_TYPES, prefix: str = PREFIX, **loss_options) -> tuple[str, ...]:
     """Add `prefix + loss_type` for each of `loss_types` to verl's policy-loss registry (`register_policy_loss`);
-    returns the names. `loss_options` (`EXTRA_OPTIONS`) apply to all of them. Registering again replaces this
-    project's earlier entries; a name verl or someone else already holds is a ValueError."""
+    returns the names. `loss_options` (`EXTRA_OPTIONS`) apply to all of them.
+
+    All or nothing: the prefix (a str of letters, digits, `_`, `.`, `-`), every name and every loss are checked
+    before the first one is added, so an error leaves verl's registry as it was. Registering again replaces this
+    project's earlier entries (idempotent); a name verl or someone else already holds is a ValueError.
+    """
+    if not isinstance(prefix, str) or not _PREFIX_CHARS.fullmatch(prefix):
+        shown = repr(prefix) if isinstance(prefix, str) else type(prefix).__name__
+        raise TypeError(f"prefix must be a str of letters, digits, '_', '.' or '-', got {shown}")
+    if isinstance(loss_types, str) or not all(isinstance(t, str) for t in loss_types):
+        raise TypeError(f"loss_types must be a tuple of loss-type names, got {loss_types!r}")
     core_algos = _verl("verl.trainer.ppo.core_algos")
-    names = []
-    for loss_type in loss_types:
-        name = f"{prefix}{loss_type}"
-        held = core_algos.POLICY_LOSS_REGISTRY.get(name)
-        if held is not None and not hasattr(held, "grpo_kernels_loss_type"):
-            raise ValueError(f"verl's policy-loss registry already holds {name!r} ({held}): choose another prefix")
-        core_algos.register_policy_loss(name)(policy_loss_fn(loss_type, **loss_options))
-        names.append(name)
+    names = [f"{prefix}{loss_type}" for loss_type in loss_types]
+    taken = [
+        f"{name!r} ({held})"
+        for name in names
+        if (held := core_algos.POLICY_LOSS_REGISTRY.get(name)) is not None and not hasattr(held, "grpo_kernels_loss_type")
+    ]
+    if taken:
+        raise ValueError(f"verl's policy-loss registry already holds {', '.join(taken)}: choose another prefix")
+    losses = [policy_loss_fn(loss_type, **loss_options) for loss_type in loss_types]  # each checks its options
+    for name, fn in zip(names, losses, strict=True):
+        core_algos.register_policy_loss(name)(fn)
     return tuple(names)
+
+
+def _check_call(
+    name: str,
+    config: Any,
+    old_log_prob: Tensor,
+    log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    rollout_is_weights: Tensor | None,
+) -> None:
+    """One line naming the argument for a config that is not verl's actor config, or a tensor of the wrong shape."""
+    if not isinstance(config, Mapping):
+        raise TypeError(
+            f"{name}: config must be verl's actor config (an ActorConfig, a DictConfig or a mapping of its fields), "
+            f"got {type(config).__name__}"
+        )
+    for field in ("policy_loss", "global_batch_info"):
+        if _get(config, field) is not None and not isinstance(config[field], Mapping):
+            raise TypeError(f"{name}: config.{field} must be a mapping, got {type(config[field]).__name__}")
+    tensors = dict(old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=response_mask)
+    if rollout_is_weights is not None:
+        tensors["rollout_is_weights"] = rollout_is_weights
+    for arg, x in tensors.items():
+        if not isinstance(x, Tensor):
+            raise TypeError(f"{name}: {arg} must be a torch.Tensor, got {type(x).__name__}")
+    if log_prob.dim() != 2:
+        raise ValueError(f"{name}: log_prob must be [B, T], got {list(log_prob.shape)}")
+    B, T = log_prob.shape
+    for arg, x in tensors.items():
+        per_sequence = arg in ("advantages", "rollout_is_weights") and list(x.shape) in ([B], [B, 1])
+        if list(x.shape) != [B, T] and not per_sequence:
+            allowed = f"[B, T] = {[B, T]} or [B] = {[B]}" if arg in ("advantages", "rollout_is_weights") else [B, T]
+            raise ValueError(f"{name}: {arg} must be {allowed} (log_prob's), got {list(x.shape)}")
 
 
 def _get(config: Any, name: str, default: Any = None) -> Any:
@@ -151,47 +196,66 @@ def _get(config: Any, name: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
+def _number(config: Any, name: str, default: Any = None, where: str = "config") -> Any:
+    """`_get`, refused in one line naming `where.name` unless a real number (or a 0-dim tensor) or None."""
+    value = _get(config, name, default)
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not (value is None or number or (isinstance(value, Tensor) and value.dim() == 0)):
+        raise TypeError(f"{where}.{name} must be a number, got {type(value).__name__} {str(value)[:60]!r}")
+    return value
+
+
 def _placeholder(loss_type: str) -> dict:
-    """What LossOptions needs of a loss type that verl's call fills in per batch (dr_grpo's length)."""
-    return {"loss_type": loss_type, "max_completion_length": 1} if loss_type == "dr_grpo" else {"loss_type": loss_type}
+    """What LossOptions needs of a loss type that verl's call fills in (dr_grpo's length, dro's β; cispo is
+    verl's two-sided form)."""
+    needs = {"dr_grpo": {"max_completion_length": 1}, "dro": {"dro_beta": 1.0}, "cispo": {"cispo_two_sided": True}}
+    return {"loss_type": loss_type, **needs.get(loss_type, {})}
 
 
 def options_from_config(
     loss_type: str, config: Any, loss_agg_mode: str, response_mask: Tensor, loss_options: dict
 ) -> tuple[LossOptions, int]:
     """The LossOptions of one verl call, and the factor dp_size the loss is multiplied by (see the module doc)."""
-    clip = _get(config, "clip_ratio", 0.2)
+    clip = _number(config, "clip_ratio", 0.2)
     fields = dict(
         loss_options,
         loss_type=loss_type,
-        epsilon=_get(config, "clip_ratio_low", clip),
-        epsilon_high=_get(config, "clip_ratio_high", clip),
+        epsilon=_number(config, "clip_ratio_low", clip),
+        epsilon_high=_number(config, "clip_ratio_high", clip),
     )
     if loss_type == "dr_grpo":  # its own normaliser is overridden by loss_agg_mode below; LossOptions needs a length
         fields["max_completion_length"] = response_mask.shape[-1]
     if loss_type in CLIPPED_SURROGATE_TYPES and loss_type != "gspo_token":
-        fields["clip_ratio_c"] = _get(config, "clip_ratio_c", 3.0)
+        fields["clip_ratio_c"] = _number(config, "clip_ratio_c", 3.0)
+    if loss_type in DPPO_TYPES:  # the truncation cap of the IS weight; verl's fallback where the config lacks it
+        fields["clip_ratio_c"] = _number(config, "clip_ratio_c", 20.0)
     if loss_type == "sapo":
         fields.update(
-            sapo_temperature_pos=_get(config, "tau_pos", 1.0), sapo_temperature_neg=_get(config, "tau_neg", 1.05)
+            sapo_temperature_pos=_number(config, "tau_pos", 1.0), sapo_temperature_neg=_number(config, "tau_neg", 1.05)
         )
     if loss_type == "cispo":
         fields["cispo_two_sided"] = True
     policy = _get(config, "policy_loss", {})
+    if loss_type == "dro":
+        beta = _number(policy, "dro_beta", where="config.policy_loss")
+        if beta is None or not beta > 0:
+            raise ValueError(f"loss_type 'dro' needs config.policy_loss.dro_beta > 0 (as verl's dro), got {beta}")
+        fields["dro_beta"] = beta
     names = {"clip_cov": ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"), "kl_cov": ("kl_cov_ratio", "ppo_kl_coef")}
     for name in names.get(loss_type, ()):
-        fields[name] = _get(policy, name, _VERL_POLICY_DEFAULTS[name])
+        fields[name] = _number(policy, name, _VERL_POLICY_DEFAULTS[name], where="config.policy_loss")
     if loss_type == "gmpo":  # verl geo_mean: torch.mean over the sequences, whatever the mode and the global batch
         return LossOptions(**fields), 1
     mode = "seq-mean-token-mean" if loss_type == "sapo" else loss_agg_mode
     info = _get(config, "global_batch_info", {})
-    dp_size = int(_get(info, "dp_size", 1))
-    tokens, sequences = _get(info, "batch_num_tokens"), _get(info, "global_batch_size")
+    batch_info = {name: _number(info, name, where="config.global_batch_info") for name in _BATCH_INFO}
+    dp_size = int(batch_info["dp_size"] or 1)
+    tokens, sequences = batch_info["batch_num_tokens"], batch_info["global_batch_size"]
     if dp_size > 1 and mode == "token-mean" and tokens is None:
         raise ValueError("(global) batch_num_tokens is required in config.global_batch_info when dp_size > 1")
     if dp_size > 1 and mode.startswith("seq-mean") and sequences is None:
         raise ValueError("global_batch_size is required in config.global_batch_info when dp_size > 1")
-    factor = _get(info, "loss_scale_factor")
+    factor = batch_info["loss_scale_factor"]
     if mode == "seq-mean-token-sum-norm":  # verl 0.9.1: Σ_b Σ_t L / (S · factor); LossOptions: Σ L / factor
         count = int((response_mask.sum(-1) > 0).sum()) if sequences is None else sequences
         factor = (response_mask.shape[-1] if factor is None else factor) * max(count, 1)
@@ -215,7 +279,11 @@ def _verl_metrics(loss_type: str, metrics: dict[str, Tensor], terms) -> dict[str
         out["actor/pg_clipfrac"] = out["actor/pg_clipfrac_lower"] = 0.0
     elif loss_type == "vespo":
         out["actor/vespo/phi_seq_mean"] = metrics["vespo/phi_seq_mean"].item()
-    elif loss_type != "gpg":  # the clipped surrogates and cispo: clipped tokens, and where the dual clip binds
+    elif loss_type in DPPO_TYPES:  # tokens outside the trust region; kept tokens whose IS weight was truncated
+        out["actor/pg_clipfrac"] = metrics["clip_ratio/region_mean"].item()
+        truncated = metrics.get("clip_ratio/truncated_mean")
+        out["actor/pg_clipfrac_lower"] = 0.0 if truncated is None else truncated.item()
+    elif loss_type not in ("gpg", "dro"):  # the clipped surrogates and cispo: clipped tokens, and where the dual clip binds
         out["actor/pg_clipfrac"] = metrics["clip_ratio/region_mean"].item()
         dual = metrics.get("clip_ratio/dual_mean")
         out["actor/pg_clipfrac_lower"] = 0.0 if dual is None else dual.item()
@@ -268,28 +336,44 @@ def linear_cross_entropy(
     return logp, entropy
 
 
-_ORIGINAL: dict[str, Callable] = {}  # "linear_cross_entropy" -> verl's function while patched
+linear_cross_entropy.grpo_kernels_patch = True  # how a patch tells ours, from any load of this module, from verl's
+_HOME = "verl.utils.kernel.linear_cross_entropy"
+_ORIGINAL = "_grpo_kernels_original"  # verl's function, kept on verl's module while patched (outlives our reload)
+
+
+def _is_ours(fn: Any) -> bool:
+    return getattr(fn, "grpo_kernels_patch", False) is True
 
 
 def patch_fused_kernels() -> None:
     """Swap verl's `linear_cross_entropy` for this module's everywhere verl holds it: its home module (verl's HF
     model forwards import it from there at each call) and every loaded `verl.*` module that imported it (Megatron's
-    fused forwards); modules imported later pick up ours from the home module. Idempotent; `unpatch_fused_kernels`
-    restores verl's. verl's `fused_kernels_backend="torch"` path (FusedLinearForPPO) does not use it."""
-    home = _verl("verl.utils.kernel.linear_cross_entropy")
-    original = _ORIGINAL.setdefault("linear_cross_entropy", home.linear_cross_entropy)
+    fused forwards); modules imported later pick up ours from the home module. verl's
+    `fused_kernels_backend="torch"` path (FusedLinearForPPO) does not use it.
+
+    Idempotent, and safe across reloads: verl's function is kept on verl's module (not here), ours is told by a
+    marker (not by identity), so a patch after `importlib.reload` of this module or of verl's replaces the earlier
+    load's function too, and `unpatch_fused_kernels` still restores verl's.
+    """
+    home = _verl(_HOME)
+    if not _is_ours(home.linear_cross_entropy):  # verl's: first patch, or verl's module was reloaded since
+        setattr(home, _ORIGINAL, home.linear_cross_entropy)
+    original = getattr(home, _ORIGINAL, None)
     for module in _verl_modules():
-        if getattr(module, "linear_cross_entropy", None) is original:
+        held = getattr(module, "linear_cross_entropy", None)
+        if held is not None and (held is original or _is_ours(held)):
             module.linear_cross_entropy = linear_cross_entropy
 
 
 def unpatch_fused_kernels() -> None:
-    """Put verl's `linear_cross_entropy` back wherever `patch_fused_kernels` (or an import after it) put ours."""
-    original = _ORIGINAL.pop("linear_cross_entropy", None)
+    """Put verl's `linear_cross_entropy` back wherever a patch (of any load of this module) or an import after it
+    put ours; nothing to do when not patched."""
+    home = sys.modules.get(_HOME)
+    original = None if home is None else home.__dict__.pop(_ORIGINAL, None)
     if original is None:
         return
     for module in _verl_modules():
-        if getattr(module, "linear_cross_entropy", None) is linear_cross_entropy:
+        if _is_ours(getattr(module, "linear_cross_entropy", None)):
             module.linear_cross_entropy = original
 
 
