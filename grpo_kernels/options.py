@@ -14,7 +14,18 @@ from dataclasses import dataclass
 import torch
 
 TRL_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
-LOSS_TYPES = (*TRL_LOSS_TYPES, "gpg", "gspo_token", "gmpo", "tic_grpo", "clip_cov", "kl_cov", "dppo_tv", "dppo_kl", "dro")
+LOSS_TYPES = (
+    *TRL_LOSS_TYPES,
+    "gpg",
+    "gspo_token",
+    "gmpo",
+    "tic_grpo",
+    "clip_cov",
+    "kl_cov",
+    "dppo_tv",
+    "dppo_kl",
+    "dro",
+)
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 CLIP_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 CLIPPED_SURROGATE_TYPES = (*CLIP_LOSS_TYPES, "gspo_token", "tic_grpo")  # where delta and clip_ratio_c act

@@ -8,9 +8,9 @@ everything in float64, no chunking, no custom autograd.
 Semantics are those of TRL's `GRPOTrainer._compute_loss` for one process without gradient accumulation
 (`num_processes = 1`, `current_gradient_accumulation_steps = 1`, `steps_per_generation = 1`), extended with verl's
 options (kl_estimator, clip_ratio_c, cispo_two_sided, loss_agg_mode, dro_beta), the loss types gpg, gspo_token,
-gmpo, tic_grpo, clip_cov, kl_cov, dppo_tv, dppo_kl and dro, token/sequence weights and per-sequence losses, as the project's semantics contract
-defines them. clip_cov draws its tokens with torch.randperm on the default generator, as verl does: seed torch
-before each call to compare two implementations.
+gmpo, tic_grpo, clip_cov, kl_cov, dppo_tv, dppo_kl and dro, token/sequence weights and per-sequence losses, as the
+project's semantics contract defines them. clip_cov draws its tokens with torch.randperm on the default generator,
+as verl does: seed torch before each call to compare two implementations.
 
 It deviates from TRL only at numerical extremes, at padding and at T = 1:
 - log importance ratios are clamped to [-20, 20] before exp (verl's clamp): per token, and after the masked mean
@@ -32,7 +32,19 @@ from torch import Tensor
 F64 = torch.float64
 CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "gspo_token", "tic_grpo")  # PPO clip surrogate
 SEQUENCE_MEAN_TYPES = ("grpo", "sapo", "gspo_token", "tic_grpo", "gmpo")  # each sequence's token mean, mean over B
-LOSS_TYPES = (*CLIPPED_LOSS_TYPES, "cispo", "sapo", "vespo", "gpg", "gmpo", "clip_cov", "kl_cov", "dppo_tv", "dppo_kl", "dro")
+LOSS_TYPES = (
+    *CLIPPED_LOSS_TYPES,
+    "cispo",
+    "sapo",
+    "vespo",
+    "gpg",
+    "gmpo",
+    "clip_cov",
+    "kl_cov",
+    "dppo_tv",
+    "dppo_kl",
+    "dro",
+)
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl", "abs")
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 LOG_CLAMP = 20.0  # |log ratio| and |ref - logp| bound (verl)

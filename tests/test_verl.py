@@ -203,6 +203,27 @@ def test_register_names_and_refusals(registered):
         gk_verl.register(loss_types=("vanilla",), prefix="")  # verl's own name
 
 
+@pytest.mark.parametrize("loss_agg_mode", LOSS_AGG_MODES)
+def test_bypass_mode_is_the_trainers_choice_of_old_log_probs(registered, loss_agg_mode):
+    """verl's bypass_mode loss (ppo_clip, no rejection sampling) on old = rollout log-probs is gk_grpo on the same
+    tensors: bypass changes which log-probs the trainer passes as old (and adds verl's rollout-correction
+    metrics), not the loss; docs/verl.md says why it stays verl's."""
+    from omegaconf import OmegaConf
+
+    config = actor_config(loss_agg_mode)
+    rollout_correction = dict(loss_type="ppo_clip", rollout_is="sequence", rollout_rs=None)
+    bypass = OmegaConf.create(dict(loss_mode="bypass_mode", rollout_correction=rollout_correction))
+    object.__setattr__(config, "policy_loss", bypass)  # what verl's apply_bypass_mode writes into the actor config
+    inputs = verl_inputs(5)  # old_log_prob plays the rollout log-probs
+    loss, grad, metrics = run(core_algos.get_policy_loss_fn("gk_grpo"), inputs, config, loss_agg_mode, False)
+    theirs = core_algos.get_policy_loss_fn("bypass_mode")
+    ref_loss, ref_grad, ref_metrics = run(theirs, inputs, config, loss_agg_mode, False)
+    assert_close(loss, ref_loss, F32, "loss")
+    assert_close(grad, ref_grad, F32, "grad log_prob")
+    for name in ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"):
+        assert_close(torch.tensor(metrics[name]), torch.tensor(ref_metrics[name]), F32, name)
+
+
 def test_extra_options_reach_the_loss():
     """A fixed extra option (importance_sampling_level) is used: sequence-level grpo is GSPO's ratio."""
     config = actor_config("seq-mean-token-mean")

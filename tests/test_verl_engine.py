@@ -7,7 +7,9 @@ entropy, and every metric."""
 import pytest
 import torch
 
-losses = pytest.importorskip("verl.workers.utils.losses", reason='verl is not installed: pip install "grpo-kernels[verl]"')
+losses = pytest.importorskip(
+    "verl.workers.utils.losses", reason='verl is not installed: pip install "grpo-kernels[verl]"'
+)
 
 from tensordict import TensorDict  # noqa: E402
 from verl.trainer.ppo import core_algos  # noqa: E402

@@ -16,6 +16,9 @@ verl hands a policy loss log-probs, not logits, so a registered loss is the loss
   `config.clip_ratio_c` -> `clip_ratio_c` (dual clip) for the clipped surrogates that verl's `vanilla` dual-clips,
   i.e. all of `CLIPPED_SURROGATE_TYPES` but `gspo_token` (verl's `gspo` has none); `tau_pos` / `tau_neg` -> sapo's
   temperatures; `policy_loss.clip_cov_*`, `kl_cov_ratio`, `ppo_kl_coef` -> the same names (None: verl's fallbacks).
+- dppo_tv / dppo_kl: the same `clip_ratio_low` / `clip_ratio_high` are DPPO's divergence thresholds (`epsilon` /
+  `epsilon_high`), `config.clip_ratio_c` its truncation cap of the IS weight (`clip_ratio_c`; 20 where the config
+  lacks the field, verl's fallback). dro: `policy_loss.dro_beta` -> `dro_beta` (required, > 0, as in verl).
 - `loss_agg_mode` and `config.global_batch_info` (`dp_size`, `batch_num_tokens`, `global_batch_size`,
   `loss_scale_factor`) -> `loss_agg_mode`, `num_items_in_batch`, `num_sequences_in_batch`, `loss_scale_factor`, and
   the loss times `dp_size` (verl's agg_loss: DDP averages the ranks' gradients). verl 0.9.1's
@@ -27,7 +30,12 @@ Loss types that differ only in their normaliser (grpo, bnpo, dr_grpo, dapo, lusp
 verl's KL loss (`use_kl_loss`) and entropy bonus (`entropy_coeff`) stay verl's: they are not in this call.
 Differences from verl's functions, at numerical extremes only: log-ratios are clamped to ±20 everywhere (verl:
 vanilla, sapo, cispo the same; gspo at +10; clip_cov, kl_cov, geo_mean not at all), and means over no tokens are 0.
-`tests/test_verl.py` holds each registered loss to verl's own function of the same kind.
+`tests/test_verl.py` holds each registered loss to verl's own function of the same kind, and
+`tests/test_verl_engine.py` runs them in verl's engine-side `ppo_loss` (the call verl's workers make).
+verl's `bypass_mode` is the trainer's choice of old log-probs (the rollout's), not a loss: see docs/verl.md.
+A registered loss refuses, in one line naming the argument, a config that is not a mapping (verl's ActorConfig or
+a DictConfig), a non-numeric field it reads, and tensors whose shapes are not log_prob's `[B, T]` (advantages and
+rollout_is_weights also `[B]`).
 """
 
 from __future__ import annotations
@@ -143,11 +151,8 @@ def register(loss_types: tuple[str, ...] = LOSS_TYPES, prefix: str = PREFIX, **l
         raise TypeError(f"loss_types must be a tuple of loss-type names, got {loss_types!r}")
     core_algos = _verl("verl.trainer.ppo.core_algos")
     names = [f"{prefix}{loss_type}" for loss_type in loss_types]
-    taken = [
-        f"{name!r} ({held})"
-        for name in names
-        if (held := core_algos.POLICY_LOSS_REGISTRY.get(name)) is not None and not hasattr(held, "grpo_kernels_loss_type")
-    ]
+    held = {name: core_algos.POLICY_LOSS_REGISTRY.get(name) for name in names}
+    taken = [f"{n!r} ({fn})" for n, fn in held.items() if fn is not None and not hasattr(fn, "grpo_kernels_loss_type")]
     if taken:
         raise ValueError(f"verl's policy-loss registry already holds {', '.join(taken)}: choose another prefix")
     losses = [policy_loss_fn(loss_type, **loss_options) for loss_type in loss_types]  # each checks its options
@@ -283,7 +288,7 @@ def _verl_metrics(loss_type: str, metrics: dict[str, Tensor], terms) -> dict[str
         out["actor/pg_clipfrac"] = metrics["clip_ratio/region_mean"].item()
         truncated = metrics.get("clip_ratio/truncated_mean")
         out["actor/pg_clipfrac_lower"] = 0.0 if truncated is None else truncated.item()
-    elif loss_type not in ("gpg", "dro"):  # the clipped surrogates and cispo: clipped tokens, and where the dual clip binds
+    elif loss_type not in ("gpg", "dro"):  # clipped surrogates and cispo: clipped tokens, and where the dual clip binds
         out["actor/pg_clipfrac"] = metrics["clip_ratio/region_mean"].item()
         dual = metrics.get("clip_ratio/dual_mean")
         out["actor/pg_clipfrac_lower"] = 0.0 if dual is None else dual.item()

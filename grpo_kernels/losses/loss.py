@@ -9,8 +9,8 @@ import torch
 from torch import Tensor
 
 from grpo_kernels.losses.aggregate import token_weights_for
-from grpo_kernels.losses.entropy import high_entropy_mask
 from grpo_kernels.losses.divergence import dppo_keep
+from grpo_kernels.losses.entropy import high_entropy_mask
 from grpo_kernels.losses.kl import kl_penalty
 from grpo_kernels.losses.policy import POLICY_LOSSES, clip_cov_fraction, clipped_surrogate, vespo_weights
 from grpo_kernels.losses.reduce import batch_sum, sequence_mean, sequence_sum, sequence_tokens
