@@ -14,7 +14,9 @@ cross-process reductions. Under `top_entropy_quantile < 1` TRL's own loss algebr
 that the entropy quantile is taken over every process's tokens, as TRL takes it.
 
 Both passes run inside the model's forward (`model(..., grpo_kernels_head=head)`, added to the policy and the
-reference model), so DDP, FSDP and PEFT wrappers see an ordinary forward. An option the drop-in cannot reproduce
+reference model), so DDP, FSDP, DeepSpeed and PEFT wrappers see an ordinary forward. The lm_head is gathered there
+once per pass: FSDP2's DTensor with one `full_tensor()`, DeepSpeed ZeRO-3's partitioned parameter by
+`zero3.gathered` (and once more in a backward that reads it), never per chunk of rows. An option the drop-in cannot reproduce
 raises a ValueError naming it when the trainer is built (`check_supported`).
 """
 
@@ -37,7 +39,7 @@ except ImportError as error:  # pragma: no cover - exercised only without TRL
     raise ImportError("grpo_kernels.integrations.trl needs TRL >= 1.16: pip install 'grpo-kernels[trl]'") from error
 
 from grpo_kernels.api import fused_linear_grpo_loss, fused_linear_token_logprobs
-from grpo_kernels.integrations import hf
+from grpo_kernels.integrations import hf, zero3
 from grpo_kernels.losses.loss import GRPOLossOutput
 from grpo_kernels.options import CLIP_LOSS_TYPES, LossOptions
 
@@ -259,13 +261,6 @@ def check_supported(trainer: trl.GRPOTrainer) -> None:
         )
     if getattr(model, "active_peft_config", None) is not None and model.active_peft_config.is_prompt_learning:
         raise ValueError("PEFT prompt learning (virtual tokens) is not supported by grpo_kernels.integrations.trl")
-    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
-
-    if is_deepspeed_zero3_enabled():
-        raise ValueError(
-            "DeepSpeed ZeRO-3 is not supported by grpo_kernels.integrations.trl: the fused lm_head reads "
-            "lm_head.weight outside the module's gather hooks; use FSDP2 (DTensor heads are gathered) or ZeRO-2"
-        )
     if args.loss_type == "vespo" and args.importance_sampling_level == "sequence":
         if args.beta != 0.0 and args.use_bias_correction_kl:
             raise ValueError(
@@ -395,7 +390,9 @@ def _install_forward(model: nn.Module) -> None:
         aux_loss = None
         if kwargs.get("output_router_logits"):
             aux_loss = _router_aux_loss(self, outputs.router_logits, kwargs.get("attention_mask"))
-        return head(outputs.last_hidden_state, _lm_head(self), aux_loss)
+        lm = _lm_head(self)
+        with zero3.gathered(lm.weight, lm.bias):  # ZeRO-3: whole for this pass (and once in its backward)
+            return head(outputs.last_hidden_state, lm, aux_loss)
 
     forward._grpo_kernels_head = True
     model.forward = types.MethodType(forward, model)
