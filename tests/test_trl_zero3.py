@@ -2,7 +2,8 @@
 tests/trl_zero3_ranks.py once; the tests read what each rank wrote.
 
 - Stock `trl.GRPOTrainer` and the drop-in train a tiny Qwen2 2 steps each (beta 0, and beta > 0 with a reference
-  model): the same logged loss and grad_norm, the same parameters (parameters and updates; SGD, so updates linear in the gradients).
+  model): the same logged loss and grad_norm, the same parameters and updates (SGD: updates linear in the
+  gradients).
 - Ranks with different row counts (one row per chunk) make the same collectives through every route of the fused
   head, inside the DeepSpeed engine's forward, and finish (a hang fails the launch's timeout).
 - `zero3.gathered` on an lm_head no module hook gathers: one gather per forward, one more in the backward of the

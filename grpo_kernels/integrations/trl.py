@@ -16,8 +16,8 @@ that the entropy quantile is taken over every process's tokens, as TRL takes it.
 Both passes run inside the model's forward (`model(..., grpo_kernels_head=head)`, added to the policy and the
 reference model), so DDP, FSDP, DeepSpeed and PEFT wrappers see an ordinary forward. The lm_head is gathered there
 once per pass: FSDP2's DTensor with one `full_tensor()`, DeepSpeed ZeRO-3's partitioned parameter by
-`zero3.gathered` (and once more in a backward that reads it), never per chunk of rows. An option the drop-in cannot reproduce
-raises a ValueError naming it when the trainer is built (`check_supported`).
+`zero3.gathered` (and once more in a backward that reads it), never per chunk of rows. An option the drop-in
+cannot reproduce raises a ValueError naming it when the trainer is built (`check_supported`).
 """
 
 from __future__ import annotations
