@@ -4,6 +4,8 @@
     trainer = GRPOTrainer(model, reward_funcs, args=GRPOConfig(...), ...)   # TRL's constructor and config
 
 or `patch(trainer)` for a trainer already built (a `trl.GRPOTrainer` or a subclass that keeps TRL's loss).
+`GRPOConfig` here is TRL's with the fused head's `head_precision` ("auto", "bf16", "tf32", "fp32"); TRL's
+`cast_lm_head_to_fp32=True` is read as "fp32".
 
 What changes: the training loss is `fused_linear_grpo_loss` on the policy's final hidden states and lm_head weight
 (token-level losses form every gradient in the forward: 3 GEMMs per chunk of tokens, no [B, T, V] logits), and the
@@ -42,8 +44,9 @@ from grpo_kernels.api import fused_linear_grpo_loss, fused_linear_token_logprobs
 from grpo_kernels.integrations import hf, zero3
 from grpo_kernels.losses.loss import GRPOLossOutput
 from grpo_kernels.options import CLIP_LOSS_TYPES, LossOptions
+from grpo_kernels.vocab.head_precision import HEAD_PRECISIONS, check_head_precision
 
-__all__ = ["GRPOTrainer", "check_supported", "patch"]
+__all__ = ["GRPOConfig", "GRPOTrainer", "check_supported", "head_precision", "patch"]
 
 HEAD_KWARG = "grpo_kernels_head"  # the forward keyword that runs a fused head instead of the lm_head
 ITEM_MEAN_TYPES = ("dapo", "cispo", "vespo")  # normalised by num_items_in_batch, which TRL rescales itself
@@ -90,7 +93,7 @@ class _FusedHead:
         def head(last_hidden: Tensor, lm: LMHead, aux_loss: Tensor | None):
             hidden = last_hidden[:, -num_completion - 1 : -1]  # [B, T, H]: position p predicts token p + 1
             transform = dict(logit_scale=lm.logit_scale, final_logit_softcapping=lm.final_logit_softcapping)
-            with _head_precision(self, hidden, lm) as (hidden, weight, bias):
+            with _head_precision(self, hidden, lm) as (hidden, weight, bias, precision):
                 out = fused_linear_grpo_loss(
                     hidden,
                     weight,
@@ -98,6 +101,7 @@ class _FusedHead:
                     mask=mask,
                     bias=bias,
                     with_entropy=True,
+                    head_precision=precision,
                     options=dataclasses.replace(options, **transform),
                     **tensors,
                 )
@@ -136,12 +140,13 @@ class _FusedHead:
 
             def head(last_hidden: Tensor, lm: LMHead, aux_loss: Tensor | None, ids=ids, attention=attention):
                 hidden = last_hidden[:, -logits_to_keep - 1 : -1]  # [b, T, H]
-                with _head_precision(self, hidden, lm) as (hidden, weight, bias):
+                with _head_precision(self, hidden, lm) as (hidden, weight, bias, precision):
                     result = fused_linear_token_logprobs(
                         hidden,
                         weight,
                         ids[:, -logits_to_keep:],
                         bias=bias,
+                        head_precision=precision,
                         temperature=self.temperature,
                         with_entropy=compute_entropy,
                         mask=attention[:, -logits_to_keep:].bool(),
@@ -220,6 +225,21 @@ class _FusedHead:
                 self._metrics[mode][name].append(extreme(self.accelerator.gather(local)).item())
 
 
+@dataclasses.dataclass
+class GRPOConfig(trl.GRPOConfig):
+    """`trl.GRPOConfig` with the fused head's `head_precision` (a plain trl.GRPOConfig runs "auto", or "fp32"
+    under `cast_lm_head_to_fp32`)."""
+
+    head_precision: str = dataclasses.field(
+        default="auto",
+        metadata={
+            "help": "Precision of the fused lm_head's logits GEMM: 'auto' (the lm_head's dtype), 'bf16', 'tf32' or "
+            "'fp32' (float32 logits; the gradient GEMMs stay in the lm_head's dtype).",
+            "choices": list(HEAD_PRECISIONS),
+        },
+    )
+
+
 class GRPOTrainer(_FusedHead, trl.GRPOTrainer):
     """`trl.GRPOTrainer` whose loss and log-prob passes run through grpo-kernels' fused lm_head (module docstring).
 
@@ -261,6 +281,7 @@ def check_supported(trainer: trl.GRPOTrainer) -> None:
         )
     if getattr(model, "active_peft_config", None) is not None and model.active_peft_config.is_prompt_learning:
         raise ValueError("PEFT prompt learning (virtual tokens) is not supported by grpo_kernels.integrations.trl")
+    head_precision(args)
     if args.loss_type == "vespo" and args.importance_sampling_level == "sequence":
         if args.beta != 0.0 and args.use_bias_correction_kl:
             raise ValueError(
@@ -337,20 +358,32 @@ def _check_text_only(fields: dict) -> None:
         raise ValueError(f"vision inputs ({', '.join(present)}) are not supported by grpo_kernels.integrations.trl")
 
 
+def head_precision(args: trl.GRPOConfig) -> str:
+    """The fused head's `head_precision` for a config: `GRPOConfig.head_precision`, with TRL's
+    `cast_lm_head_to_fp32=True` read as "fp32" (a head_precision other than "auto" or "fp32" beside it raises)."""
+    precision = getattr(args, "head_precision", "auto")
+    check_head_precision(precision)
+    if not args.cast_lm_head_to_fp32:
+        return precision
+    if precision not in ("auto", "fp32"):
+        raise ValueError(f"cast_lm_head_to_fp32=True asks for a float32 head, head_precision={precision!r} another")
+    return "fp32"
+
+
 @contextlib.contextmanager
 def _head_precision(trainer: trl.GRPOTrainer, hidden: Tensor, lm: LMHead):
-    """(hidden, weight, bias) in the dtype TRL's head computes in, with autocast off inside the fused pass: float32
-    under `cast_lm_head_to_fp32`, else autocast's dtype when autocast is on, else the lm_head's dtype."""
+    """(hidden, weight, bias, head_precision) for the fused pass, autocast off inside it. With head_precision
+    "auto" the operands are in the dtype TRL's head computes in (autocast's dtype when autocast is on, else the
+    lm_head's); otherwise in the lm_head's dtype, and the fused head upcasts (or casts) them for the logits GEMM."""
     device = lm.weight.device.type
-    if trainer.args.cast_lm_head_to_fp32:
-        dtype = torch.float32
-    elif torch.is_autocast_enabled(device):
+    precision = head_precision(trainer.args)
+    if precision == "auto" and torch.is_autocast_enabled(device):
         dtype = torch.get_autocast_dtype(device)
     else:
         dtype = lm.weight.dtype
     cast = lambda x: None if x is None else x.to(dtype)  # noqa: E731  differentiable: grads reach the parameters
     with torch.autocast(device, enabled=False):
-        yield cast(hidden.to(lm.weight.device)), cast(lm.weight), cast(lm.bias)
+        yield cast(hidden.to(lm.weight.device)), cast(lm.weight), cast(lm.bias), precision
 
 
 def _install(trainer: trl.GRPOTrainer) -> None:
