@@ -119,3 +119,13 @@ def test_cuda_gemm_flag_set_inside_and_restored(precision, flag):
     assert matmul.fp32_precision == before
     with head_precision.gemm_precision(precision, torch.device("cpu")):
         assert matmul.fp32_precision == before
+
+
+def test_gap_benchmark_runs():
+    """benchmarks/head_precision_gap.py at a tiny size: float32 logits much closer to the float64 head."""
+    from benchmarks import head_precision_gap
+
+    rows = head_precision_gap.main(["--tokens", "16", "--hidden", "32", "--vocab", "300"])
+    gaps = {(r["logits"], r["head_precision"]): r["max"] for r in rows}
+    for kind in ("random", "peaked"):
+        assert gaps[kind, "fp32"] == gaps[kind, "tf32"] < gaps[kind, "auto"] / 100
