@@ -7,7 +7,8 @@ tests/trl_zero3_ranks.py once; the tests read what each rank wrote.
 - Ranks with different row counts (one row per chunk) make the same collectives through every route of the fused
   head, inside the DeepSpeed engine's forward, and finish (a hang fails the launch's timeout).
 - `zero3.gathered` on an lm_head no module hook gathers: one gather per forward, one more in the backward of the
-  routes that read the weight there (4-GEMM, lean), none in the 3-GEMM route's; gradients as on the whole weight.
+  routes that read the weight there (4-GEMM, lean), none in the 3-GEMM route's, also on a rank that keeps no row;
+  gradients as on the whole weight.
 """
 
 import json
@@ -97,8 +98,9 @@ def test_partitioned_head_is_gathered_once_per_pass(ranks):
     a, b = _read(root, "partitioned", 0), _read(root, "partitioned", 1)
     assert a["partitioned_after"] and b["partitioned_after"], "the head was left gathered"
     for route in ("three_gemm", "four_gemm", "lean"):
-        for out in (a, b):
-            assert out[route]["error"] == 0.0 and out[route]["loss"] == 0.0, route
-        assert a[route]["forward"] == b[route]["forward"] == ["all_gather_into_tensor"] * 2, route  # weight, bias
-        backward = [] if route == "three_gemm" else a[route]["forward"]
-        assert a[route]["backward"] == b[route]["backward"] == backward, route
+        for case in (route, f"{route}/masked"):  # masked: no row kept on rank 0
+            for out in (a, b):
+                assert out[case]["error"] == 0.0 and out[case]["loss"] == 0.0, case
+            assert a[case]["forward"] == b[case]["forward"] == ["all_gather_into_tensor"] * 2, case  # weight, bias
+            backward = [] if route == "three_gemm" else a[case]["forward"]
+            assert a[case]["backward"] == b[case]["backward"] == backward, case

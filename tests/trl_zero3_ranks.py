@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import itertools
 import json
 import os
 import sys
@@ -183,7 +184,8 @@ def collectives(trainer, root: str, rank: int) -> None:
 
 def partitioned_head(root: str, rank: int) -> None:
     """`zero3.gathered` alone, on an lm_head that ZeRO-3 holds partitioned and no module hook gathers: each route
-    on rank-dependent rows, its collectives and its gradients against the gathered weight's."""
+    on rank-dependent rows (and with no row kept on rank 0), its collectives and its gradients against the
+    gathered weight's."""
     global recorded
     import deepspeed
 
@@ -201,18 +203,23 @@ def partitioned_head(root: str, rank: int) -> None:
     hidden = torch.randn(1, rows, 32, generator=g, dtype=torch.float32).requires_grad_()
     targets, advantages = torch.randint(0, 14, (1, rows), generator=g), torch.randn(1, generator=g)
     out = {}
-    for route, options in ROUTES.items():
+    for (route, options), masked in itertools.product(ROUTES.items(), (False, True)):
+        mask = torch.full((1, rows), not (masked and rank == 0))  # "masked": no row kept on rank 0
         recorded = []
         with zero3.gathered(head.weight, head.bias):
-            loss = fused_linear_grpo_loss(hidden, head.weight, targets, advantages, bias=head.bias, **options).loss
+            loss = fused_linear_grpo_loss(
+                hidden, head.weight, targets, advantages, mask=mask, bias=head.bias, **options
+            )
         forward, recorded = recorded, []
-        grads = torch.autograd.grad(loss, (hidden, head.weight, head.bias))
+        grads = torch.autograd.grad(loss.loss, (hidden, head.weight, head.bias))
         backward, recorded = recorded, None
         weight, bias = (x.clone().requires_grad_() for x in whole)
-        loss_ref = fused_linear_grpo_loss(hidden, weight, targets, advantages, bias=bias, **options).loss
-        expected = torch.autograd.grad(loss_ref, (hidden, weight, bias))
+        loss_ref = fused_linear_grpo_loss(hidden, weight, targets, advantages, mask=mask, bias=bias, **options)
+        expected = torch.autograd.grad(loss_ref.loss, (hidden, weight, bias))
         error = max((a - b).abs().max().item() for a, b in zip(grads, expected, strict=True))
-        out[route] = {"forward": forward, "backward": backward, "error": error, "loss": loss.item() - loss_ref.item()}
+        out[f"{route}/masked" if masked else route] = {
+            "forward": forward, "backward": backward, "error": error, "loss": (loss.loss - loss_ref.loss).item()
+        }  # fmt: skip
     out["partitioned_after"] = head.weight.data.numel() == 0
     with open(os.path.join(root, f"partitioned_{rank}.json"), "w") as f:
         json.dump(out, f)
