@@ -8,7 +8,7 @@ tests/trl_zero3_ranks.py once; the tests read what each rank wrote.
   head, inside the DeepSpeed engine's forward, and finish (a hang fails the launch's timeout).
 - `zero3.gathered` on an lm_head no module hook gathers: one gather per forward, one more in the backward of the
   routes that read the weight there (4-GEMM, lean), none in the 3-GEMM route's, also on a rank that keeps no row;
-  gradients as on the whole weight.
+  gradients as on the whole weight; a head another owner holds gathered is neither gathered nor released.
 """
 
 import json
@@ -97,6 +97,7 @@ def test_partitioned_head_is_gathered_once_per_pass(ranks):
     root, _ = ranks
     a, b = _read(root, "partitioned", 0), _read(root, "partitioned", 1)
     assert a["partitioned_after"] and b["partitioned_after"], "the head was left gathered"
+    assert a["held"] == b["held"] == {"calls": [], "still_gathered": True}  # gathered already: left as it was
     for route in ("three_gemm", "four_gemm", "lean"):
         for case in (route, f"{route}/masked"):  # masked: no row kept on rank 0
             for out in (a, b):

@@ -221,6 +221,13 @@ def partitioned_head(root: str, rank: int) -> None:
             "forward": forward, "backward": backward, "error": error, "loss": (loss.loss - loss_ref.loss).item()
         }  # fmt: skip
     out["partitioned_after"] = head.weight.data.numel() == 0
+    with deepspeed.zero.GatheredParameters([head.weight, head.bias]):  # held gathered by another owner (as
+        recorded = []  # embed_tokens holds a tied head): neither gathered again nor partitioned by the fused pass
+        with zero3.gathered(head.weight, head.bias):
+            loss = fused_linear_grpo_loss(hidden, head.weight, targets, advantages, bias=head.bias, **ROUTES["lean"])
+        still_gathered = head.weight.data.numel() > 0
+        torch.autograd.grad(loss.loss, (hidden, head.weight, head.bias))
+        out["held"], recorded = {"calls": recorded, "still_gathered": still_gathered}, None
     with open(os.path.join(root, f"partitioned_{rank}.json"), "w") as f:
         json.dump(out, f)
 
