@@ -24,7 +24,6 @@ cannot reproduce raises a ValueError naming it when the trainer is built (`check
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import types
@@ -42,9 +41,9 @@ except ImportError as error:  # pragma: no cover - exercised only without TRL
 
 from grpo_kernels.api import fused_linear_grpo_loss, fused_linear_token_logprobs
 from grpo_kernels.integrations import hf, zero3
+from grpo_kernels.integrations.trl_precision import GRPOConfig, head_operands, head_precision
 from grpo_kernels.losses.loss import GRPOLossOutput
 from grpo_kernels.options import CLIP_LOSS_TYPES, LossOptions
-from grpo_kernels.vocab.head_precision import HEAD_PRECISIONS, check_head_precision
 
 __all__ = ["GRPOConfig", "GRPOTrainer", "check_supported", "head_precision", "patch"]
 
@@ -93,7 +92,7 @@ class _FusedHead:
         def head(last_hidden: Tensor, lm: LMHead, aux_loss: Tensor | None):
             hidden = last_hidden[:, -num_completion - 1 : -1]  # [B, T, H]: position p predicts token p + 1
             transform = dict(logit_scale=lm.logit_scale, final_logit_softcapping=lm.final_logit_softcapping)
-            with _head_precision(self, hidden, lm) as (hidden, weight, bias, precision):
+            with head_operands(self, hidden, lm.weight, lm.bias) as (hidden, weight, bias, precision):
                 out = fused_linear_grpo_loss(
                     hidden,
                     weight,
@@ -140,7 +139,7 @@ class _FusedHead:
 
             def head(last_hidden: Tensor, lm: LMHead, aux_loss: Tensor | None, ids=ids, attention=attention):
                 hidden = last_hidden[:, -logits_to_keep - 1 : -1]  # [b, T, H]
-                with _head_precision(self, hidden, lm) as (hidden, weight, bias, precision):
+                with head_operands(self, hidden, lm.weight, lm.bias) as (hidden, weight, bias, precision):
                     result = fused_linear_token_logprobs(
                         hidden,
                         weight,
@@ -223,21 +222,6 @@ class _FusedHead:
             if self.loss_type in CLIP_LOSS_TYPES and name in metrics:
                 local = metrics[name].float().reshape(1)  # [1]
                 self._metrics[mode][name].append(extreme(self.accelerator.gather(local)).item())
-
-
-@dataclasses.dataclass
-class GRPOConfig(trl.GRPOConfig):
-    """`trl.GRPOConfig` with the fused head's `head_precision` (a plain trl.GRPOConfig runs "auto", or "fp32"
-    under `cast_lm_head_to_fp32`)."""
-
-    head_precision: str = dataclasses.field(
-        default="auto",
-        metadata={
-            "help": "Precision of the fused lm_head's logits GEMM: 'auto' (the lm_head's dtype), 'bf16', 'tf32' or "
-            "'fp32' (float32 logits; the gradient GEMMs stay in the lm_head's dtype).",
-            "choices": list(HEAD_PRECISIONS),
-        },
-    )
 
 
 class GRPOTrainer(_FusedHead, trl.GRPOTrainer):
@@ -356,34 +340,6 @@ def _check_text_only(fields: dict) -> None:
     present = sorted(key for key in MULTIMODAL_KEYS if fields.get(key) is not None)
     if present:
         raise ValueError(f"vision inputs ({', '.join(present)}) are not supported by grpo_kernels.integrations.trl")
-
-
-def head_precision(args: trl.GRPOConfig) -> str:
-    """The fused head's `head_precision` for a config: `GRPOConfig.head_precision`, with TRL's
-    `cast_lm_head_to_fp32=True` read as "fp32" (a head_precision other than "auto" or "fp32" beside it raises)."""
-    precision = getattr(args, "head_precision", "auto")
-    check_head_precision(precision)
-    if not args.cast_lm_head_to_fp32:
-        return precision
-    if precision not in ("auto", "fp32"):
-        raise ValueError(f"cast_lm_head_to_fp32=True asks for a float32 head, head_precision={precision!r} another")
-    return "fp32"
-
-
-@contextlib.contextmanager
-def _head_precision(trainer: trl.GRPOTrainer, hidden: Tensor, lm: LMHead):
-    """(hidden, weight, bias, head_precision) for the fused pass, autocast off inside it. With head_precision
-    "auto" the operands are in the dtype TRL's head computes in (autocast's dtype when autocast is on, else the
-    lm_head's); otherwise in the lm_head's dtype, and the fused head upcasts (or casts) them for the logits GEMM."""
-    device = lm.weight.device.type
-    precision = head_precision(trainer.args)
-    if precision == "auto" and torch.is_autocast_enabled(device):
-        dtype = torch.get_autocast_dtype(device)
-    else:
-        dtype = lm.weight.dtype
-    cast = lambda x: None if x is None else x.to(dtype)  # noqa: E731  differentiable: grads reach the parameters
-    with torch.autocast(device, enabled=False):
-        yield cast(hidden.to(lm.weight.device)), cast(lm.weight), cast(lm.bias), precision
 
 
 def _install(trainer: trl.GRPOTrainer) -> None:
