@@ -38,6 +38,7 @@ from grpo_kernels.vocab.fused_linear import (
     fused_linear_token_loss,
 )
 from grpo_kernels.vocab.fused_linear_lean import resolve_memory
+from grpo_kernels.vocab.head_precision import check_head_precision
 
 LossResult = GRPOLossOutput | tuple[GRPOLossOutput, Tensor]
 
@@ -141,6 +142,7 @@ def fused_linear_token_logprobs(
     check_finite: bool = True,
     process_group: torch.distributed.ProcessGroup | None = None,
     vocab_start: int | None = None,
+    head_precision: str = "auto",
 ) -> Tensor | tuple[Tensor, Tensor] | dict[str, Tensor]:
     """`token_logprobs(hidden @ weight.T + bias, targets)` without the `[N, V]` logits: chunks of rows go
     through the lm_head GEMM and the vocabulary pass one at a time. hidden `[B, T, H]` or `[N, H]`, weight
@@ -157,7 +159,9 @@ def fused_linear_token_logprobs(
     would not fit in half the free memory, or `tile` is given, else "fast" (`fused_linear_lean.resolve_memory`).
     `process_group` / `vocab_start` as in `token_logprobs`, weight `[V_r, H]` (bias `[V_r]`) being this rank's rows
     of the lm_head: dW of the shard, dH summed over the group; 16·R + (4·(3 + with_entropy) + H·itemsize)·M bytes
-    per forward + backward, M the kept tokens."""
+    per forward + backward, M the kept tokens. `head_precision` ("auto": the weight's dtype, "bf16", "tf32",
+    "fp32") is the logits GEMM's precision; the gradient GEMMs stay in the weight's dtype (docs/head_precision.md)."""
+    check_head_precision(head_precision)
     checks.check_temperature(temperature)
     checks.check_logit_transform(logit_scale, final_logit_softcapping)
     checks.check_tensor("hidden", hidden)
@@ -189,6 +193,7 @@ def fused_linear_token_logprobs(
         row_check(check_finite, LINEAR_ROWS, squeeze, kept),
         memory=memory,
         tile=tile,
+        head_precision=head_precision,
     )
     if stats:
         out = fused_linear_logprobs_with_stats(
@@ -323,6 +328,7 @@ def fused_linear_grpo_loss(
     process_group: torch.distributed.ProcessGroup | None = None,
     vocab_start: int | None = None,
     sequence_group: torch.distributed.ProcessGroup | None = None,
+    head_precision: str = "auto",
     options: LossOptions | None = None,
     **loss_options,
 ) -> LossResult:
@@ -337,8 +343,9 @@ def fused_linear_grpo_loss(
     `check_finite` as in `grpo_loss` (a non-finite row names hidden, weight and bias); the gathering of the kept
     rows as in `fused_linear_token_logprobs`. `process_group` / `vocab_start` (weight `[V_r, H]`: this rank's rows
     of the lm_head) as in `fused_linear_token_logprobs`, `sequence_group` as in `grpo_loss`; either runs the
-    4-GEMM route.
+    4-GEMM route. `head_precision` as in `fused_linear_token_logprobs`.
     """
+    check_head_precision(head_precision)
     options = resolve_options(options, loss_options)
     checks.check_tensor("hidden", hidden)
     backend = resolve_backend(backend, hidden.device)
@@ -368,6 +375,7 @@ def fused_linear_grpo_loss(
         finite=row_check(check_finite, LINEAR_ROWS, inputs.layout is not None, kept, loss=True),
         memory=memory,
         tile=tile,
+        head_precision=head_precision,
     )
     hidden_rows, target_rows = take(rows, kept, row_mask), take(inputs.targets, kept, row_mask)  # [M, H], [M]
     fast = memory == "fast" and not return_sequence_losses

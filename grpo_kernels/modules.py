@@ -16,7 +16,7 @@ class GRPOLoss(nn.Module):
 
     Keyword arguments of the constructor are `LossOptions` fields (or one `options=`: a LossOptions or a paper
     preset) plus `backend`, `with_entropy`, `check_finite`, `inplace` (logits form) and `chunk_size`, `memory`,
-    `tile` (fused form: see `fused_linear_token_logprobs`);
+    `tile`, `head_precision` (fused form: see `fused_linear_token_logprobs`);
     those of the call are the per-batch tensors (`is_ratio`, `token_weights`, `sequence_weights`, `bias`,
     `cu_seqlens`, ...) and the process groups of a sharded vocabulary or split sequences (`process_group`,
     `vocab_start`, `sequence_group`).
@@ -31,6 +31,7 @@ class GRPOLoss(nn.Module):
         chunk_size: int | None = None,
         memory: str = "auto",
         tile: tuple[int, int] | None = None,
+        head_precision: str = "auto",
         check_finite: bool = True,
         options: LossOptions | None = None,
         **loss_options,
@@ -39,7 +40,7 @@ class GRPOLoss(nn.Module):
         self.options = resolve_options(options, loss_options)
         self.backend, self.inplace, self.with_entropy, self.chunk_size = backend, inplace, with_entropy, chunk_size
         self.check_finite = check_finite
-        self.memory, self.tile = memory, tile
+        self.memory, self.tile, self.head_precision = memory, tile, head_precision
 
     def forward(self, hidden_or_logits: Tensor, *args: Tensor | None, **tensors: Tensor | bool | None) -> LossResult:
         common = dict(
@@ -47,6 +48,7 @@ class GRPOLoss(nn.Module):
         )
         if args and isinstance(args[0], Tensor) and args[0].is_floating_point() and args[0].dim() == 2:
             fused = dict(chunk_size=self.chunk_size, memory=self.memory, tile=self.tile)
+            fused["head_precision"] = self.head_precision
             return fused_linear_grpo_loss(hidden_or_logits, *args, **fused, **common, **tensors)
         return grpo_loss(hidden_or_logits, *args, inplace=self.inplace, **common, **tensors)
 

@@ -20,6 +20,7 @@ datasets = pytest.importorskip("datasets")
 
 from grpo_kernels.integrations import trl as drop_in  # noqa: E402
 from grpo_kernels.trainer.model import build_tokenizer  # noqa: E402
+from grpo_kernels.vocab import fused_linear  # noqa: E402
 from tests.conftest import assert_close  # noqa: E402
 
 P, T = 3, 6  # prompt and completion lengths of the hand-built batches
@@ -428,9 +429,10 @@ def test_unsupported_options_raise(model_path, tokenizer):
         step(ours, inputs)
 
 
-def test_fsdp2_dtensor_lm_head(model_path, tokenizer, tmp_path):
-    """An lm_head held as a DTensor (FSDP2's sharded parameters) is gathered with full_tensor, as TRL does, and
-    its gradient comes back as a DTensor: a 1-rank gloo group on CPU."""
+def test_fsdp2_dtensor_lm_head(model_path, tokenizer, tmp_path, monkeypatch, launches):
+    """An lm_head held as a DTensor (FSDP2's sharded parameters) is gathered with full_tensor, as TRL does, once per
+    fused pass whatever its number of chunks, and its gradient comes back as a DTensor: a 1-rank gloo group on
+    CPU."""
     dist = pytest.importorskip("torch.distributed")
     if not dist.is_available() or dist.is_initialized():
         pytest.skip("needs torch.distributed and no process group yet")
@@ -446,7 +448,14 @@ def test_fsdp2_dtensor_lm_head(model_path, tokenizer, tmp_path):
             head.weight = torch.nn.Parameter(distribute_tensor(head.weight.detach(), mesh, [Shard(0)]))
         inputs = make_inputs(stock)
         loss_a, grads_a, _ = step(stock, inputs)
+        gathers = []
+        full_tensor = DTensor.full_tensor
+        monkeypatch.setattr(DTensor, "full_tensor", lambda self: gathers.append(1) or full_tensor(self))
+        monkeypatch.setattr(fused_linear, "CPU_CHUNK_ROWS", 2)  # several chunks of rows
+        launches.clear()
         loss_b, grads_b, _ = step(ours, inputs)
+        assert len(gathers) == 1 and launches["torch"] > 2  # one pass (the loss), one gather, several chunks
+        monkeypatch.undo()
         assert isinstance(grads_b["lm_head.weight"], DTensor)
         assert_close(loss_b, loss_a, torch.float32, "loss")
         for name in grads_a:

@@ -4,6 +4,8 @@
     trainer = GRPOTrainer(model, reward_funcs, args=GRPOConfig(...), ...)   # TRL's constructor and config
 
 or `patch(trainer)` for a trainer already built (a `trl.GRPOTrainer` or a subclass that keeps TRL's loss).
+`GRPOConfig` here is TRL's with the fused head's `head_precision` ("auto", "bf16", "tf32", "fp32"); TRL's
+`cast_lm_head_to_fp32=True` is read as "fp32".
 
 What changes: the training loss is `fused_linear_grpo_loss` on the policy's final hidden states and lm_head weight
 (token-level losses form every gradient in the forward: 3 GEMMs per chunk of tokens, no [B, T, V] logits), and the
@@ -14,13 +16,14 @@ cross-process reductions. Under `top_entropy_quantile < 1` TRL's own loss algebr
 that the entropy quantile is taken over every process's tokens, as TRL takes it.
 
 Both passes run inside the model's forward (`model(..., grpo_kernels_head=head)`, added to the policy and the
-reference model), so DDP, FSDP and PEFT wrappers see an ordinary forward. An option the drop-in cannot reproduce
-raises a ValueError naming it when the trainer is built (`check_supported`).
+reference model), so DDP, FSDP, DeepSpeed and PEFT wrappers see an ordinary forward. The lm_head is gathered there
+once per pass: FSDP2's DTensor with one `full_tensor()`, DeepSpeed ZeRO-3's partitioned parameter by
+`zero3.gathered` (and once more in a backward that reads it), never per chunk of rows. An option the drop-in
+cannot reproduce raises a ValueError naming it when the trainer is built (`check_supported`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import types
@@ -37,11 +40,12 @@ except ImportError as error:  # pragma: no cover - exercised only without TRL
     raise ImportError("grpo_kernels.integrations.trl needs TRL >= 1.16: pip install 'grpo-kernels[trl]'") from error
 
 from grpo_kernels.api import fused_linear_grpo_loss, fused_linear_token_logprobs
-from grpo_kernels.integrations import hf
+from grpo_kernels.integrations import hf, zero3
+from grpo_kernels.integrations.trl_precision import GRPOConfig, head_operands, head_precision
 from grpo_kernels.losses.loss import GRPOLossOutput
 from grpo_kernels.options import CLIP_LOSS_TYPES, LossOptions
 
-__all__ = ["GRPOTrainer", "check_supported", "patch"]
+__all__ = ["GRPOConfig", "GRPOTrainer", "check_supported", "head_precision", "patch"]
 
 HEAD_KWARG = "grpo_kernels_head"  # the forward keyword that runs a fused head instead of the lm_head
 ITEM_MEAN_TYPES = ("dapo", "cispo", "vespo")  # normalised by num_items_in_batch, which TRL rescales itself
@@ -88,7 +92,7 @@ class _FusedHead:
         def head(last_hidden: Tensor, lm: LMHead, aux_loss: Tensor | None):
             hidden = last_hidden[:, -num_completion - 1 : -1]  # [B, T, H]: position p predicts token p + 1
             transform = dict(logit_scale=lm.logit_scale, final_logit_softcapping=lm.final_logit_softcapping)
-            with _head_precision(self, hidden, lm) as (hidden, weight, bias):
+            with head_operands(self, hidden, lm.weight, lm.bias) as (hidden, weight, bias, precision):
                 out = fused_linear_grpo_loss(
                     hidden,
                     weight,
@@ -96,6 +100,7 @@ class _FusedHead:
                     mask=mask,
                     bias=bias,
                     with_entropy=True,
+                    head_precision=precision,
                     options=dataclasses.replace(options, **transform),
                     **tensors,
                 )
@@ -134,12 +139,13 @@ class _FusedHead:
 
             def head(last_hidden: Tensor, lm: LMHead, aux_loss: Tensor | None, ids=ids, attention=attention):
                 hidden = last_hidden[:, -logits_to_keep - 1 : -1]  # [b, T, H]
-                with _head_precision(self, hidden, lm) as (hidden, weight, bias):
+                with head_operands(self, hidden, lm.weight, lm.bias) as (hidden, weight, bias, precision):
                     result = fused_linear_token_logprobs(
                         hidden,
                         weight,
                         ids[:, -logits_to_keep:],
                         bias=bias,
+                        head_precision=precision,
                         temperature=self.temperature,
                         with_entropy=compute_entropy,
                         mask=attention[:, -logits_to_keep:].bool(),
@@ -259,13 +265,7 @@ def check_supported(trainer: trl.GRPOTrainer) -> None:
         )
     if getattr(model, "active_peft_config", None) is not None and model.active_peft_config.is_prompt_learning:
         raise ValueError("PEFT prompt learning (virtual tokens) is not supported by grpo_kernels.integrations.trl")
-    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
-
-    if is_deepspeed_zero3_enabled():
-        raise ValueError(
-            "DeepSpeed ZeRO-3 is not supported by grpo_kernels.integrations.trl: the fused lm_head reads "
-            "lm_head.weight outside the module's gather hooks; use FSDP2 (DTensor heads are gathered) or ZeRO-2"
-        )
+    head_precision(args)
     if args.loss_type == "vespo" and args.importance_sampling_level == "sequence":
         if args.beta != 0.0 and args.use_bias_correction_kl:
             raise ValueError(
@@ -342,22 +342,6 @@ def _check_text_only(fields: dict) -> None:
         raise ValueError(f"vision inputs ({', '.join(present)}) are not supported by grpo_kernels.integrations.trl")
 
 
-@contextlib.contextmanager
-def _head_precision(trainer: trl.GRPOTrainer, hidden: Tensor, lm: LMHead):
-    """(hidden, weight, bias) in the dtype TRL's head computes in, with autocast off inside the fused pass: float32
-    under `cast_lm_head_to_fp32`, else autocast's dtype when autocast is on, else the lm_head's dtype."""
-    device = lm.weight.device.type
-    if trainer.args.cast_lm_head_to_fp32:
-        dtype = torch.float32
-    elif torch.is_autocast_enabled(device):
-        dtype = torch.get_autocast_dtype(device)
-    else:
-        dtype = lm.weight.dtype
-    cast = lambda x: None if x is None else x.to(dtype)  # noqa: E731  differentiable: grads reach the parameters
-    with torch.autocast(device, enabled=False):
-        yield cast(hidden.to(lm.weight.device)), cast(lm.weight), cast(lm.bias)
-
-
 def _install(trainer: trl.GRPOTrainer) -> None:
     """Check the options, then give the policy and the reference model the fused-head forward."""
     check_supported(trainer)
@@ -395,7 +379,9 @@ def _install_forward(model: nn.Module) -> None:
         aux_loss = None
         if kwargs.get("output_router_logits"):
             aux_loss = _router_aux_loss(self, outputs.router_logits, kwargs.get("attention_mask"))
-        return head(outputs.last_hidden_state, _lm_head(self), aux_loss)
+        lm = _lm_head(self)
+        with zero3.gathered(lm.weight, lm.bias):  # ZeRO-3: whole for this pass (and once in its backward)
+            return head(outputs.last_hidden_state, lm, aux_loss)
 
     forward._grpo_kernels_head = True
     model.forward = types.MethodType(forward, model)

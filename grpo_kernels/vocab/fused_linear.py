@@ -9,6 +9,8 @@ input dtype (tensor cores) with float32 accumulation (`gemm_mode`). Two Function
 - `_FusedLinearTokenLossFunction`: for token-level losses the per-token dL/dlogp is known as soon as a chunk's
   log-probs are, so the gradients are formed in the forward from the logits still in memory and the backward only
   scales them: 3 GEMMs, the floor.
+`FusedLinearOptions.head_precision` sets the logits GEMM's dtype (`head_precision.py`); the gradient GEMMs stay in
+the weight's.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 from torch import Tensor
 
 from grpo_kernels import checks
-from grpo_kernels.vocab import backends
+from grpo_kernels.vocab import backends, head_precision
 from grpo_kernels.vocab.function import backend_kernels, checked_rows, nonfinite_rows, poisoned, transform_kwargs
 
 # CPU: each chunk's GEMMs stream all of W (and dW) once, so a chunk needs a few hundred rows to keep them
@@ -48,6 +50,7 @@ class FusedLinearOptions:
     finite: checks.RowCheck | None = LINEAR_ROWS  # the check of each row's lse / logp; None: check_finite=False
     memory: str = "fast"  # "fast": row chunks, 3 or 4 GEMMs; "lean": 2-D tiles at the memory floor (fused_linear_lean)
     tile: tuple[int, int] | None = None  # lean: (rows, vocab) per tile; None: from the budget and the dtypes
+    head_precision: str = "auto"  # the logits GEMM's precision (vocab/head_precision.py)
 
     def transform(self) -> dict:
         """The backends' keyword arguments for the logit transform."""
@@ -136,13 +139,11 @@ def _cat(parts: list[Tensor], like: Tensor, dtype: torch.dtype = torch.float32) 
     return torch.cat(parts) if parts else torch.empty(0, dtype=dtype, device=like.device)
 
 
-def _logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, buffer: Tensor) -> Tensor:
-    """The chunk's logits [1, c, V] for its hidden rows [c, H], written into `buffer` [≥c, V]: one buffer serves
-    every chunk (a fresh allocation per chunk pays its page faults again on CPU each time)."""
-    out = buffer[: hidden.shape[0]]
-    if bias is None:
-        return torch.mm(hidden, weight.T, out=out)[None]
-    return torch.addmm(bias, hidden, weight.T, out=out)[None]
+def _logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, buffer: Tensor, precision: str) -> Tensor:
+    """The chunk's logits [1, c, V] for its hidden rows [c, H], written into `buffer` [≥c, V] (weight and bias in
+    its dtype, `head_precision.operands`): one buffer serves every chunk (a fresh allocation per chunk pays its page
+    faults again on CPU each time)."""
+    return head_precision.logits_gemm(hidden, weight, bias, buffer[: hidden.shape[0]], precision)[None]
 
 
 class _GradientSink:
@@ -157,7 +158,9 @@ class _GradientSink:
         self.bias = torch.zeros(bias.shape, dtype=acc, device=bias.device) if needs[2] else None  # [V]
 
     def add(self, rows: slice, grad_logits: Tensor, hidden: Tensor, weight: Tensor) -> None:
-        """grad_logits [c, V] of the rows' logits; hidden [c, H] the rows' inputs."""
+        """grad_logits [c, V] of the rows' logits (cast to the weight's dtype: the gradient GEMMs run in it);
+        hidden [c, H] the rows' inputs."""
+        grad_logits = head_precision.cast(grad_logits, weight.dtype)
         if self.hidden is not None:
             torch.mm(grad_logits, weight, out=self.hidden[rows])
         if self.weight is not None:
@@ -193,14 +196,15 @@ class _FusedLinearLogprobsFunction(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, targets, row_mask, opts: FusedLinearOptions):
         kernels = backend_kernels(opts.backend)
         M, V = targets.shape[0], weight.shape[0]
-        rows = chunk_rows(M, V, weight.shape[1], hidden.device, opts.chunk_size, weight.dtype)
+        w, b = head_precision.operands(weight, bias, opts.head_precision)
+        rows = chunk_rows(M, V, weight.shape[1], hidden.device, opts.chunk_size, w.dtype)
         masks = _row_masks(rows, row_mask, hidden.device)
-        buffer = weight.new_empty(rows, weight.shape[0])  # [rows, V]
+        buffer = w.new_empty(rows, V)  # [rows, V]
         logps, lses, entropies = [], [], []
         stats = {name: [] for name in opts.stats}
         for r in _chunks(M, rows):
             backends.launches[opts.backend] += 1
-            z = _logits(hidden[r], weight, bias, buffer)  # [1, c, V]
+            z = _logits(hidden[r], w, b, buffer, opts.head_precision)  # [1, c, V]
             logp, lse, entropy, chunk_stats = kernels.token_logprobs_fwd(
                 z,
                 targets[None, r],
@@ -235,10 +239,11 @@ class _FusedLinearLogprobsFunction(torch.autograd.Function):
             grad_entropy = None
         sink = _GradientSink(hidden, weight, bias, ctx.needs_input_grad[:3])
         masks = _row_masks(rows, row_mask, hidden.device)
-        buffer = weight.new_empty(rows, weight.shape[0])  # [rows, V]
+        w, b = head_precision.operands(weight, bias, opts.head_precision)
+        buffer = w.new_empty(rows, weight.shape[0])  # [rows, V]
         for r in _chunks(targets.shape[0], rows):
             backends.launches[opts.backend] += 1
-            z = _logits(hidden[r], weight, bias, buffer)  # [1, c, V], overwritten by its gradient
+            z = _logits(hidden[r], w, b, buffer, opts.head_precision)  # [1, c, V], overwritten by its gradient
             kernels.token_logprobs_bwd(
                 z,
                 targets[None, r],
@@ -267,17 +272,18 @@ class _FusedLinearTokenLossFunction(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, targets, row_mask, opts: FusedLinearOptions, chunk_loss: ChunkLoss):
         kernels = backend_kernels(opts.backend)
         M, V = targets.shape[0], weight.shape[0]
-        rows = chunk_rows(M, V, weight.shape[1], hidden.device, opts.chunk_size, weight.dtype)
+        w, b = head_precision.operands(weight, bias, opts.head_precision)
+        rows = chunk_rows(M, V, weight.shape[1], hidden.device, opts.chunk_size, w.dtype)
         masks = _row_masks(rows, row_mask, hidden.device)
         sink = _GradientSink(hidden, weight, bias, ctx.needs_input_grad[:3])
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         bad = torch.zeros((), dtype=torch.bool, device=hidden.device)  # a row with a non-finite dL/dlogits
         logps, lses, entropies = [], [], []
-        buffer = weight.new_empty(rows, weight.shape[0])  # [rows, V]
+        buffer = w.new_empty(rows, V)  # [rows, V]
         backends.launches["fused_linear_token_loss"] += 1
         for r in _chunks(M, rows):
             backends.launches[opts.backend] += 2
-            z = _logits(hidden[r], weight, bias, buffer)  # [1, c, V]
+            z = _logits(hidden[r], w, b, buffer, opts.head_precision)  # [1, c, V]
             mask = masks(r)  # [1, c]
             logp, lse, entropy, _ = kernels.token_logprobs_fwd(
                 z, targets[None, r], mask, opts.temperature, opts.with_entropy, **opts.transform()

@@ -6,6 +6,7 @@ vocabulary tile, each row tile's logits are computed again (the 4th GEMM), overw
 (accumulated in float32 over the vocabulary tiles) and that tile's dW, written once, in the weight's dtype: with one
 row tile, one GEMM over all rows straight into dW; with several, summed in a [vocab, H] float32 tile for bf16/fp16
 weights. No [V, H] float32 buffer exists, so the extra memory is dW + dH (+ dH in float32 for bf16/fp16) + one tile.
+A `head_precision` other than the weight's dtype casts each tile's slice of the weight for its logits GEMM.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import os
 import torch
 from torch import Tensor
 
-from grpo_kernels.vocab import backends
+from grpo_kernels.vocab import backends, head_precision
 from grpo_kernels.vocab.function import backend_kernels, checked_rows
 from grpo_kernels.vocab.fused_linear import accumulate, chunk_rows, gemm_mode
 
@@ -86,12 +87,12 @@ def _tiles(n: int, step: int):
         yield slice(start, min(start + step, n))
 
 
-def _tile_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, buffer: Tensor) -> Tensor:
-    """hidden [c, H] @ weight[v].T (+ bias[v]) as a contiguous [c, w] view of `buffer` (one buffer for every tile)."""
+def _tile_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, buffer: Tensor, precision: str) -> Tensor:
+    """hidden [c, H] @ weight[v].T (+ bias[v]) as a contiguous [c, w] view of `buffer` (one buffer for every tile),
+    in the buffer's dtype: `precision`'s (`head_precision`), the tile of the weight cast to it here."""
     out = buffer[: hidden.shape[0] * weight.shape[0]].view(hidden.shape[0], weight.shape[0])
-    if bias is None:
-        return torch.mm(hidden, weight.T, out=out)
-    return torch.addmm(bias, hidden, weight.T, out=out)
+    weight, bias = head_precision.operands(weight, bias, precision)
+    return head_precision.logits_gemm(hidden, weight, bias, out, precision)
 
 
 def _tile_pass(backend: str):
@@ -127,13 +128,16 @@ class _LeanLinearLogprobsFunction(torch.autograd.Function):
         tiles = _tile_pass(opts.backend)
         M, (V, H) = targets.shape[0], weight.shape
         rows, vocab = tile_shape(M, V, H, weight.dtype, hidden.device, opts.tile)
-        buffer = weight.new_empty(rows * vocab)
+        dtype = head_precision.logits_dtype(opts.head_precision, weight.dtype)
+        buffer = weight.new_empty(rows * vocab, dtype=dtype)
         logps, lses, entropies, stats = [], [], [], {name: [] for name in opts.stats}
         for r in _tiles(M, rows):
-            running = tiles.TileStats(targets[r], None if row_mask is None else row_mask[r], weight.dtype, opts)
+            running = tiles.TileStats(targets[r], None if row_mask is None else row_mask[r], dtype, opts)
+            h_r = head_precision.cast(hidden[r], dtype)
             for v in _tiles(V, vocab):
                 backends.launches[opts.backend] += 1
-                running.add(_tile_logits(hidden[r], weight[v], None if bias is None else bias[v], buffer), v.start)
+                z = _tile_logits(h_r, weight[v], None if bias is None else bias[v], buffer, opts.head_precision)
+                running.add(z, v.start)
             logp, lse, entropy, tile_stats = running.finish(V)
             logps.append(logp)
             lses.append(lse)
@@ -170,18 +174,22 @@ class _LeanLinearLogprobsFunction(torch.autograd.Function):
         w_acc = None  # [vocab, H] float32: a low-precision dW tile summed over several row tiles
         if needs_w and M > rows and weight.dtype != acc_dtype:
             w_acc = torch.empty(vocab, H, dtype=acc_dtype, device=weight.device)
-        buffer = weight.new_empty(rows * vocab)
+        buffer = weight.new_empty(rows * vocab, dtype=head_precision.logits_dtype(opts.head_precision, weight.dtype))
         scaled: dict[int, Tensor] = {}  # row tile -> its hidden rows times the row factor σ (`lean_torch.row_scale`)
         for v in _tiles(V, vocab):
             w_v, b_v = weight[v], None if bias is None else bias[v]
             for i, r in enumerate(_tiles(M, rows)):
                 backends.launches[opts.backend] += 1
-                g = _tile_logits(hidden[r], w_v, b_v, buffer)  # [c, w], overwritten by dL/dlogits (up to σ)
-                sigma = tiles.tile_grad_(
+                g = _tile_logits(hidden[r], w_v, b_v, buffer, opts.head_precision)  # [c, w], overwritten by
+                sigma = tiles.tile_grad_(  # dL/dlogits (up to σ)
                     g, v.start, targets[r], None if row_mask is None else row_mask[r], lse[r],
                     None if grad_entropy is None else entropy[r], grad_logp[r],
                     None if grad_entropy is None else grad_entropy[r], opts,
                 )  # fmt: skip
+                if g.dtype != weight.dtype:  # a head_precision's logits: the gradient GEMMs run in the weight's dtype
+                    if sigma is not None:
+                        g.mul_(sigma[:, None].to(g.dtype))
+                    g, sigma = g.to(weight.dtype), None
                 h_r = hidden[r]
                 if sigma is not None:  # σ depends on the row alone: one scaled copy per row tile ([M, H] in all)
                     if r.start not in scaled:

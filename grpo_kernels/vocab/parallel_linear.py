@@ -13,18 +13,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from grpo_kernels.vocab import backends
+from grpo_kernels.vocab import backends, head_precision
 from grpo_kernels.vocab.function import backend_kernels, checked_rows
 from grpo_kernels.vocab.fused_linear import FusedLinearOptions, accumulate, chunk_rows, gemm_mode
 from grpo_kernels.vocab.parallel import VocabShard, merge_stats, reduce_hidden_grad, remove_foreign_onehot
 
 
-def _chunk_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, buffer: Tensor) -> Tensor:
-    """The chunk's shard logits [1, c, V_r] of hidden rows [c, H], in `buffer` (one buffer serves every chunk)."""
-    out = buffer[: hidden.shape[0]]
-    if bias is None:
-        return torch.mm(hidden, weight.T, out=out)[None]
-    return torch.addmm(bias, hidden, weight.T, out=out)[None]
+def _chunk_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, buffer: Tensor, precision: str) -> Tensor:
+    """The chunk's shard logits [1, c, V_r] of hidden rows [c, H], in `buffer` (one buffer serves every chunk; weight
+    and bias in its dtype, `head_precision.operands`)."""
+    return head_precision.logits_gemm(hidden, weight, bias, buffer[: hidden.shape[0]], precision)[None]
 
 
 def _row_chunks(hidden: Tensor, weight: Tensor, opts: FusedLinearOptions):
@@ -43,12 +41,13 @@ class _ParallelFusedLinearFunction(torch.autograd.Function):
         mask = torch.ones(M, dtype=torch.bool, device=hidden.device) if row_mask is None else row_mask  # [M]
         local, owned = shard.local_targets(targets)  # [M] each
         rows, chunks = _row_chunks(hidden, weight, opts)
-        buffer = weight.new_empty(rows, weight.shape[0])  # [rows, V_r]
+        w, b = head_precision.operands(weight, bias, opts.head_precision)
+        buffer = w.new_empty(rows, weight.shape[0])  # [rows, V_r]
         logp_r, lse_r = hidden.new_zeros(M, dtype=torch.float32), hidden.new_zeros(M, dtype=torch.float32)
         entropy_r = hidden.new_zeros(M, dtype=torch.float32) if opts.with_entropy else None
         for r in chunks:
             backends.launches[opts.backend] += 1
-            z = _chunk_logits(hidden[r], weight, bias, buffer)  # [1, c, V_r]
+            z = _chunk_logits(hidden[r], w, b, buffer, opts.head_precision)  # [1, c, V_r]
             logp, lse, entropy, _ = kernels.token_logprobs_fwd(
                 z, local[None, r], mask[None, r], opts.temperature, opts.with_entropy, **opts.transform()
             )
@@ -79,11 +78,12 @@ class _ParallelFusedLinearFunction(torch.autograd.Function):
         grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if needs_weight else None
         grad_bias = torch.zeros(bias.shape, dtype=acc, device=bias.device) if needs_bias else None
         rows, chunks = _row_chunks(hidden, weight, opts)
-        buffer = weight.new_empty(rows, weight.shape[0])  # [rows, V_r]
+        w, b = head_precision.operands(weight, bias, opts.head_precision)
+        buffer = w.new_empty(rows, weight.shape[0])  # [rows, V_r]
         pick = lambda x, r: None if x is None else x[None, r]  # noqa: E731  [1, c]
         for r in chunks:
             backends.launches[opts.backend] += 1
-            z = _chunk_logits(hidden[r], weight, bias, buffer)  # [1, c, V_r], overwritten by its gradient
+            z = _chunk_logits(hidden[r], w, b, buffer, opts.head_precision)  # [1, c, V_r], overwritten by its gradient
             x0 = z[..., 0].clone()  # [1, c]
             kernels.token_logprobs_bwd(
                 z,
@@ -98,12 +98,13 @@ class _ParallelFusedLinearFunction(torch.autograd.Function):
                 **opts.transform(),
             )
             remove_foreign_onehot(z, x0, pick(owned | ~mask, r), pick(grad_logp, r), opts)
+            g = head_precision.cast(z[0], weight.dtype)  # [c, V_r]: the gradient GEMMs run in the weight's dtype
             if grad_hidden is not None:
-                torch.mm(z[0], weight, out=grad_hidden[r])
+                torch.mm(g, weight, out=grad_hidden[r])
             if grad_weight is not None:
-                accumulate(grad_weight, z[0].T, hidden[r], mode)
+                accumulate(grad_weight, g.T, hidden[r], mode)
             if grad_bias is not None:
-                grad_bias += z[0].sum(0, dtype=grad_bias.dtype)
+                grad_bias += g.sum(0, dtype=grad_bias.dtype)
         if grad_hidden is not None and ctx.reduce_hidden_grad:
             dist.all_reduce(grad_hidden, group=ctx.shard.group)
         cast = lambda g, like: None if g is None else g.to(like.dtype)  # noqa: E731

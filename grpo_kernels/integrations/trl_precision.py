@@ -1,0 +1,56 @@
+"""The TRL drop-in's head precision: `GRPOConfig.head_precision` (TRL's config plus the fused head's option), TRL's
+`cast_lm_head_to_fp32` read as head_precision="fp32", and the operands the fused passes take."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch
+import trl
+from torch import Tensor
+
+from grpo_kernels.vocab.head_precision import HEAD_PRECISIONS, check_head_precision
+
+
+@dataclasses.dataclass
+class GRPOConfig(trl.GRPOConfig):
+    """`trl.GRPOConfig` with the fused head's `head_precision` (a plain trl.GRPOConfig runs "auto", or "fp32"
+    under `cast_lm_head_to_fp32`)."""
+
+    head_precision: str = dataclasses.field(
+        default="auto",
+        metadata={
+            "help": "Precision of the fused lm_head's logits GEMM: 'auto' (the lm_head's dtype), 'bf16', 'tf32' or "
+            "'fp32' (float32 logits; the gradient GEMMs stay in the lm_head's dtype).",
+            "choices": list(HEAD_PRECISIONS),
+        },
+    )
+
+
+def head_precision(args: trl.GRPOConfig) -> str:
+    """The fused head's `head_precision` for a config: `GRPOConfig.head_precision`, with TRL's
+    `cast_lm_head_to_fp32=True` read as "fp32" (a head_precision other than "auto" or "fp32" beside it raises)."""
+    precision = getattr(args, "head_precision", "auto")
+    check_head_precision(precision)
+    if not args.cast_lm_head_to_fp32:
+        return precision
+    if precision not in ("auto", "fp32"):
+        raise ValueError(f"cast_lm_head_to_fp32=True asks for a float32 head, head_precision={precision!r} another")
+    return "fp32"
+
+
+@contextlib.contextmanager
+def head_operands(trainer: trl.GRPOTrainer, hidden: Tensor, weight: Tensor, bias: Tensor | None):
+    """(hidden, weight, bias, head_precision) for the fused pass, autocast off inside it. With head_precision
+    "auto" the operands are in the dtype TRL's head computes in (autocast's dtype when autocast is on, else the
+    lm_head's); otherwise in the lm_head's dtype, and the fused head upcasts (or casts) them for the logits GEMM."""
+    device = weight.device.type
+    precision = head_precision(trainer.args)
+    if precision == "auto" and torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+    else:
+        dtype = weight.dtype
+    cast = lambda x: None if x is None else x.to(dtype)  # noqa: E731  differentiable: grads reach the parameters
+    with torch.autocast(device, enabled=False):
+        yield cast(hidden.to(weight.device)), cast(weight), cast(bias), precision
