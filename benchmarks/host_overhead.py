@@ -126,9 +126,12 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--device cuda: no CUDA device here")
     if args.repeats < 1 or args.warmup < 0 or args.threads < 1:
         parser.error("--repeats and --threads take a count >= 1, --warmup one >= 0")
+    device, threads = torch.device(args.device), torch.get_num_threads()
     torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
-    rows = measure(device, args.backend, args.repeats, args.warmup)
+    try:
+        rows = measure(device, args.backend, args.repeats, args.warmup)
+    finally:
+        torch.set_num_threads(threads)
     where = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     header = (
         f"Host time per call, ms (min of {args.repeats} calls), {where}, torch {torch.__version__}, "

@@ -1,7 +1,7 @@
 """`torch.library.opcheck` on every custom op of the CUDA extension (grpo_kernels._C): schema (what each op mutates:
 the out-of-place backward only `out`, the in-place one the logits), fake/meta kernels, and AOT dispatch, as
 `torch.compile` relies on them. Needs a CUDA GPU and the built extension (`GRPO_KERNELS_BUILD_CUDA=1 pip install
---no-build-isolation .`); skipped with the reason otherwise."""
+--no-build-isolation .`); skipped with the reason otherwise. And `backend="auto"` stays Triton on CUDA."""
 
 import importlib.util
 
@@ -9,15 +9,16 @@ import pytest
 import torch
 
 from grpo_kernels.options import LossOptions
+from grpo_kernels.vocab import backends
 from grpo_kernels.vocab.function import TokenEpilogue
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.skipif(
-        importlib.util.find_spec("grpo_kernels._C") is None, reason="grpo_kernels._C is not built (setup.py)"
-    ),
-]
+# the extension's tests: cuda-marked, skipped with the reason where there is no GPU or no extension
+NO_EXTENSION = (
+    "needs a CUDA GPU" if not torch.cuda.is_available()
+    else "grpo_kernels._C is not built (setup.py)" if importlib.util.find_spec("grpo_kernels._C") is None
+    else None
+)  # fmt: skip
+extension = pytest.mark.skipif(NO_EXTENSION is not None, reason=str(NO_EXTENSION))
 B, T, V = 2, 5, 300
 OPS = ("token_logprobs_fwd", "token_logprobs_bwd", "token_logprobs_bwd_inplace", "grpo_loss_fwd")
 
@@ -64,6 +65,8 @@ def _cases(name: str, x: dict) -> list[tuple]:
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
 @pytest.mark.parametrize("name", OPS)
+@pytest.mark.cuda
+@extension
 def test_opcheck(name, dtype):
     from grpo_kernels.vocab import cuda
 
@@ -72,6 +75,8 @@ def test_opcheck(name, dtype):
         torch.library.opcheck(op, args)
 
 
+@pytest.mark.cuda
+@extension
 def test_inplace_backward_declares_the_logits_mutated():
     from grpo_kernels.vocab import cuda
 
@@ -82,6 +87,8 @@ def test_inplace_backward_declares_the_logits_mutated():
     )
 
 
+@pytest.mark.cuda
+@extension
 def test_inplace_backward_writes_what_the_out_of_place_one_writes():
     from grpo_kernels.vocab import cuda
 
@@ -91,3 +98,9 @@ def test_inplace_backward_writes_what_the_out_of_place_one_writes():
     logits = x["logits"].clone()
     cuda.token_logprobs_bwd(logits, x["targets"], x["mask"], x["lse"], None, x["grad"], None, 1.0, logits)
     torch.testing.assert_close(logits, out, rtol=0, atol=0)
+
+
+def test_auto_keeps_triton_on_cuda(monkeypatch):
+    """backend="auto" on CUDA tensors is Triton, also where the CUDA extension is built."""
+    monkeypatch.setattr(backends.cuda, "cuda_usable", lambda device: (True, ""))
+    assert backends.resolve_backend("auto", torch.device("cuda")) == "triton"
