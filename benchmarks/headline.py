@@ -43,7 +43,7 @@ from benchmarks import baselines
 
 SIZES = {
     "gpu": dict(N=(8192, 16384), H=4096, V=151_936, dtype=torch.bfloat16, B=16),
-    "smoke": dict(N=(64, 128), H=32, V=1000, dtype=torch.float32, B=4),
+    "smoke": dict(N=(32, 64), H=16, V=500, dtype=torch.float32, B=4),
 }
 OPTIONS = dict(loss_type="dapo", epsilon_high=0.28, beta=0.04, use_bias_correction_kl=True)
 FIRST_N_ONLY = ("ours_lean", "liger", "eager")
