@@ -24,7 +24,9 @@ in that dtype), `torch.log_softmax` in that dtype, gather and entropy, the loss 
 those, gradients by autograd. At V = 151,936 a plain float32 reduction itself errs by ~1e-5 of the scale (e.g.
 dL/dhidden, a sum over V), so RTOL alone would fail a kernel for the rounding every float32 implementation has;
 twice the plain error is the bar there, and RTOL elsewhere. Both errors are reported side by side. The plain run
-holds ~7 [kept rows, V] tensors of the input dtype at once (~55 GB for fp32 at size gpu). The inputs keep every importance ratio away from the clip boundaries (per-token log-ratios of
+holds ~7 [kept rows, V] tensors of the input dtype at once (~55 GB for fp32 at size gpu).
+
+The inputs keep every importance ratio away from the clip boundaries (per-token log-ratios of
 ±0.05 or ±0.5 around a per-sequence base, so GSPO's sequence ratios too), so that rounding cannot flip a clip
 decision and the comparison measures the kernels' arithmetic. Masked rows hold NaN: never read, gradient 0.
 

@@ -91,7 +91,8 @@ def providers(p: dict) -> dict[str, Callable[[], tuple]]:
     def ours(memory: str) -> Callable:
         def step():
             h, w = _leaves(p)
-            out = gk.fused_linear_grpo_loss(h, w, p["targets"], *_policy(p), with_entropy=True, memory=memory, **OPTIONS)
+            policy = _policy(p)
+            out = gk.fused_linear_grpo_loss(h, w, p["targets"], *policy, with_entropy=True, memory=memory, **OPTIONS)
             out.loss.backward()
             return out.loss.detach(), h.grad, w.grad
 

@@ -139,7 +139,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(table(rows, header))
     if args.json:
-        meta = dict(device=where, torch=torch.__version__, backend=args.backend, threads=args.threads, shape=dict(B=B, T=T, V=V, H=H))
+        meta = dict(device=where, torch=torch.__version__, backend=args.backend, threads=args.threads)
+        meta["shape"] = dict(B=B, T=T, V=V, H=H)
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(dict(meta, repeats=args.repeats, rows=rows), indent=1) + "\n")
 

@@ -73,7 +73,8 @@ def main(argv: list[str] | None = None) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     failed = sum(row["error"] is not None for row in result["launches"])
-    print(f"triton {result['triton']}: {len(result['launches'])} launches, {failed} failed -> {args.out}", file=sys.stderr)
+    launches = len(result["launches"])
+    print(f"triton {result['triton']}: {launches} launches, {failed} failed -> {args.out}", file=sys.stderr)
 
 
 if __name__ == "__main__":

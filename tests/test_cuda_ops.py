@@ -81,7 +81,7 @@ def test_inplace_backward_declares_the_logits_mutated():
     from grpo_kernels.vocab import cuda
 
     schemas = {name: getattr(cuda.ops(), name).default._schema for name in OPS}
-    mutated = {name: [a.name for a in s.arguments if a.alias_info and a.alias_info.is_write] for name, s in schemas.items()}
+    mutated = {n: [a.name for a in s.arguments if a.alias_info and a.alias_info.is_write] for n, s in schemas.items()}
     assert mutated == dict(
         token_logprobs_fwd=[], token_logprobs_bwd=["out"], token_logprobs_bwd_inplace=["logits"], grpo_loss_fwd=[]
     )

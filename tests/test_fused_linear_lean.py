@@ -3,6 +3,7 @@ every metric and the gradients of hidden, weight and bias, for every loss type Ã
 not a multiple of the vocabulary tile, row tiles that do not divide the kept rows and a fully masked sequence; the
 per-token statistics and logit transforms; the tile budget, the "auto" rule and the argument checks."""
 
+import functools
 import warnings
 
 import pytest
@@ -228,7 +229,7 @@ def test_tile_plan_never_degenerates(hidden, dtype):
             for n in (1, 100, 8192, 65536):
                 plan, warned = _plan(n, hidden, dtype, budget, device)
                 case = f"{device} N={n} budget={budget}: {plan}"
-                size = lambda rows, columns: fused_linear_lean.tile_bytes(rows, columns, n, hidden, dtype, upcast)  # noqa: E731
+                size = functools.partial(fused_linear_lean.tile_bytes, n=n, hidden=hidden, dtype=dtype, upcast=upcast)
                 floor = size(min(n, 128), min(PLAN_V, 128))
                 assert min(n, 128) <= plan.rows <= min(n, max(max_rows, 128)), case
                 assert min(PLAN_V, 128) <= plan.columns <= PLAN_V, case

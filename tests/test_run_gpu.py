@@ -95,7 +95,8 @@ def test_dry_run(tmp_path):
 PLAN_BOUNDS = {"first": 480, "second": 240}
 PLAN_STEPS = {
     "first": ["env", "build", "tests", "parity", "headline", "report"],
-    "second": ["env", "bench_grpo_loss", "bench_fused_linear", "bench_token_logprobs", "lean_memory", "packing", "report"],
+    "second": ["env", "bench_grpo_loss", "bench_fused_linear", "bench_token_logprobs", "lean_memory", "packing"]
+    + ["report"],
 }
 
 

@@ -13,7 +13,8 @@ full matrix (all cases × 3 dtypes × 2 vocabularies × 2 archs) into benchmarks
 
 Every launch of the `ci` subset is also compiled for sm_90a against each older triton of
 `benchmarks.older_triton.OLDER_TRITONS` (3.6.0: torch 2.10/2.11's pin), in a subprocess with that triton first on
-PYTHONPATH; .ci/run installs it with `pip install --no-deps --target`, and where it is absent those tests skip saying so.
+PYTHONPATH; .ci/run installs it with `pip install --no-deps --target`, and where it is absent those tests skip saying
+so.
 On triton 3.6 the soft-capped kernels once failed here (`tl.math.fdiv(..., approx=True)`: the keyword is 3.9's).
 
 `SHORTFALLS` lists what the kernels miss, each with its measured number, as strict xfails: the day a kernel meets its
@@ -130,7 +131,8 @@ def test_main_loop_instructions_per_kb(report, item):
 def older_report(request, tmp_path_factory) -> dict:
     version, path = request.param, older_triton.older_triton_path(request.param)
     if not (path / "triton" / "__init__.py").exists():
-        pytest.skip(f"triton {version} is not installed under {path}: pip install --no-deps --target {path} triton=={version}")
+        install = f"pip install --no-deps --target {path} triton=={version}"
+        pytest.skip(f"triton {version} is not installed under {path}: {install}")
     out = tmp_path_factory.mktemp("older") / f"{version}.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(path), str(ROOT), env.get("PYTHONPATH", "")])
@@ -138,7 +140,8 @@ def older_report(request, tmp_path_factory) -> dict:
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, f"{' '.join(command)} with triton {version} failed:\n{done.stderr[-6000:]}"
     result = json.loads(out.read_text())
-    assert result["triton"] == version, f"the subprocess imported triton {result['triton']} from {result['triton_path']}"
+    imported = f"triton {result['triton']} from {result['triton_path']}"
+    assert result["triton"] == version, f"the subprocess imported {imported}"
     return result
 
 
@@ -147,6 +150,6 @@ def test_every_launch_compiles_on_older_triton(older_report):
     covered = {(r["arch"], r["case"], r["dtype"], r["vocab"]) for r in launches}
     assert covered == {item for item in ITEMS if item[0] in older_triton.ARCHS}
     failed = [r for r in launches if r["error"] is not None]
-    assert not failed, f"{len(failed)} of {len(launches)} launches do not compile on triton {older_report['triton']}:\n" + (
-        "\n\n".join(f"{r['arch']}/{r['case']}/{r['dtype']}/{r['vocab']} {r['kernel']}: {r['error']}" for r in failed[:3])
-    )
+    named = [f"{r['arch']}/{r['case']}/{r['dtype']}/{r['vocab']} {r['kernel']}: {r['error']}" for r in failed[:3]]
+    heading = f"{len(failed)} of {len(launches)} launches do not compile on triton {older_report['triton']}"
+    assert not failed, heading + ":\n" + "\n".join(named)
