@@ -118,9 +118,9 @@ def test_plans_fit_their_bounds(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     plans = _plans(out.stdout)
     assert set(plans) == set(PLAN_BOUNDS)
-    for name, (steps, total) in plans.items():
-        assert list(steps) == PLAN_STEPS[name]
-        assert sum(steps.values()) == total <= PLAN_BOUNDS[name], (name, steps)
+    for name, (timeouts, total) in plans.items():
+        assert list(timeouts) == PLAN_STEPS[name]
+        assert sum(timeouts.values()) == total <= PLAN_BOUNDS[name], (name, timeouts)
     assert "budget 480 s (plan first)" in out.stdout
     first = plans["first"][0]
     assert re.search(rf"setup.py build_ext --inplace +# timeout {first['build']} s\n", out.stdout)
