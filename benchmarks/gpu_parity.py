@@ -238,7 +238,7 @@ def run_plain(op: str, inp: dict, options: dict) -> tuple[dict, dict]:
     ({name: value}, {name: gradient}) as `run_ours` gives them."""
     fused = op.startswith("fused_linear")
     names = ("hidden", "weight") if fused else ("logits",)
-    leaves = {k: inp[k].clone().requires_grad_() for k in names}
+    leaves = {k: inp[k].detach().requires_grad_() for k in names}  # no copy: nothing here writes into them
     kept, targets = inp["kept"], inp["targets"].flatten()[inp["kept"]]
     if fused:
         z = leaves["hidden"].flatten(0, -2)[kept] @ leaves["weight"].T  # [n, V]
