@@ -1,22 +1,35 @@
 #!/usr/bin/env bash
-# One command for the day a GPU is there: the CUDA extension, the cuda-marked tests, every backend against the
-# float64 oracle at real sizes, the GPU benchmark suite against eager, torch.compile, Liger and TRL, and a report,
-# all into OUTDIR (docs/gpu_run.md: how to run it, also split over several 10-minute device calls).
+# One command for a GPU: the CUDA extension, the cuda-marked tests (torch.library.opcheck included), every backend
+# against the float64 oracle at real sizes, the headline step against the bare GEMMs, TRL, Liger and eager, the
+# benchmark suites, and a report, all into OUTDIR (default benchmarks/results/<device>/<plan, or run>; a dry run
+# needs one). docs/gpu_run.md.
 #
-#   bash benchmarks/run_gpu.sh [--only STEPS] [--skip STEPS] [--budget SECONDS] [--rebuild] [--dry-run] OUTDIR
+#   bash benchmarks/run_gpu.sh [--plan first|second] [--only STEPS] [--skip STEPS] [--budget SECONDS] [--rebuild]
+#                              [--dry-run] [OUTDIR]
 #
-# Steps, in this order (default: all but alltests):
+# Plans: two calls that fit 15 minutes of GPU time with the machine's start-up. Each step has a timeout; the sum of a
+# plan's timeouts is its bound (--dry-run prints both plans' steps, timeouts and sums):
+#   first  (480 s)  env 20, build 45, tests 90 (-m cuda, opcheck), parity 150 (triton and cuda, bf16 and fp32),
+#                   headline 155, report 20
+#   second (240 s)  env 15, the three bench suites at --bench-size gpu-short (45 + 60 + 40), lean_memory 35,
+#                   packing 35, report 10
+# Without --plan: every step but alltests, at the full sizes, within --budget (default 1500 s): the full suites.
+# Steps, in this order:
 #   env          OUTDIR/env.{json,md}, nvidia-smi.txt: device, driver, torch/triton/CUDA/nvcc versions, peers
 #   build        grpo_kernels/_C in place (GRPO_KERNELS_BUILD_CUDA=1 python setup.py build_ext --inplace), for this
 #                GPU's architecture; a copy and the sources' hash go to OUTDIR/build, and a later call whose OUTDIR
 #                holds them (carried) reuses that build instead of compiling again
-#   tests        pytest -m cuda (the cuda-marked tests), OUTDIR/tests/cuda.xml
+#   tests        pytest -m cuda (the cuda-marked tests, opcheck of every custom op among them), OUTDIR/tests/cuda.xml
 #   alltests     the whole test suite on the GPU, OUTDIR/tests/all.xml (only when named in --only)
-#   parity       python -m benchmarks.gpu_parity: torch, triton, cuda against the float64 oracle, V = 151,936,
-#                N = 16,384, bf16/fp16/fp32, fwd + bwd; OUTDIR/parity/parity.{json,md}; fails on any excess
+#   parity       python -m benchmarks.gpu_parity: the backends against the float64 oracle and a plain same-dtype
+#                implementation, V = 151,936, N = 16,384, fwd + bwd (plan first: triton and cuda, bf16 and fp32;
+#                else torch, triton, cuda at bf16/fp16/fp32); OUTDIR/parity/parity.{json,md}; fails on any excess
+#   headline     python -m benchmarks.headline: the fused lm_head step against the bare GEMMs, TRL, Liger and eager at
+#                N 8,192 and 16,384 (bf16, H 4,096, V 151,936), time and peak memory, the vocabulary kernels'
+#                bandwidth; OUTDIR/headline/headline.{json,md}
 #   bench_grpo_loss, bench_fused_linear, bench_token_logprobs  (the group "bench")
-#                pytest --bench-size gpu, one file each, OUTDIR/bench/<step>.json; -rs prints every skip reason
-#                (a peer that is not installed is skipped with a line saying so)
+#                pytest --bench-size gpu (plan second: gpu-short), one file each, OUTDIR/bench/<step>.json; -rs
+#                prints every skip reason (a peer that is not installed is skipped with a line saying so)
 #   interleaved  python -m benchmarks.interleaved: ours against TRL 1.16 on the TRL case, OUTDIR/bench/interleaved-trl.*
 #   lean_memory  python -m benchmarks.lean_memory --device cuda: the fused lm_head + loss, memory="fast" against
 #                memory="lean" (bf16, B·T = 8,192, H = 4,096, V = 151,936): peak extra memory against the bf16
@@ -28,14 +41,15 @@
 #                OUTDIR/vllm (summary.json, train.log); skipped, and said so, when vllm is not importable
 #   report       OUTDIR/bench/benchmarks.{json,md} and plots, OUTDIR/SUMMARY.md
 # Options:
+#   --plan P     the steps and timeouts of plan P (first or second); --only/--skip narrow it
 #   --only a,b   only these steps (and groups)     --skip a,b   all selected steps but these
-#   --budget S   seconds for this whole call (default 1500); every step has its own timeout too, cut to what is
-#                left; a step that cannot start with its minimum left is skipped and named in OUTDIR/skipped.txt;
-#                60 s stay reserved for the report when it is selected
+#   --budget S   seconds for this whole call (default 1500; with --plan, the plan's sum); every step has its own
+#                timeout too, cut to what is left; a step that cannot start with its minimum left is skipped and
+#                named in OUTDIR/skipped.txt; the report's timeout stays reserved for it when it is selected
 #   --rebuild    compile the extension even when OUTDIR/build holds one for these sources and this torch
-#   --dry-run    print every command; run the CPU-checkable steps on the CPU at tiny sizes (env, parity at smoke
-#                size on the torch backend, the suites at --bench-size smoke --benchmark-disable, interleaved at
-#                smoke size for the fused lm_head, report); no GPU needed
+#   --dry-run    print both plans and every command; run the CPU-checkable steps on the CPU at tiny sizes (env,
+#                parity at smoke size on the torch backend, headline at smoke size, the suites at --bench-size smoke
+#                --benchmark-disable, interleaved at smoke size for the fused lm_head, report); no GPU needed
 # Environment: PYTHON (default python3), WHEELS (a folder of wheels, e.g. trl and liger-kernel, installed with
 #   pip --no-index --no-deps into /tmp/grpo_gpu_site first), GPU_RUN_BENCH_K (a pytest -k expression for the
 #   suites), TORCH_CUDA_ARCH_LIST (default: this GPU's capability), MAX_JOBS (default: the CPU count).
@@ -43,18 +57,26 @@
 
 set -uo pipefail
 
-ALL_STEPS=(env build tests alltests parity bench_grpo_loss bench_fused_linear bench_token_logprobs interleaved lean_memory
-    packing vllm_train report)
-declare -A TIMEOUT=([env]=120 [build]=900 [tests]=600 [alltests]=1500 [parity]=900 [bench_grpo_loss]=480
-    [bench_fused_linear]=600 [bench_token_logprobs]=480 [interleaved]=300 [report]=180)
-declare -A MINIMUM=([env]=10 [build]=120 [tests]=30 [alltests]=120 [parity]=90 [bench_grpo_loss]=60
-    [bench_fused_linear]=60 [bench_token_logprobs]=60 [interleaved]=60 [report]=10)
+ALL_STEPS=(env build tests alltests parity headline bench_grpo_loss bench_fused_linear bench_token_logprobs interleaved
+    lean_memory packing vllm_train report)
+declare -A TIMEOUT=([env]=120 [build]=900 [tests]=600 [alltests]=1500 [parity]=900 [headline]=600
+    [bench_grpo_loss]=480 [bench_fused_linear]=600 [bench_token_logprobs]=480 [interleaved]=300 [report]=180)
+declare -A MINIMUM=([env]=10 [build]=30 [tests]=30 [alltests]=120 [parity]=90 [headline]=60 [bench_grpo_loss]=30
+    [bench_fused_linear]=30 [bench_token_logprobs]=30 [interleaved]=60 [report]=10)
+TIMEOUT[vllm_train]=420 MINIMUM[vllm_train]=90
+TIMEOUT[lean_memory]=300 MINIMUM[lean_memory]=30
+TIMEOUT[packing]=600 MINIMUM[packing]=30
+# The plans: "step:timeout" in order. Measured on an H100 (2026-11-26): env ~10 s, build 19 s, pytest -m cuda 22 s,
+# gpu_parity triton bf16+fp32 35 s (the cuda backend and the plain implementation come on top), the fused step ~25 s.
+PLAN_FIRST="env:20 build:45 tests:90 parity:150 headline:155 report:20"
+PLAN_SECOND="env:15 bench_grpo_loss:45 bench_fused_linear:60 bench_token_logprobs:40 lean_memory:35 packing:35 report:10"
 
 usage() { sed -n '2,/^# Exit status/p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
 
-ONLY="" SKIP="" BUDGET=1500 REBUILD=0 DRY=0 OUTDIR=""
+ONLY="" SKIP="" BUDGET="" REBUILD=0 DRY=0 OUTDIR="" PLAN=""
 while [ $# -gt 0 ]; do
     case "$1" in
+        --plan) PLAN="${2:?--plan needs first or second}"; shift 2 ;;
         --only) ONLY="${2:?--only needs a list}"; shift 2 ;;
         --skip) SKIP="${2:?--skip needs a list}"; shift 2 ;;
         --budget) BUDGET="${2:?--budget needs seconds}"; shift 2 ;;
@@ -65,8 +87,34 @@ while [ $# -gt 0 ]; do
         *) [ -z "$OUTDIR" ] || { echo "run_gpu.sh: one OUTDIR, got $OUTDIR and $1" >&2; exit 2; }; OUTDIR="$1"; shift ;;
     esac
 done
-[ -n "$OUTDIR" ] || { echo "run_gpu.sh: OUTDIR is missing" >&2; usage; }
+case "$PLAN" in
+    "") PLAN_STEPS="" ;;
+    first) PLAN_STEPS="$PLAN_FIRST" ;;
+    second) PLAN_STEPS="$PLAN_SECOND" ;;
+    *) echo "run_gpu.sh: --plan takes first or second, got $PLAN" >&2; exit 2 ;;
+esac
+plan_table() {  # name "step:timeout ...": one line per step, then the sum
+    local name=$1 item sum=0
+    printf 'plan %s:' "$name"
+    for item in $2; do printf ' %s %s s,' "${item%%:*}" "${item#*:}"; sum=$((sum + ${item#*:})); done
+    printf ' sum %s s\n' "$sum"
+}
+plan_sum() { local item sum=0; for item in $1; do sum=$((sum + ${item#*:})); done; echo "$sum"; }
+if [ -n "$PLAN" ]; then
+    for item in $PLAN_STEPS; do TIMEOUT[${item%%:*}]=${item#*:}; done
+    BUDGET="${BUDGET:-$(plan_sum "$PLAN_STEPS")}"
+fi
+BUDGET="${BUDGET:-1500}"
 [[ "$BUDGET" =~ ^[0-9]+$ ]] || { echo "run_gpu.sh: --budget takes whole seconds, got $BUDGET" >&2; exit 2; }
+PY="${PYTHON:-python3}"
+command -v "$PY" >/dev/null || PY=python
+if [ -z "$OUTDIR" ]; then  # benchmarks/results/<device>/<plan>; a dry run names its own
+    device=""
+    [ "$DRY" = 1 ] || device="$("$PY" -c 'import re, torch
+print(re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-"))' 2>/dev/null)" || device=""
+    [ -n "$device" ] || { echo "run_gpu.sh: OUTDIR is missing (a dry run, or no CUDA device to name it after)" >&2; usage; }
+    OUTDIR="$(dirname "$0")/results/$device/${PLAN:-run}"
+fi
 mkdir -p "$OUTDIR" && OUTDIR="$(cd "$OUTDIR" && pwd)"
 if [ -n "${WHEELS:-}" ]; then
     WHEELS="$(cd "$WHEELS" 2>/dev/null && pwd)" || { echo "run_gpu.sh: WHEELS is not a folder" >&2; exit 2; }
@@ -82,29 +130,32 @@ expand() {  # a comma list of steps and groups -> one step a line
         fi
     done
 }
-TIMEOUT[vllm_train]=420 MINIMUM[vllm_train]=90
-TIMEOUT[lean_memory]=300 MINIMUM[lean_memory]=60
-TIMEOUT[packing]=600 MINIMUM[packing]=60
-WANTED="$(expand "${ONLY:-env,build,tests,parity,bench,interleaved,lean_memory,packing,vllm_train,report}")" || exit 2
+DEFAULT_STEPS="env,build,tests,parity,headline,bench,interleaved,lean_memory,packing,vllm_train,report"
+[ -z "$PLAN" ] || DEFAULT_STEPS="$(for item in $PLAN_STEPS; do printf '%s,' "${item%%:*}"; done)"
+WANTED="$(expand "${DEFAULT_STEPS%,}")" || exit 2
+if [ -n "$ONLY" ]; then
+    ONLY_STEPS="$(expand "$ONLY")" || exit 2
+    WANTED="$(grep -Fx -f <(echo "$ONLY_STEPS") <<<"$WANTED" || true)"
+    [ -n "$PLAN" ] || WANTED="$ONLY_STEPS"
+fi
 UNWANTED="$(expand "$SKIP")" || exit 2
 STEPS=()
 for step in "${ALL_STEPS[@]}"; do
     if grep -qx "$step" <<<"$WANTED" && ! grep -qx "$step" <<<"$UNWANTED"; then STEPS+=("$step"); fi
 done
 
-PY="${PYTHON:-python3}"
-command -v "$PY" >/dev/null || PY=python
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 mkdir -p "$OUTDIR/logs" "$OUTDIR/build" "$OUTDIR/bench" "$OUTDIR/tests"
 START=$(date +%s)
 DEADLINE=$((START + BUDGET))
 RESERVE=0
-[[ " ${STEPS[*]} " == *" report "* ]] && RESERVE=60
+[[ " ${STEPS[*]} " == *" report "* ]] && RESERVE=$((TIMEOUT[report] < 60 ? TIMEOUT[report] : 60))
 FAILED=() SKIPPED=()
 
 quote() { printf '%q ' "$@"; }
 say() { echo "run_gpu.sh: $*"; }
-say "steps: ${STEPS[*]:-none}; budget ${BUDGET} s; OUTDIR $OUTDIR$([ "$DRY" = 1 ] && echo '; DRY RUN')"
+say "steps: ${STEPS[*]:-none}; budget ${BUDGET} s${PLAN:+ (plan $PLAN)}; OUTDIR $OUTDIR$([ "$DRY" = 1 ] && echo '; DRY RUN')"
+if [ "$DRY" = 1 ]; then plan_table first "$PLAN_FIRST"; plan_table second "$PLAN_SECOND"; fi
 
 if [ "$DRY" = 0 ] && ! "$PY" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then
     echo "run_gpu.sh: no CUDA device is visible to $PY (torch: $("$PY" -c 'import torch; print(torch.__version__)' 2>&1));" \
@@ -151,13 +202,19 @@ commands() {  # GPU and CPU (dry run) command of step $1; an empty CPU one: not 
             GPU=(env "TORCH_CUDA_ARCH_LIST=${arch:-<this GPU>}" "MAX_JOBS=${MAX_JOBS:-$(nproc)}" GRPO_KERNELS_BUILD_CUDA=1
                 "$PY" setup.py build_ext --inplace) ;;
         tests) GPU=("$PY" -m pytest -m cuda -rs -q -p no:cacheprovider tests --junitxml "$OUTDIR/tests/cuda.xml") ;;
+        headline)
+            GPU=("$PY" -m benchmarks.headline --out "$OUTDIR/headline")
+            CPU=("$PY" -m benchmarks.headline --size smoke --iters 1 --out "$OUTDIR/headline") ;;
         alltests) GPU=("$PY" -m pytest -rs -q -p no:cacheprovider tests --junitxml "$OUTDIR/tests/all.xml") ;;
         parity)
             GPU=("$PY" -m benchmarks.gpu_parity --out "$OUTDIR/parity")
+            [ "$PLAN" != first ] || GPU=("$PY" -m benchmarks.gpu_parity --backends triton,cuda --dtypes bf16,fp32
+                --out "$OUTDIR/parity")
             CPU=("$PY" -m benchmarks.gpu_parity --size smoke --backends torch --out "$OUTDIR/parity") ;;
         bench_*)
             local suite=(-m pytest "benchmarks/$1.py" -rs -q -p no:cacheprovider -p benchmarks.gpu_run "${k[@]}")
-            GPU=("$PY" "${suite[@]}" --bench-size gpu --benchmark-json "$OUTDIR/bench/$1.json")
+            GPU=("$PY" "${suite[@]}" --bench-size "$([ "$PLAN" = second ] && echo gpu-short || echo gpu)"
+                --benchmark-json "$OUTDIR/bench/$1.json")
             CPU=("$PY" "${suite[@]}" --bench-size smoke --benchmark-disable) ;;
         interleaved)
             GPU=("$PY" -m benchmarks.interleaved --out "$OUTDIR/bench/interleaved-trl.json")
@@ -206,7 +263,8 @@ run_step() {
             record "$step" "dry run: printed" - 0
             return
         fi
-        say "dry run, on the CPU: + $(quote "${CPU[@]}")"
+        limit=$((limit < 300 ? 300 : limit))  # a GPU step's timeout does not fit a (shared) CPU's time
+        say "dry run, on the CPU: + $(quote "${CPU[@]}")  # timeout ${limit} s"
         GPU=("${CPU[@]}")
     fi
     if [ "$step" = build ] && [ "$DRY" = 0 ] && reuse_build; then

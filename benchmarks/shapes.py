@@ -1,4 +1,5 @@
-"""Benchmark sizes: `--bench-size smoke` (CI correctness run), `cpu` (deliberate CPU runs), `gpu` (real sizes)."""
+"""Benchmark sizes: `--bench-size smoke` (CI correctness run), `cpu` (deliberate CPU runs), `gpu` (real sizes),
+`gpu-short` (three of the real sizes, for a short GPU call)."""
 
 from __future__ import annotations
 
@@ -62,6 +63,12 @@ SIZES = {
         Shape(8192, 151936, 4096, BF16),  # the GPU case of the TRL comparison (issue 13)
         Shape(16384, 151936, 4096, BF16, "grpo"),
         Shape(16384, 151936, 4096, BF16, "gspo"),
+    ],
+    # the suites cut to fit the second plan of run_gpu.sh: Qwen's vocabulary at 4k and 16k tokens, both hidden sizes
+    "gpu-short": [
+        Shape(4096, 151936, 896, BF16),
+        Shape(16384, 151936, 896, BF16),
+        Shape(16384, 151936, 4096, BF16),
     ],
 }
 

@@ -167,6 +167,15 @@ void token_logprobs_bwd_cuda(const Tensor& logits, const Tensor& targets, const 
   check_launch(token_logprobs_bwd(p, current_stream(logits)), op);
 }
 
+// The in-place backward: dL/dlogits written over the logits (the schema declares them mutated, Tensor(a!)).
+void token_logprobs_bwd_inplace_cuda(at::Tensor& logits, const Tensor& targets, const Tensor& mask, const Tensor& lse,
+                                     const OptionalTensor& entropy, const OptionalTensor& grad_logp,
+                                     const OptionalTensor& grad_entropy, double temperature, double logit_scale,
+                                     std::optional<double> softcap) {
+  token_logprobs_bwd_cuda(logits, targets, mask, lse, entropy, grad_logp, grad_entropy, temperature, logit_scale,
+                          softcap, logits);
+}
+
 Policy policy_of(c10::string_view name, const char* op) {
   if (name == "clip") return Policy::kClip;
   if (name == "cispo") return Policy::kCispo;
@@ -250,6 +259,10 @@ void token_logprobs_bwd_meta(const Tensor&, const Tensor&, const Tensor&, const 
                              const OptionalTensor&, const OptionalTensor&, double, double, std::optional<double>,
                              at::Tensor&) {}
 
+void token_logprobs_bwd_inplace_meta(at::Tensor&, const Tensor&, const Tensor&, const Tensor&, const OptionalTensor&,
+                                     const OptionalTensor&, const OptionalTensor&, double, double,
+                                     std::optional<double>) {}
+
 LossOutputs grpo_loss_fwd_meta(const Tensor& logits, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                                const OptionalTensor&, const OptionalTensor&, const OptionalTensor&, c10::string_view,
                                double, double, std::optional<double>, std::optional<double>, bool, double,
@@ -268,6 +281,8 @@ TORCH_LIBRARY(grpo_kernels, m) {
   m.def("token_logprobs_bwd(Tensor logits, Tensor targets, Tensor mask, Tensor lse, Tensor? entropy,"
         " Tensor? grad_logp, Tensor? grad_entropy, float temperature, float logit_scale, float? softcap,"
         " Tensor(a!) out) -> ()");
+  m.def("token_logprobs_bwd_inplace(Tensor(a!) logits, Tensor targets, Tensor mask, Tensor lse, Tensor? entropy,"
+        " Tensor? grad_logp, Tensor? grad_entropy, float temperature, float logit_scale, float? softcap) -> ()");
   m.def("grpo_loss_fwd(Tensor logits, Tensor targets, Tensor mask, Tensor weights, Tensor advantages,"
         " Tensor? old_logp, Tensor? ref_logp, Tensor? is_ratio, str policy, float eps_low, float eps_high,"
         " float? delta, float? clip_ratio_c, bool cispo_two_sided, float beta, str kl_estimator,"
@@ -278,12 +293,14 @@ TORCH_LIBRARY(grpo_kernels, m) {
 TORCH_LIBRARY_IMPL(grpo_kernels, CUDA, m) {
   m.impl("token_logprobs_fwd", &grpo_kernels::token_logprobs_fwd_cuda);
   m.impl("token_logprobs_bwd", &grpo_kernels::token_logprobs_bwd_cuda);
+  m.impl("token_logprobs_bwd_inplace", &grpo_kernels::token_logprobs_bwd_inplace_cuda);
   m.impl("grpo_loss_fwd", &grpo_kernels::grpo_loss_fwd_cuda);
 }
 
 TORCH_LIBRARY_IMPL(grpo_kernels, Meta, m) {
   m.impl("token_logprobs_fwd", &grpo_kernels::token_logprobs_fwd_meta);
   m.impl("token_logprobs_bwd", &grpo_kernels::token_logprobs_bwd_meta);
+  m.impl("token_logprobs_bwd_inplace", &grpo_kernels::token_logprobs_bwd_inplace_meta);
   m.impl("grpo_loss_fwd", &grpo_kernels::grpo_loss_fwd_meta);
 }
 

@@ -3,6 +3,9 @@ every metric and the gradients of hidden, weight and bias, for every loss type �
 not a multiple of the vocabulary tile, row tiles that do not divide the kept rows and a fully masked sequence; the
 per-token statistics and logit transforms; the tile budget, the "auto" rule and the argument checks."""
 
+import functools
+import warnings
+
 import pytest
 import torch
 
@@ -202,6 +205,81 @@ def test_tile_shape_from_budget_and_dtype():
     big = fused_linear_lean.tile_shape(10**6, 151_936, 896, torch.float32, cpu, None)
     assert big == (fused_linear_lean.TILE_ROWS["cpu"], vocab)
     assert fused_linear_lean.tile_shape(7, 37, 16, torch.float32, cpu, (100, 16)) == (7, 16)
+
+
+PLAN_V = 151_936
+PLAN_DEVICES = {"cpu": (fused_linear_lean.TILE_ROWS["cpu"], True), "cuda": (fused_linear_lean.TILE_ROWS["cuda"], False)}
+
+
+def _plan(n, hidden, dtype, budget, device):
+    """The plan, and whether planning it warned (the once-per-figures cache cleared first)."""
+    max_rows, upcast = PLAN_DEVICES[device]
+    fused_linear_lean._warn_over_budget.cache_clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = fused_linear_lean.plan_tiles(n, PLAN_V, hidden, dtype, budget, max_rows, upcast)
+    return plan, [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32), ids=str)
+@pytest.mark.parametrize("hidden", (896, 4096, 8192, 16384, 32768))
+def test_tile_plan_never_degenerates(hidden, dtype):
+    """Tiles of at least min(N, 128) rows × min(V, 128) columns; columns shrink first; buffers within the budget, or
+    the minimum tile with one warning naming both figures; each dimension as large as the budget allows."""
+    for device, (max_rows, upcast) in PLAN_DEVICES.items():
+        for budget in (8 << 20, 16 << 20, 32 << 20, 64 << 20):
+            for n in (1, 100, 8192, 65536):
+                plan, warned = _plan(n, hidden, dtype, budget, device)
+                case = f"{device} N={n} budget={budget}: {plan}"
+                size = functools.partial(fused_linear_lean.tile_bytes, n=n, hidden=hidden, dtype=dtype, upcast=upcast)
+                floor = size(min(n, 128), min(PLAN_V, 128))
+                assert min(n, 128) <= plan.rows <= min(n, max(max_rows, 128)), case
+                assert min(PLAN_V, 128) <= plan.columns <= PLAN_V, case
+                assert plan.columns % 128 == 0 or plan.columns == PLAN_V, case
+                assert plan.bytes == size(plan.rows, plan.columns) <= max(budget, floor), case
+                assert plan.tiles == -(-n // plan.rows) * -(-PLAN_V // plan.columns), case
+                if plan.rows < min(n, max_rows):  # rows were cut: only once the columns are at their minimum
+                    assert plan.columns == 128, case
+                    assert plan.rows == 128 or size(plan.rows + 128, 128) > budget, case
+                elif plan.columns < PLAN_V:  # as many columns as fit
+                    assert size(plan.rows, plan.columns + 128) > budget, case
+                if plan.bytes > budget:
+                    assert (plan.rows, plan.columns) == (min(n, 128), 128), case
+                    assert len(warned) == 1 and f"{plan.bytes:,}" in warned[0] and f"{budget:,}" in warned[0], case
+                else:
+                    assert not warned, case
+
+
+# (N, H, dtype, budget, device) -> (rows, columns, bytes, tiles per pass), V = 151,936
+PLANS = {
+    # the H100 note's case: a 1,024-column float32 dW tile (64 MiB) filled the budget, and the old planner fell to
+    # 1-row tiles (65,536 × 149 ≈ 9.8 million of them); now the columns give way
+    (65536, 16384, torch.bfloat16, 64 << 20, "cuda"): (16384, 640, 62_914_560, 952),
+    (65536, 4096, torch.bfloat16, 64 << 20, "cuda"): (16384, 1280, 62_914_560, 476),
+    (8192, 4096, torch.bfloat16, 64 << 20, "cuda"): (8192, 4096, 67_108_864, 38),  # one row tile: no dW tile
+    (65536, 896, torch.float32, 32 << 20, "cpu"): (2048, 4096, 33_554_432, 1216),
+    (65536, 8192, torch.bfloat16, 32 << 20, "cpu"): (2048, 640, 28_835_840, 7616),
+    (100, 32768, torch.float32, 8 << 20, "cuda"): (100, 20864, 8_345_600, 8),
+    (1, 32768, torch.bfloat16, 8 << 20, "cuda"): (1, 151_936, 303_872, 1),
+    (65536, 32768, torch.float32, 8 << 20, "cuda"): (16384, 128, 8_388_608, 4748),
+    (65536, 32768, torch.bfloat16, 8 << 20, "cuda"): (128, 128, 16_809_984, 607_744),  # over: the minimum tile
+}
+
+
+@pytest.mark.parametrize("case", PLANS, ids=lambda c: "-".join(str(x).removeprefix("torch.") for x in c))
+def test_tile_plans(case):
+    n, hidden, dtype, budget, device = case
+    plan, warned = _plan(n, hidden, dtype, budget, device)
+    assert (plan.rows, plan.columns, plan.bytes, plan.tiles) == PLANS[case]
+    assert bool(warned) == (plan.bytes > budget)
+
+
+def test_over_budget_warns_once():
+    fused_linear_lean._warn_over_budget.cache_clear()
+    with pytest.warns(UserWarning, match=r"needs 16,809,984 bytes .* budget of 8,388,608 bytes") as caught:
+        for _ in range(3):
+            fused_linear_lean.plan_tiles(65536, PLAN_V, 32768, torch.bfloat16, 8 << 20, 16384, False)
+    assert len(caught) == 1
 
 
 def test_auto_rule(monkeypatch):

@@ -4,6 +4,7 @@ step failing loudly when a backend is off."""
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -26,7 +27,7 @@ def run_gpu(*args: str, bench_k: str | None = None) -> subprocess.CompletedProce
     env["PYTHON"] = sys.executable
     if bench_k:
         env["GPU_RUN_BENCH_K"] = bench_k
-    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, env=env, timeout=300)
+    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, env=env, timeout=600)
 
 
 def steps(outdir: Path) -> dict[str, str]:
@@ -43,6 +44,8 @@ def test_dry_run(tmp_path):
         "setup.py build_ext --inplace",
         "-m pytest -m cuda",
         "-m benchmarks.gpu_parity --out",
+        "-m benchmarks.headline --out",
+        "-m benchmarks.headline --size smoke --iters 1",
         "benchmarks/bench_grpo_loss.py",
         "benchmarks/bench_fused_linear.py",
         "benchmarks/bench_token_logprobs.py",
@@ -61,6 +64,7 @@ def test_dry_run(tmp_path):
         build="dry run: printed",
         tests="dry run: printed",
         parity="ok",
+        headline="ok",
         bench_grpo_loss="ok",
         bench_fused_linear="ok",
         bench_token_logprobs="ok",
@@ -77,12 +81,51 @@ def test_dry_run(tmp_path):
     assert {(r["op"], r["dtype"]) for r in parity["records"]} == {
         (op, dtype) for op in gpu_parity.CASES for dtype in gpu_parity.DTYPES
     }
+    headline = json.loads((tmp_path / "headline" / "headline.json").read_text())
+    assert headline["size"] == "smoke" and set(headline["cases"]) == {"32", "64"}
+    assert {"gemms", "ours", "trl"} <= {p for p, r in headline["cases"]["32"].items() if "median_ms" in r}
     interleaved = json.loads((tmp_path / "bench" / "interleaved-trl.json").read_text())
     assert {b["extra_info"]["provider"] for b in interleaved["benchmarks"]} >= {"torch"}
     summary = (tmp_path / "SUMMARY.md").read_text()
     for section in ("## Machine", "## Steps", "## Parity (float64 oracle)", "## Benchmarks against TRL"):
         assert section in summary
     assert (tmp_path / "bench" / "benchmarks.md").exists() and (tmp_path / "logs" / "parity.log").exists()
+
+
+PLAN_BOUNDS = {"first": 480, "second": 240}
+PLAN_STEPS = {
+    "first": ["env", "build", "tests", "parity", "headline", "report"],
+    "second": ["env", "bench_grpo_loss", "bench_fused_linear", "bench_token_logprobs", "lean_memory", "packing"]
+    + ["report"],
+}
+
+
+def _plans(stdout: str) -> dict[str, tuple[dict[str, int], int]]:
+    """The plans the dry run printed: name -> ({step: timeout}, sum)."""
+    plans = {}
+    for line in stdout.splitlines():
+        match = re.fullmatch(r"plan (\w+): (.*), sum (\d+) s", line)
+        if match:
+            steps = dict((step, int(t)) for step, t in re.findall(r"(\w+) (\d+) s", match.group(2)))
+            plans[match.group(1)] = (steps, int(match.group(3)))
+    return plans
+
+
+def test_plans_fit_their_bounds(tmp_path):
+    """--dry-run prints both plans, each step with its timeout and their sum: the first fits one 8-minute call, the
+    second 4 minutes; a plan's steps run with its timeouts, and its budget is their sum."""
+    out = run_gpu("--dry-run", "--plan", "first", "--only", "build,tests", str(tmp_path))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    plans = _plans(out.stdout)
+    assert set(plans) == set(PLAN_BOUNDS)
+    for name, (timeouts, total) in plans.items():
+        assert list(timeouts) == PLAN_STEPS[name]
+        assert sum(timeouts.values()) == total <= PLAN_BOUNDS[name], (name, timeouts)
+    assert "budget 480 s (plan first)" in out.stdout
+    first = plans["first"][0]
+    assert re.search(rf"setup.py build_ext --inplace +# timeout {first['build']} s\n", out.stdout)
+    assert re.search(rf"-m pytest -m cuda .* +# timeout {first['tests']} s\n", out.stdout)
+    assert list(steps(tmp_path)) == ["build", "tests"]
 
 
 def test_out_of_time_steps_are_skipped_and_named(tmp_path):
@@ -102,11 +145,12 @@ def test_out_of_time_steps_are_skipped_and_named(tmp_path):
         (("--only", "parity,nonsense"), "unknown step nonsense"),
         (("--frobnicate",), "unknown option --frobnicate"),
         (("--budget", "ten"), "--budget takes whole seconds"),
-        ((), "OUTDIR is missing"),
+        (("--dry-run",), "OUTDIR is missing"),
+        (("--plan", "third"), "--plan takes first or second, got third"),
     ],
 )
 def test_usage_errors(tmp_path, args, message):
-    out = run_gpu(*args, *([str(tmp_path)] if args else []))
+    out = run_gpu(*args, *([] if "OUTDIR" in message else [str(tmp_path)]))
     assert out.returncode == 2 and message in out.stderr
 
 
@@ -145,3 +189,19 @@ def test_an_interrupted_suite_keeps_its_finished_cases():
     hook = gpu_run.pytest_sessionfinish(session, exitstatus=2)
     next(hook)
     assert session.config._benchmarksession.benchmarks == [finished]
+
+
+def test_parity_tolerance_is_rtol_or_twice_the_plain_error():
+    """gpu_parity passes a quantity within max(RTOL[dtype], 2 × the plain implementation's error), scale-relative."""
+
+    def tally(err: float, scale: float = 2.0):
+        t = gpu_parity.Tally()
+        t.err, t.scale = err, scale
+        return t
+
+    ours = tally(6e-5)  # 3e-5 of the scale
+    for plain, tol, ok in ((tally(4e-5), 4e-5, True), (tally(2e-5), 2e-5, False), (None, 1e-5, False)):
+        r = ours.result(torch.float32, plain)
+        assert (r["rel"], r["tol"], r["ok"]) == (pytest.approx(3e-5), pytest.approx(tol), ok)
+    assert ours.result(torch.float32, tally(float("nan")))["tol"] == 1e-5  # a non-finite plain error is no excuse
+    assert tally(1e-6).result(torch.float32, tally(1e-9))["tol"] == 1e-5  # RTOL is the floor

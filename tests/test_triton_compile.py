@@ -11,6 +11,12 @@ dtype and both vocabularies (V = 151,936 and 151,939), and every other case (sof
 and KL estimator) at bf16 and V = 151,936; about a minute on two cores. `python -m benchmarks.static_report` runs the
 full matrix (all cases × 3 dtypes × 2 vocabularies × 2 archs) into benchmarks/results/static/<triton version>.json.
 
+Every launch of the `ci` subset is also compiled for sm_90a against each older triton of
+`benchmarks.older_triton.OLDER_TRITONS` (3.6.0: torch 2.10/2.11's pin), in a subprocess with that triton first on
+PYTHONPATH; .ci/run installs it with `pip install --no-deps --target`, and where it is absent those tests skip saying
+so.
+On triton 3.6 the soft-capped kernels once failed here (`tl.math.fdiv(..., approx=True)`: the keyword is 3.9's).
+
 `SHORTFALLS` lists what the kernels miss, each with its measured number, as strict xfails: the day a kernel meets its
 budget the test XPASSes, which fails, and the entry must go (`python -m benchmarks.static_report --subset ci
 --shortfalls` prints the table for the kernels in the tree). It is empty: the rewritten kernels meet every check. The
@@ -28,7 +34,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import static_report
+from benchmarks import older_triton, static_report
 
 ROOT = Path(__file__).resolve().parent.parent
 ITEMS = static_report.matrix("ci")
@@ -119,3 +125,31 @@ def test_main_loop_instructions_per_kb(report, item):
                 f"{_describe(row)}: {row['instructions_per_kb']} main-loop instructions per KB of logits "
                 f"({row['loop_instructions']} per iteration of {row['bytes_per_iteration']} B), budget {row['budget']}"
             )
+
+
+@pytest.fixture(scope="module", params=older_triton.OLDER_TRITONS)
+def older_report(request, tmp_path_factory) -> dict:
+    version, path = request.param, older_triton.older_triton_path(request.param)
+    if not (path / "triton" / "__init__.py").exists():
+        install = f"pip install --no-deps --target {path} triton=={version}"
+        pytest.skip(f"triton {version} is not installed under {path}: {install}")
+    out = tmp_path_factory.mktemp("older") / f"{version}.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(path), str(ROOT), env.get("PYTHONPATH", "")])
+    command = [sys.executable, "-m", "benchmarks.older_triton", "--jobs", "2", "--out", str(out)]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"{' '.join(command)} with triton {version} failed:\n{done.stderr[-6000:]}"
+    result = json.loads(out.read_text())
+    imported = f"triton {result['triton']} from {result['triton_path']}"
+    assert result["triton"] == version, f"the subprocess imported {imported}"
+    return result
+
+
+def test_every_launch_compiles_on_older_triton(older_report):
+    launches = older_report["launches"]
+    covered = {(r["arch"], r["case"], r["dtype"], r["vocab"]) for r in launches}
+    assert covered == {item for item in ITEMS if item[0] in older_triton.ARCHS}
+    failed = [r for r in launches if r["error"] is not None]
+    named = [f"{r['arch']}/{r['case']}/{r['dtype']}/{r['vocab']} {r['kernel']}: {r['error']}" for r in failed[:3]]
+    heading = f"{len(failed)} of {len(launches)} launches do not compile on triton {older_report['triton']}"
+    assert not failed, heading + ":\n" + "\n".join(named)

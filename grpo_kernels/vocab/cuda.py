@@ -93,21 +93,16 @@ def token_logprobs_bwd(
     logit_scale: float = 1.0,
     softcap: float | None = None,
 ) -> None:
-    """Write dL/dlogits into `out` (may be `logits` itself; last strides 1); masked rows get 0."""
+    """Write dL/dlogits into `out` (may be `logits` itself; last strides 1); masked rows get 0. Into the logits, it
+    is the op whose schema says it mutates them (`token_logprobs_bwd_inplace`, `Tensor(a!) logits`): under
+    `torch.compile` the other one's would claim the logits unchanged."""
     targets, mask = _ids_and_mask(targets, mask)
-    ops().token_logprobs_bwd(
-        logits,
-        targets,
-        mask,
-        _f32(lse),
-        _f32(entropy),
-        _f32(grad_logp),
-        _f32(grad_entropy),
-        float(temperature),
-        float(logit_scale),
-        _softcap(softcap),
-        out,
-    )
+    args = (targets, mask, _f32(lse), _f32(entropy), _f32(grad_logp), _f32(grad_entropy), float(temperature))
+    transform = (float(logit_scale), _softcap(softcap))
+    if out.data_ptr() == logits.data_ptr():
+        ops().token_logprobs_bwd_inplace(logits, *args, *transform)
+    else:
+        ops().token_logprobs_bwd(logits, *args, *transform, out)
 
 
 def grpo_loss_fwd(

@@ -11,7 +11,10 @@ A `head_precision` other than the weight's dtype casts each tile's slice of the 
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
+import warnings
 
 import torch
 from torch import Tensor
@@ -27,32 +30,79 @@ LEAN_BACKENDS = ("torch", "triton")
 # free memory.
 CPU_TILE_BYTES = 32 << 20
 CUDA_TILE_BYTES = 64 << 20
-TILE_ROWS = {"cpu": 2048, "cuda": 16384}  # rows per tile at most: the GEMMs stay large in rows, V is cut instead
-MIN_TILE_VOCAB = 1024  # below it the budget cuts rows, not the vocabulary
+TILE_ROWS = {"cpu": 2048, "cuda": 16384}  # rows per tile at most: the GEMMs stay large in rows, V is cut first
+MIN_TILE = 128  # the smallest tile is min(N, 128) rows × min(V, 128) columns, whatever the budget
 TILE_VOCAB_ALIGN = 128
 CAST_ROWS = 1024  # rows per block of the in-place float32 -> bf16/fp16 cast of dH
 
 
+@dataclasses.dataclass(frozen=True)
+class TilePlan:
+    """The tiles of a lean pass over N rows × V columns: `rows` × `columns` each, `tiles` of them per pass (forward
+    and backward alike), and the `bytes` of the buffers one tile needs (see `tile_bytes`)."""
+
+    rows: int
+    columns: int
+    bytes: int
+    tiles: int
+
+
+def tile_bytes(rows: int, columns: int, n: int, hidden: int, dtype: torch.dtype, upcast: bool) -> int:
+    """The buffers of one tile: its logits [rows, columns] in `dtype` (+ a float32 copy when the GEMMs `upcast`
+    bf16/fp16), and for bf16/fp16 weights whose N rows take several tiles, the float32 dW tile [columns, H]."""
+    low = dtype.itemsize < 4
+    per_element = dtype.itemsize + (4 if upcast and low else 0)
+    return rows * columns * per_element + (columns * 4 * hidden if low and rows < n else 0)
+
+
+def plan_tiles(
+    n: int, vocab: int, hidden: int, dtype: torch.dtype, budget: int, max_rows: int, upcast: bool
+) -> TilePlan:
+    """The tile for N rows, V columns, H hidden within `budget` bytes: up to `max_rows` rows and as many columns (a
+    multiple of 128) as fit; columns shrink first, to min(V, 128), then rows, to min(N, 128) (a multiple of 128 below
+    N). Never smaller: if even that tile exceeds the budget it is taken, and a warning names both figures (once)."""
+    min_rows, min_columns = max(1, min(n, MIN_TILE)), max(1, min(vocab, MIN_TILE))
+    rows = max(min_rows, min(n, max_rows))
+    per_column = tile_bytes(rows, 1, n, hidden, dtype, upcast)
+    columns = vocab if budget // per_column >= vocab else budget // per_column // TILE_VOCAB_ALIGN * TILE_VOCAB_ALIGN
+    if columns < min_columns:  # then the rows: the float32 dW tile, if any, is fixed by the columns
+        columns = min_columns
+        fixed = tile_bytes(0, columns, n, hidden, dtype, upcast)
+        rows = min(rows, max(0, budget - fixed) // max(1, tile_bytes(1, columns, n, hidden, dtype, upcast) - fixed))
+        rows = rows if rows >= n else rows // MIN_TILE * MIN_TILE
+        rows = max(rows, min_rows)
+    need = tile_bytes(rows, columns, n, hidden, dtype, upcast)
+    if need > budget:
+        _warn_over_budget(need, budget)
+    return TilePlan(rows, columns, need, -(-n // rows) * -(-vocab // columns))
+
+
+@functools.cache
+def _warn_over_budget(need: int, budget: int) -> None:
+    warnings.warn(
+        f"memory='lean': the smallest tile (min(N, {MIN_TILE}) rows × min(V, {MIN_TILE}) columns) needs {need:,} bytes "
+        f"of buffers, over the tile budget of {budget:,} bytes; it is used anyway (smaller tiles would be too slow)",
+        stacklevel=4,
+    )
+
+
+def tile_budget(device: torch.device) -> int:
+    """Bytes a tile's buffers may take on `device`: CPU_TILE_BYTES; CUDA: CUDA_TILE_BYTES, at most 1/16 of the free
+    memory (not asked inside a CUDA graph capture)."""
+    if device.type != "cuda":
+        return CPU_TILE_BYTES
+    free = 1 << 34 if torch.cuda.is_current_stream_capturing() else torch.cuda.mem_get_info(device)[0]
+    return min(CUDA_TILE_BYTES, free // 16)
+
+
 def tile_shape(rows: int, vocab: int, hidden: int, dtype: torch.dtype, device: torch.device, tile) -> tuple[int, int]:
-    """(rows, vocab) of a tile: `tile` (cut to the problem), else from the budget above and the dtypes: up to
-    TILE_ROWS rows, and as many vocabulary columns (a multiple of 128, at least 1,024) as the budget holds."""
+    """(rows, vocab) of a tile: `tile` (cut to the problem), else `plan_tiles` within `tile_budget(device)`."""
     if tile is not None:
         return max(1, min(tile[0], rows)), max(1, min(tile[1], vocab))
-    elem = dtype.itemsize + (4 if gemm_mode(device) == "upcast" and dtype.itemsize < 4 else 0)
-    if device.type == "cuda":
-        free = 1 << 34 if torch.cuda.is_current_stream_capturing() else torch.cuda.mem_get_info(device)[0]
-        budget = min(CUDA_TILE_BYTES, free // 16)
-    else:
-        budget = CPU_TILE_BYTES
-    tile_rows = max(1, min(rows, TILE_ROWS["cuda" if device.type == "cuda" else "cpu"]))
-    acc = 4 * hidden if dtype.itemsize < 4 and tile_rows < rows else 0  # the float32 dW tile, per column
-    columns = budget // (tile_rows * elem + acc)
-    if columns < MIN_TILE_VOCAB:  # the rows take several tiles now
-        columns = MIN_TILE_VOCAB
-        acc = 4 * hidden if dtype.itemsize < 4 else 0
-        tile_rows = max(1, (budget - columns * acc) // (columns * elem))
-    columns = max(TILE_VOCAB_ALIGN, columns // TILE_VOCAB_ALIGN * TILE_VOCAB_ALIGN)
-    return tile_rows, min(columns, vocab)
+    max_rows = TILE_ROWS["cuda" if device.type == "cuda" else "cpu"]
+    upcast = gemm_mode(device) == "upcast"
+    plan = plan_tiles(rows, vocab, hidden, dtype, tile_budget(device), max_rows, upcast)
+    return plan.rows, plan.columns
 
 
 def available_bytes(device: torch.device) -> int | None:

@@ -1,0 +1,81 @@
+"""Every Triton launch compiled for sm_90a against an older triton than the one installed, without a GPU.
+
+    pip install --no-deps --target ~/.cache/grpo-kernels/triton/3.6.0 triton==3.6.0
+    PYTHONPATH=~/.cache/grpo-kernels/triton/3.6.0 python -m benchmarks.older_triton --out FILE
+
+torch 2.10 and 2.11 pin triton 3.6, while CI runs the newest triton, whose interpreter compiles nothing: a triton API
+the kernels use that an older release lacks (as `tl.math.fdiv(..., approx=True)`, new in 3.9) shows only here. The
+launches are the launchers' own, recorded and specialised as in `benchmarks.static_report` (its `ci` subset); each is
+only compiled (PTX and cubin), since the budgets there are measured with the newest triton. The report lists every
+launch with the compiler's error, or None. tests/test_triton_compile.py runs this in a subprocess with the older
+triton first on PYTHONPATH, for each version in `OLDER_TRITONS` that is installed under `older_triton_path`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from benchmarks import static_report
+
+OLDER_TRITONS = ("3.6.0",)  # torch 2.10 / 2.11's pin; the oldest `grpo_kernels.vocab.backends` accepts
+ARCHS = ("sm_90a",)
+
+
+def older_triton_path(version: str) -> Path:
+    """The folder `pip install --no-deps --target <folder> triton==<version>` filled (.ci/run does): under
+    $GRPO_KERNELS_TRITON_WHEELS, else ~/.cache/grpo-kernels/triton."""
+    root = os.environ.get("GRPO_KERNELS_TRITON_WHEELS") or Path.home() / ".cache" / "grpo-kernels" / "triton"
+    return Path(root) / version
+
+
+def compile_launches(arch: str, case: str, dtype: str, vocab: str) -> list[dict]:
+    """One row per launch of the case, compiled for `arch`, with the compiler's error (None when it compiled)."""
+    rows = []
+    for launch in static_report.launches_of(case, dtype, vocab):
+        row = {"arch": arch, "kernel": launch.kernel.__name__, "case": case, "dtype": dtype, "vocab": vocab}
+        try:
+            static_report.compile_launch(launch, static_report.ARCHS[arch])
+            row["error"] = None
+        except Exception as error:  # noqa: BLE001 - recorded: the report names it and the test fails on it
+            root = error
+            while root.__cause__ is not None:  # a CompilationError per jit function it went through
+                root = root.__cause__
+            row["error"] = f"{type(root).__name__}: {root}"[-2000:]
+        rows.append(row)
+    return rows
+
+
+def _worker(item: tuple[str, str, str, str]) -> list[dict]:
+    return compile_launches(*item)
+
+
+def report(jobs: int) -> dict:
+    import triton
+
+    return {
+        "triton": triton.__version__,
+        "triton_path": str(Path(triton.__file__).parent),
+        "command": "python -m benchmarks.older_triton",
+        "launches": static_report.run("ci", jobs, ARCHS, worker=_worker),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1))
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    result = report(args.jobs)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    failed = sum(row["error"] is not None for row in result["launches"])
+    launches = len(result["launches"])
+    print(f"triton {result['triton']}: {launches} launches, {failed} failed -> {args.out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
