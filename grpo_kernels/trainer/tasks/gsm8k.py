@@ -14,6 +14,7 @@ from grpo_kernels.checks import check_texts
 from grpo_kernels.rewards import REWARDS
 from grpo_kernels.rewards.extraction import last_number
 from grpo_kernels.rewards.limits import score_texts
+from grpo_kernels.trainer.offline import require_hub
 from grpo_kernels.trainer.tasks.dataset import DatasetTask
 from grpo_kernels.trainer.tasks.records import EVAL_SIZE, Prompt
 
@@ -30,6 +31,7 @@ def number_present(completions: list[str], truncated: Tensor, **kwargs) -> Tenso
 
 def load_gsm8k(eval_size: int = EVAL_SIZE) -> DatasetTask:
     """GSM8K's train split for training, the first `eval_size` problems of its test split for evaluation."""
+    require_hub("dataset 'gsm8k'", HUB_NAME, "dataset", "use a local file instead: " + _LOCAL.removeprefix("or "))
     try:
         import datasets
     except ImportError as error:
