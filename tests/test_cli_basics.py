@@ -3,7 +3,7 @@ latest run, `--paper-settings`, the sampler round limit's flag and the step cap 
 
 import dataclasses
 import os
-import subprocess
+import runpy
 import sys
 from pathlib import Path
 
@@ -16,18 +16,17 @@ from grpo_kernels.trainer.config import TrainConfig
 from grpo_kernels.trainer.samplers import GPG_MAX_ROUNDS, MAX_NUM_GEN_BATCHES
 from tests.test_trainer_presets import FakeSource
 
-REPO = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 
-
-def test_version_on_every_command_and_the_package_lists_its_commands():
+def test_version_on_every_command_and_the_package_lists_its_commands(capsys, monkeypatch):
     for module in ("grpo_kernels.train", "grpo_kernels.compare", "grpo_kernels.evaluate"):
-        done = subprocess.run([sys.executable, "-m", module, "--version"], env=ENV, capture_output=True, text=True)
-        assert (done.returncode, done.stdout) == (0, f"grpo-kernels {grpo_kernels.__version__}\n"), module
-    done = subprocess.run([sys.executable, "-m", "grpo_kernels"], env=ENV, capture_output=True, text=True)
-    assert done.returncode == 0
+        monkeypatch.setattr(sys, "argv", [module, "--version"])
+        with pytest.raises(SystemExit) as stop:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        assert (stop.value.code, capsys.readouterr().out) == (0, f"grpo-kernels {grpo_kernels.__version__}\n")
+    runpy.run_module("grpo_kernels", run_name="__main__")
+    out = capsys.readouterr().out
     for command in ("train", "compare", "evaluate"):
-        assert sum(f"python -m grpo_kernels.{command} " in line for line in done.stdout.splitlines()) == 1
+        assert sum(f"python -m grpo_kernels.{command} " in line for line in out.splitlines()) == 1
 
 
 def test_runs_without_output_dir_get_new_directories(tmp_path, monkeypatch):
@@ -47,7 +46,7 @@ def test_runs_without_output_dir_get_new_directories(tmp_path, monkeypatch):
 
 def test_resume_needs_output_dir_and_names_the_latest_run(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ValueError, match=r"--resume needs --output-dir .*no run under runs/ yet"):
+    with pytest.raises(ValueError, match=r"--resume needs --output-dir.*no run under runs/ yet"):
         parse_args(["--resume"])
     for name in ("demo-1", "dapo-2"):
         (tmp_path / "runs" / name).mkdir(parents=True)
