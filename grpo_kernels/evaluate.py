@@ -23,6 +23,7 @@ from grpo_kernels.trainer.checkpoint import CHECKPOINTS, latest
 from grpo_kernels.trainer.cli import Parser, run
 from grpo_kernels.trainer.config import TrainConfig
 from grpo_kernels.trainer.evaluate import EVAL_BATCH_SIZE, evaluate
+from grpo_kernels.trainer.offline import require_model
 
 SETTINGS = ("dataset", "max_sum", "eval_size", "max_completion_length")  # TrainConfig fields the evaluation uses
 
@@ -168,6 +169,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     args.model = checkpoint_of(args.model)
     args.compare = None if args.compare is None else checkpoint_of(args.compare)
+    for model in (args.model, args.compare):
+        if model is not None:
+            require_model(model)  # before transformers is imported: fails fast offline
     settings = resolve_settings(args)
     check_device(args.device)
     task = build_task(argparse.Namespace(**settings))  # a bad dataset fails here, before any model is loaded

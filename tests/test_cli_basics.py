@@ -17,6 +17,7 @@ from grpo_kernels.trainer.samplers import GPG_MAX_ROUNDS, MAX_NUM_GEN_BATCHES
 from tests.test_trainer_presets import FakeSource
 
 
+@pytest.mark.filterwarnings("ignore:.*found in sys.modules:RuntimeWarning")  # runpy of an imported module
 def test_version_on_every_command_and_the_package_lists_its_commands(capsys, monkeypatch):
     for module in ("grpo_kernels.train", "grpo_kernels.compare", "grpo_kernels.evaluate"):
         monkeypatch.setattr(sys, "argv", [module, "--version"])

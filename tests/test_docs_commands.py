@@ -105,6 +105,7 @@ def _runnable(path: Path) -> list[Command]:
     return [c for c in commands(path) if c.needs is None]
 
 
+@pytest.mark.filterwarnings("ignore:.*found in sys.modules:RuntimeWarning")  # runpy of an imported module
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_documented_commands_run(path, tmp_path, monkeypatch, capsys):
     """The file's commands, in order, in a fresh directory; training runs capped at MAX_STEPS steps."""

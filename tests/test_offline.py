@@ -52,3 +52,24 @@ def test_a_cached_copy_or_a_proxy_goes_to_the_libraries(no_cache, monkeypatch):
     monkeypatch.delenv("HF_HUB_OFFLINE")
     monkeypatch.setenv("HTTPS_PROXY", "http://proxy.invalid:3128")
     assert offline.offline_reason() is None  # through a proxy: the libraries try
+
+
+def test_the_commands_fail_in_one_line_before_loading_a_model(no_cache, monkeypatch, capsys, tmp_path):
+    from grpo_kernels import evaluate
+    from grpo_kernels.trainer import __main__ as train_command
+    from grpo_kernels.trainer.cli import run
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    commands = [
+        (train_command.main, ["--model", "org/not-here"], "model 'org/not-here' needs the Hugging Face Hub"),
+        (train_command.main, ["--dataset", "gsm8k"], "dataset 'gsm8k' needs the Hugging Face Hub"),
+        (lambda argv: run(evaluate.main, argv), ["--model", "runs/not-here"], "no directory 'runs/not-here' either"),
+    ]
+    for main, argv, message in commands:
+        start = time.perf_counter()
+        with pytest.raises(SystemExit) as stop:
+            main(argv)
+        assert stop.value.code == 2 and time.perf_counter() - start < 2.0
+        (line,) = capsys.readouterr().err.splitlines()
+        assert line.startswith("error: ") and message in line

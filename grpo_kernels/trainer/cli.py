@@ -26,7 +26,7 @@ class Parser(argparse.ArgumentParser):
     """An `ArgumentParser` whose errors are one line, `error: ...`, without the (long) usage."""
 
     def __init__(self, **kwargs) -> None:
-        super().__init__(**kwargs)
+        super().__init__(**{"allow_abbrev": False, **kwargs})  # `--step 10` is an error, not `--steps 10`
         self.add_argument(DEBUG_FLAG, action="store_true", help="show the traceback of an error (else one line)")
         self.add_argument("--version", action="version", version=f"grpo-kernels {__version__}")
 

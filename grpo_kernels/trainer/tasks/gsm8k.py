@@ -29,9 +29,14 @@ def number_present(completions: list[str], truncated: Tensor, **kwargs) -> Tenso
     return (has_number & ~truncated.cpu()).float()
 
 
+def require_gsm8k() -> None:
+    """An OSError at once when GSM8K can come neither from the Hub nor from its cache (`offline.require_hub`)."""
+    require_hub("dataset 'gsm8k'", HUB_NAME, "dataset", "use a local file instead: " + _LOCAL.removeprefix("or "))
+
+
 def load_gsm8k(eval_size: int = EVAL_SIZE) -> DatasetTask:
     """GSM8K's train split for training, the first `eval_size` problems of its test split for evaluation."""
-    require_hub("dataset 'gsm8k'", HUB_NAME, "dataset", "use a local file instead: " + _LOCAL.removeprefix("or "))
+    require_gsm8k()
     try:
         import datasets
     except ImportError as error:
