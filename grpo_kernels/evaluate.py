@@ -169,12 +169,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     args.model = checkpoint_of(args.model)
     args.compare = None if args.compare is None else checkpoint_of(args.compare)
-    for model in (args.model, args.compare):
-        if model is not None:
-            require_model(model)  # before transformers is imported: fails fast offline
     settings = resolve_settings(args)
     check_device(args.device)
     task = build_task(argparse.Namespace(**settings))  # a bad dataset fails here, before any model is loaded
+    for model in (args.model, args.compare):
+        if model is not None:
+            require_model(model)  # before transformers is imported: fails fast offline
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     results: dict = {"settings": settings, "num_prompts": len(task.eval_prompts())}
     for role, name in (("model", args.model), ("compare", args.compare)):
