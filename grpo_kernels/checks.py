@@ -54,8 +54,14 @@ def check_linear(hidden: Tensor, weight: Tensor, bias: Tensor | None, backend: s
     if hidden.dim() != 3:
         raise ValueError(f"hidden must be [B, T, H] (or packed [N, H]), got {_shape(hidden.shape)}")
     check_tensor("weight", weight)
-    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(f"weight must be [V, H] with H = {hidden.shape[-1]}, got {_shape(weight.shape)}")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be [V, H] (2-D), got {_shape(weight.shape)}")
+    if weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"hidden {_shape(hidden.shape)} and weight {_shape(weight.shape)} disagree on H: hidden's last dimension "
+            f"is {hidden.shape[-1]}, weight's second is {weight.shape[1]} (weight must be [V, H] with H = "
+            f"{hidden.shape[-1]})"
+        )
     dtypes = LOGITS_DTYPES[backend]
     if hidden.dtype not in dtypes:
         raise TypeError(f"hidden dtype must be one of {dtypes} for backend={backend!r}, got {hidden.dtype}")

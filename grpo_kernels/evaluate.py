@@ -2,12 +2,12 @@
 held-out prompts, for one policy or two (typically a run's initial and final checkpoints) and their difference.
 
 A model is a trainer checkpoint (`<output_dir>/checkpoints/step_000600/`: a Hugging Face model directory with its
-tokenizer) or any Hugging Face model name or directory. The settings (`dataset`, `max_sum`, `eval_size`,
-`max_completion_length`) are, highest first: the flags, the `config.yaml` of the run a checkpoint came from (A's
-run, else B's), `TrainConfig`'s defaults. Prints a table (rich when installed) of both models' `eval/*` metrics
-(`answer` is the accuracy) and B − A; `--output results.json` writes the same as JSON. A user error (a model path
-that does not exist, an unknown dataset, a device this machine lacks) is one line, `error: ...`, and exit status 2
-(`--debug`: the traceback); torch and transformers are imported after the command line is read.
+tokenizer), a run directory (its latest checkpoint) or any Hugging Face model name or directory. The settings
+(`dataset`, `max_sum`, `eval_size`, `max_completion_length`) are, highest first: the flags, the `config.yaml` of the run
+a checkpoint came from (A's run, else B's), `TrainConfig`'s defaults. Prints a table (rich when installed) of both
+models' `eval/*` metrics (`answer` is the accuracy) and B − A; `--output results.json` writes the same as JSON. A user
+error (a model path that does not exist, an unknown dataset, a device this machine lacks) is one line, `error: ...`, and
+exit status 2 (`--debug`: the traceback); torch and transformers are imported after the command line is read.
 """
 
 from __future__ import annotations
@@ -19,10 +19,11 @@ from pathlib import Path
 
 import yaml
 
-from grpo_kernels.trainer.checkpoint import CHECKPOINTS
+from grpo_kernels.trainer.checkpoint import CHECKPOINTS, latest
 from grpo_kernels.trainer.cli import Parser, run
 from grpo_kernels.trainer.config import TrainConfig
 from grpo_kernels.trainer.evaluate import EVAL_BATCH_SIZE, evaluate
+from grpo_kernels.trainer.offline import require_model
 
 SETTINGS = ("dataset", "max_sum", "eval_size", "max_completion_length")  # TrainConfig fields the evaluation uses
 
@@ -43,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--model",
         required=True,
-        help="model A: a checkpoint directory (<run>/checkpoints/step_N) or a Hugging Face name",
+        help="model A: a run directory (its latest checkpoint), a checkpoint (<run>/checkpoints/step_N) or a Hugging "
+        "Face name or directory",
     )
     parser.add_argument("--compare", help="a second model (B), e.g. the final checkpoint; the table shows B − A")
     parser.add_argument(
@@ -71,6 +73,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="auto", help="one of: auto (cuda when available), cpu, cuda, cuda:N")
     parser.add_argument("--output", help="write the results as JSON to this file")
     return parser
+
+
+def checkpoint_of(model: str) -> str:
+    """`model`, or the latest complete checkpoint when `model` is a run directory (one with `checkpoints/`); a run
+    directory without a checkpoint is a ValueError."""
+    path = Path(model)
+    if not (path / CHECKPOINTS).is_dir() or (path / "config.json").is_file():
+        return model
+    found = latest(path)
+    if found is None:
+        raise ValueError(f"model {model!r}: a run directory without a complete checkpoint in {path / CHECKPOINTS}")
+    return str(found)
 
 
 def run_settings(model: str) -> dict:
@@ -153,9 +167,14 @@ def main(argv: Sequence[str] | None = None) -> dict:
     from grpo_kernels.trainer.tasks import build_task
 
     args = build_parser().parse_args(argv)
+    args.model = checkpoint_of(args.model)
+    args.compare = None if args.compare is None else checkpoint_of(args.compare)
     settings = resolve_settings(args)
     check_device(args.device)
     task = build_task(argparse.Namespace(**settings))  # a bad dataset fails here, before any model is loaded
+    for model in (args.model, args.compare):
+        if model is not None:
+            require_model(model)  # before transformers is imported: fails fast offline
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     results: dict = {"settings": settings, "num_prompts": len(task.eval_prompts())}
     for role, name in (("model", args.model), ("compare", args.compare)):

@@ -8,6 +8,7 @@ generation settings, so `loss_type="dr_grpo"` asks for it instead of assuming TR
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import warnings
 from dataclasses import dataclass
 
@@ -179,8 +180,15 @@ class LossOptions:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(kwargs) - names)
         if unknown:
-            raise TypeError(f"unknown loss option(s) {unknown}; valid options are {sorted(names)}")
+            hints = [f"{name!r}: did you mean {close[0]!r}?" for name in unknown if (close := _closest(name, names))]
+            hint = f" ({'; '.join(hints)})" if hints else ""
+            raise TypeError(f"unknown loss option(s) {unknown}{hint}; valid options are {sorted(names)}")
         return cls(**kwargs)
+
+
+def _closest(name: str, names: set[str]) -> list[str]:
+    """The valid name closest to a misspelt `name` (difflib), as a list of at most one."""
+    return difflib.get_close_matches(name, sorted(names), n=1, cutoff=0.6)
 
 
 def resolve_options(options, loss_options: dict) -> LossOptions:

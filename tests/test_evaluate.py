@@ -80,5 +80,10 @@ def test_cli_one_model_plain_table_and_bad_dataset(tmp_path, capsys, monkeypatch
         cli.main(["--model", str(tmp_path / "no_such_model"), "--dataset", "bogus"])
     with pytest.raises(ValueError, match="no_such_model': no such directory"):  # not a hub error
         cli.main(["--model", str(tmp_path / "no_such_model")])
-    with pytest.raises(ValueError, match="not a model directory"):  # a run directory, not a checkpoint
-        cli.main(["--model", str(tmp_path / "run")])
+    run_dir = cli.main(["--model", str(tmp_path / "run"), "--max-completion-length", "3"])  # its latest checkpoint
+    assert run_dir["model"]["name"] == str(tmp_path / "run" / "checkpoints" / "step_000600")
+    (tmp_path / "empty" / "checkpoints").mkdir(parents=True)
+    with pytest.raises(ValueError, match="a run directory without a complete checkpoint"):
+        cli.main(["--model", str(tmp_path / "empty")])
+    with pytest.raises(ValueError, match="not a model directory"):  # neither a run nor a model directory
+        cli.main(["--model", str(tmp_path / "empty" / "checkpoints")])

@@ -69,7 +69,9 @@ def test_training_settings_are_checked(training, error, message):
 
 
 def test_settings_reach_the_trainer_and_flags_override_them(tmp_path, monkeypatch):
-    config = parse_args(["--preset", preset_file(tmp_path, **PAPER), "--output-dir", str(tmp_path / "run"), *QUIET])
+    config = parse_args(
+        ["--preset", preset_file(tmp_path, **PAPER), "--paper-settings", "--output-dir", str(tmp_path / "run"), *QUIET]
+    )
     assert [config.num_generations, config.learning_rate, config.loss.temperature, config.num_iterations] == list(
         PAPER.values()
     )
@@ -86,7 +88,7 @@ def test_settings_reach_the_trainer_and_flags_override_them(tmp_path, monkeypatc
     trainer.train()
     assert seen == [(2 * 3, 2, 0.02, 0.5)]  # G = 3 rows per prompt, μ = 2, the preset's lr and temperature
     flags = ["--num-generations", "4", "--learning-rate", "0.1", "--temperature", "1.5", "--num-iterations", "1"]
-    config = parse_args(["--preset", preset_file(tmp_path, **PAPER), *flags])
+    config = parse_args(["--preset", preset_file(tmp_path, **PAPER), "--paper-settings", *flags])
     assert [config.num_generations, config.learning_rate, config.loss.temperature, config.num_iterations] == [
         4,
         0.1,
@@ -100,7 +102,20 @@ def test_config_yaml_records_each_value_and_its_source_and_resume_keeps_them(tmp
     out = str(tmp_path / "run")
     preset = preset_file(tmp_path, num_generations=3, temperature=0.5, num_iterations=1, max_completion_length=64)
     GRPOTrainer(
-        parse_args(["--preset", preset, "--output-dir", out, "--steps", "1", "--learning-rate", "0.01", *QUIET]),
+        parse_args(
+            [
+                "--preset",
+                preset,
+                "--paper-settings",
+                "--output-dir",
+                out,
+                "--steps",
+                "1",
+                "--learning-rate",
+                "0.01",
+                *QUIET,
+            ]
+        ),
         task=AdditionTask(),
     ).train()
     saved = yaml.safe_load((Path(out) / "config.yaml").read_text(encoding="utf-8"))

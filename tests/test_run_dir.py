@@ -73,7 +73,17 @@ def test_resume_continues_with_the_runs_own_config_end_to_end(tmp_path):
     outside the resumable ones that differs is a one-line error naming it."""
     budget = ["--max-completion-length", "1"]  # a lone digit: right 1 time in 16, so DAPO's filter keeps groups
     first = command(
-        "--preset", "dapo", "--steps", "2", "--output-dir", "d", *TINY_FLAGS, *budget, "--no-plot", cwd=tmp_path
+        "--preset",
+        "dapo",
+        "--paper-settings",
+        "--steps",
+        "2",
+        "--output-dir",
+        "d",
+        *TINY_FLAGS,
+        *budget,
+        "--no-plot",
+        cwd=tmp_path,
     )
     assert first.returncode == 0, first.stderr
     resumed = command("--resume", "--steps", "3", "--output-dir", "d", "--no-plot", cwd=tmp_path)

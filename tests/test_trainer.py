@@ -73,7 +73,9 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path):
 
 
 def test_cli_defaults_preset_yaml_and_flags(tmp_path):
-    assert parse_args([]) == TrainConfig()
+    defaults = parse_args([])
+    assert defaults.output_dir.startswith("runs/demo-")  # a new run directory each time
+    assert dataclasses.replace(defaults, output_dir=None) == TrainConfig()
     assert TrainConfig().loss.beta == 0.04 and TrainConfig().preset == "grpo"  # the DeepSeekMath preset
     dapo = parse_args(["--preset", "dapo"])
     assert (dapo.loss.loss_type, dapo.loss.epsilon_high, dapo.loss.beta) == ("dapo", 0.28, 0.0)

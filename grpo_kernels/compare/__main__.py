@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from grpo_kernels.trainer import cli
+from grpo_kernels.trainer.run_names import new_run_dir
 
 DEFAULT_PRESETS = "grpo,dapo,dr_grpo,gspo,cispo,sapo,gpg,rloo"
 RESULTS = ("compare.md", "compare.json", "compare.svg")
@@ -37,7 +38,7 @@ def build_parser() -> cli.Parser:
     parser.add_argument("--presets", default=DEFAULT_PRESETS, help=f"comma-separated (default: {DEFAULT_PRESETS})")
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps of every run (default: 300)")
     parser.add_argument("--seed", type=int, default=0, help="the seed of every run (default: 0)")
-    parser.add_argument("--output-dir", default="runs/compare", help="new or empty directory (default: runs/compare)")
+    parser.add_argument("--output-dir", help="new or empty directory (default: a new runs/compare-<timestamp>)")
     parser.add_argument("--overwrite", action="store_true", help="clear a non-empty --output-dir first")
     parser.add_argument("--threshold", type=float, default=0.8, help="reward of the 'steps to' column (default: 0.8)")
     parser.add_argument("--window", type=int, default=10, help="steps in the reward's moving mean (default: 10)")
@@ -62,7 +63,7 @@ def _compare(argv: Sequence[str]) -> None:
         presets=tuple(p.strip() for p in args.presets.split(",") if p.strip()),
         steps=args.steps,
         seed=args.seed,
-        output_dir=args.output_dir,
+        output_dir=args.output_dir or new_run_dir("compare"),
         overwrite=args.overwrite,
         threshold=args.threshold,
         window=args.window,

@@ -29,7 +29,16 @@ from grpo_kernels.trainer.config import TrainConfig, build_parser, parse_args
 PROG = "python -m grpo_kernels.compare"
 SHARED = ("num_generations", "prompts_per_step", "max_completion_length", "learning_rate", "num_iterations")
 SHARED_LOSS = ("temperature",)
-OWN = ("preset", "output_dir", "steps", "seed", "resume", "overwrite", "start_if_no_checkpoint")  # compare's flags
+OWN = (
+    "preset",
+    "output_dir",
+    "steps",
+    "seed",
+    "resume",
+    "overwrite",
+    "start_if_no_checkpoint",
+    "paper_settings",
+)  # compare's flags
 RUN_DEFAULTS = ("--eval-every", "0", "--checkpoint-every", "0", "--no-plot")  # greedy eval and a checkpoint at the end
 
 
@@ -66,7 +75,7 @@ def run_configs(config: CompareConfig) -> dict[str, TrainConfig]:
     if own:
         flags = ", ".join("--" + name.replace("_", "-") for name in own)
         raise ValueError(f"{flags}: set by compare for each run (use compare's own --presets, --steps, --seed, ...)")
-    shared = [] if config.paper_settings else _shared_flags()
+    shared = ["--paper-settings"] if config.paper_settings else _shared_flags()
     configs = {}
     for preset in config.presets:
         if "/" in preset or preset in (".", ".."):

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from grpo_kernels.trainer import cli
 from grpo_kernels.trainer.config import parse_args
+from grpo_kernels.trainer.offline import require_sources
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -19,6 +20,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 def _train(argv: Sequence[str]) -> None:
     config = parse_args(argv)
+    require_sources(config.model, config.dataset)  # before transformers is imported: fails fast offline
     from grpo_kernels.trainer.train import train
 
     train(config)

@@ -1,5 +1,5 @@
-"""What the two commands (`python -m grpo_kernels.train`, `python -m grpo_kernels.evaluate`) share: a parser whose
-errors are one line, and `run`, which turns a user error into `error: <what to do>` and exit status 2.
+"""What the commands (`python -m grpo_kernels.train`, `.compare`, `.evaluate`) share: a parser whose errors are one
+line (and which answers `--version`), and `run`, which turns a user error into `error: <what to do>` and exit status 2.
 
 A user error is an exception of a type in `USER_ERRORS`, raised anywhere in the command: the library names the
 argument, the expected and the received value, and that line is what the user sees. `--debug` shows the traceback
@@ -14,6 +14,8 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
+from grpo_kernels import __version__
+
 USER_ERRORS = (ValueError, TypeError, OSError, ImportError)  # a bad option, a missing file, a missing package
 EXIT_USER_ERROR = 2  # argparse's status for a bad command line
 EXIT_INTERRUPTED = 130
@@ -24,8 +26,9 @@ class Parser(argparse.ArgumentParser):
     """An `ArgumentParser` whose errors are one line, `error: ...`, without the (long) usage."""
 
     def __init__(self, **kwargs) -> None:
-        super().__init__(**kwargs)
+        super().__init__(**{"allow_abbrev": False, **kwargs})  # `--step 10` is an error, not `--steps 10`
         self.add_argument(DEBUG_FLAG, action="store_true", help="show the traceback of an error (else one line)")
+        self.add_argument("--version", action="version", version=f"grpo-kernels {__version__}")
 
     def error(self, message: str) -> NoReturn:
         print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)

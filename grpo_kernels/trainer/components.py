@@ -46,6 +46,8 @@ from grpo_kernels.trainer.preset_weights import LEARNED, build_learner
 from grpo_kernels.trainer.rollout import Rollout, RolloutBatch
 from grpo_kernels.trainer.samplers import (
     GLOBAL_SAMPLERS,
+    GPG_MAX_ROUNDS,
+    MAX_NUM_GEN_BATCHES,
     DynamicSampling,
     GPGResampling,
     Round,
@@ -70,10 +72,17 @@ MATRIX_WEIGHTS = "weights"  # an estimator with this parameter takes the reward 
 TOKEN_WEIGHTS = ("tr_grpo",)  # fn(logp [B, T], **hyperparameters) -> token_weights [B, T] (detached)
 POLICY_TERMS = ("amir", "info_grpo")  # loss terms the policy's forward adds (preset_amir.py, preset_info.py)
 SAMPLERS: dict[str, Callable[..., Sampler]] = {
-    "dapo_dynamic": lambda config: DynamicSampling(config.prompts_per_step),
-    "gpg_valid": lambda config, **kwargs: GPGResampling(**kwargs),
+    "dapo_dynamic": lambda config: DynamicSampling(config.prompts_per_step, _limit(config, MAX_NUM_GEN_BATCHES)),
+    "gpg_valid": lambda config, **kwargs: GPGResampling(**{"max_rounds": _limit(config, GPG_MAX_ROUNDS), **kwargs}),
     "xrpo_allocate": lambda config, **kwargs: XRPOAllocation(**kwargs),
 }
+
+
+def _limit(config: TrainConfig, default: int) -> int:
+    """A sampler's round limit: `--max-num-gen-batches` when given, else the sampler's own."""
+    return default if config.max_num_gen_batches is None else config.max_num_gen_batches
+
+
 UNSUPPORTED: dict[str, str] = {}  # why the trainer does not apply a known component
 
 

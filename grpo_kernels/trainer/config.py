@@ -39,6 +39,7 @@ from grpo_kernels import presets
 from grpo_kernels.advantages import ADVANTAGES
 from grpo_kernels.integrations.attention import ATTN_IMPLEMENTATIONS
 from grpo_kernels.options import IMPORTANCE_SAMPLING_LEVELS, KL_ESTIMATORS, LOSS_AGG_MODES, LOSS_TYPES, LossOptions
+from grpo_kernels.trainer import run_names
 from grpo_kernels.trainer.cli import Parser
 from grpo_kernels.trainer.logging import REPORT_TO
 from grpo_kernels.trainer.parallel import PARALLEL_MODES
@@ -57,7 +58,8 @@ class TrainConfig:
     """Options of `grpo_kernels.trainer.train`; the defaults train the tiny demo policy on CPU in a few minutes."""
 
     # ---- run
-    output_dir: str = "runs/demo"  # the run's directory: config.yaml, metrics.jsonl, metrics.png, checkpoints/
+    output_dir: str | None = None  # the run's directory: config.yaml, metrics.jsonl, metrics.png, checkpoints/;
+    # none: a new runs/<preset or demo>-<timestamp>
     overwrite: bool = False  # a new run into a non-empty output_dir clears it first (without it: an error)
     seed: int = 0  # seed of the weights, the prompts and the sampling
     steps: int = 600  # optimizer steps of the outer loop (each: one rollout batch, num_iterations updates)
@@ -104,6 +106,8 @@ class TrainConfig:
     vllm_importance_sampling_clip_max: float | None = 3.0  # the correction's upper cap (none: no cap)
     vllm_importance_sampling_clip_min: float | None = None  # the correction's lower cap (none: no cap)
     # ---- algorithm
+    paper_settings: bool = False  # with --preset: the paper's G, lr, temperature, μ and generation budget (capped
+    # at the task's); without it the preset's algorithm runs with the trainer's settings, tuned for the demo task
     preset: str | None = DEFAULT_PRESET  # paper preset (configs/papers/<name>.yaml) or preset YAML: the trainer
     # builds its rewards, sampler and regularizers; its loss options, advantage and training settings (G, lr,
     # temperature, μ; flags win) come in through `apply_preset` (the command line's `--preset` calls it; setting this
@@ -111,6 +115,8 @@ class TrainConfig:
     advantage: str = "grpo"  # the advantage estimator (an ADVANTAGES name)
     advantage_kwargs: dict[str, Any] = field(default_factory=dict)  # its hyperparameters, as a YAML mapping
     num_iterations: int = 1  # μ: optimizer updates per rollout batch (TRL's name)
+    max_num_gen_batches: int | None = None  # DAPO / GPG samplers: generation rounds before giving up on filling a
+    # batch (none: DAPO 30, GPG 20; 0: no limit)
     gradient_accumulation_steps: int = 1  # micro-batches per optimizer update on each rank (TRL's name)
     max_tokens_per_microbatch: int | None = None  # fill micro-batches up to this many tokens of the forward
     # (real tokens when padding-free), at least gradient_accumulation_steps of them; none: split by rows
@@ -190,12 +196,13 @@ def from_dict(data: Mapping[str, Any], base: TrainConfig | None = None, where: s
     return dataclasses.replace(config, **values, loss=loss)
 
 
-def apply_preset(config: TrainConfig, name: str | None) -> TrainConfig:
+def apply_preset(config: TrainConfig, name: str | None, paper_settings: bool = True) -> TrainConfig:
     """The config with a paper preset's loss options, advantage estimator and training settings (G, lr, temperature,
     μ; TrainConfig's defaults where the paper gives none), and `preset` naming it: the trainer builds the preset's
     rewards, sampler and regularizers from that name (`components.PresetComponents`) and caps the generation budget
-    at the paper's (`settings.resolve_settings`). `None`: LossOptions' defaults, the `grpo` advantage with its defaults,
-    TrainConfig's default settings and the task's reward alone."""
+    at the paper's (`settings.resolve_settings`); `paper_settings=False` (the command line without
+    `--paper-settings`) keeps `config`'s settings and budget. `None`: LossOptions' defaults, the `grpo` advantage
+    with its defaults, TrainConfig's default settings and the task's reward alone."""
     defaults = TrainConfig()
     if name is None:
         settings = {n: getattr(defaults, n) for n in ("num_generations", "learning_rate", "num_iterations")}
@@ -209,9 +216,13 @@ def apply_preset(config: TrainConfig, name: str | None) -> TrainConfig:
         for n in ("num_generations", "learning_rate", "num_iterations")
     }
     temperature = preset.loss.temperature if training.temperature is None else training.temperature
+    if not paper_settings:
+        settings = {n: getattr(config, n) for n in settings}
+        temperature = config.loss.temperature
     return dataclasses.replace(
         config,
         preset=name,
+        paper_settings=paper_settings,
         loss=dataclasses.replace(preset.loss, temperature=temperature),
         advantage=preset.advantage.name,
         advantage_kwargs=dict(preset.advantage.kwargs),
@@ -239,6 +250,7 @@ _AT_LEAST = {  # field -> its smallest value (None, where the field allows it, i
     "max_completion_length": 1,
     "vllm_importance_sampling_clip_min": 0.0,
     "num_iterations": 1,
+    "max_num_gen_batches": 0,
     "gradient_accumulation_steps": 1,
     "max_tokens_per_microbatch": 1,
     "weight_decay": 0.0,
@@ -367,6 +379,7 @@ which only where it stops and how it logs may change (--steps, --checkpoint-ever
 EPILOG = """\
 examples:
   python -m grpo_kernels.train --preset dapo --output-dir runs/dapo --steps 100
+  python -m grpo_kernels.train --preset dapo --paper-settings --learning-rate 1e-3
   python -m grpo_kernels.train --output-dir runs/dapo --resume --steps 200
   python -m grpo_kernels.train --dataset countdown --config my_run.yaml"""
 
@@ -438,12 +451,18 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     if args.get("resume", data.get("resume", False)):
         from grpo_kernels.trainer.run_dir import load_run_config
 
-        config = load_run_config(args.get("output_dir", data.get("output_dir", config.output_dir))) or config
-    if "preset" in args or "preset" in data:
-        config = apply_preset(config, args["preset"] if "preset" in args else data["preset"])
-    config = from_dict({k: v for k, v in data.items() if k != "preset"}, config, where=str(config_file))
+        output_dir = args.get("output_dir", data.get("output_dir"))
+        if output_dir is None:
+            raise run_names.resume_needs_output_dir()
+        config = load_run_config(output_dir) or config
+    preset_given = "preset" in args or "preset" in data
+    paper_settings = args.get("paper_settings", data.get("paper_settings", False))
+    if preset_given or paper_settings:
+        config = apply_preset(config, args.get("preset", data.get("preset", config.preset)), paper_settings)
+    in_yaml = {k: v for k, v in data.items() if k not in ("preset", "paper_settings")}
+    config = from_dict(in_yaml, config, where=str(config_file))
     loss_names = {f.name for f in dataclasses.fields(LossOptions)} - {f.name for f in dataclasses.fields(TrainConfig)}
-    flags = {k: v for k, v in args.items() if k not in loss_names and k != "preset"}
+    flags = {k: v for k, v in args.items() if k not in loss_names and k not in ("preset", "paper_settings")}
     loss_flags = {k: v for k, v in args.items() if k in loss_names}
     config = from_dict({**flags, "loss": loss_flags or None}, config, where="command line")
     in_file = {*data, *(["temperature"] if "temperature" in (data.get("loss") or {}) else [])}
@@ -451,4 +470,4 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     given.update({n: "flag" for n in TRAINING_SETTINGS if n in args})
     config = dataclasses.replace(config, sources={**config.sources, **given})
     check_config(config)
-    return config
+    return run_names.with_output_dir(run_names.capped_steps(config), preset_given)

@@ -15,6 +15,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from grpo_kernels.integrations.attention import packing_support, set_attn_implementation
+from grpo_kernels.trainer.offline import require_model
 
 TINY = "tiny"  # TrainConfig.model value that builds the tiny Llama instead of loading one
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")  # ids 0..3
@@ -81,6 +82,7 @@ def load_pretrained(name: str):
         raise ValueError(f"model {name!r}: no such directory ({checkpoint})")
     if path.exists() and not (path / "config.json").is_file():
         raise ValueError(f"model {name!r}: not a model directory, it has no config.json ({checkpoint})")
+    require_model(name)
     try:
         tokenizer = AutoTokenizer.from_pretrained(name, padding_side="left")
         model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)

@@ -34,6 +34,7 @@ from grpo_kernels.trainer.tasks import Prompt, RewardBatch
 # batch (gen_prompt_bsz = 3 · train_prompt_bsz); a round here draws one training batch of prompts, so 30 rounds
 MAX_NUM_GEN_BATCHES = 30
 GPG_MAX_ROUNDS = 20  # GPG: resampling rounds before giving up (AMAP-ML/GPG's `max_gen`)
+RAISE_LIMIT = "--max-num-gen-batches N raises the limit (0: none), or the task may suit a higher --learning-rate"
 GLOBAL_SAMPLERS = ("dapo_dynamic", "gpg_valid")  # decide on the rounds of every rank (data parallelism)
 
 
@@ -98,7 +99,10 @@ class DynamicSampling:
         while True:
             round = gather_round(source.generate(source.draw(), source.num_generations), parallel)
             generated += round.num_groups
-            verdict = self.filler.add(round.scores.verdict, round.batch.group_ids.cpu())
+            try:
+                verdict = self.filler.add(round.scores.verdict, round.batch.group_ids.cpu())
+            except ValueError as error:
+                raise ValueError(f"{error}; {RAISE_LIMIT}") from None
             kept.append(select(round, verdict.keep))
             if not verdict.generate_more:
                 break
@@ -110,7 +114,7 @@ class GPGResampling:
     """GPG's resampling (`gpg_valid`, arXiv:2504.02546): rounds until the valid groups (0 < #correct < G, the task's
     verdicts) hold at least `min_inverse_alpha` of a round's B rows over all ranks; the batch is those valid rows
     (chronological) then the last round's other rows, cut to B, and every sequence weighs α = B / B_valid
-    (AMAP-ML/GPG's loop, ≤ 20 rounds)."""
+    (AMAP-ML/GPG's loop, ≤ 20 rounds; `max_rounds=0`: no limit)."""
 
     def __init__(self, min_inverse_alpha: float = 0.5, max_rounds: int = GPG_MAX_ROUNDS) -> None:
         self.min_inverse_alpha, self.max_rounds = min_inverse_alpha, max_rounds
@@ -130,7 +134,7 @@ class GPGResampling:
                 raise ValueError(
                     f"gpg_valid: {self.max_rounds} rounds found {verdict.num_valid} rows in groups with unequal "
                     f"rewards, fewer than min_inverse_alpha={self.min_inverse_alpha} of {size}; the data may be too "
-                    "hard or too easy"
+                    f"hard or too easy; {RAISE_LIMIT}"
                 )
         last = torch.arange(len(verdict.valid)) >= len(verdict.valid) - size  # [R·B] the last round's rows
         order = torch.cat([verdict.valid.nonzero(), (last & ~verdict.valid).nonzero()]).squeeze(1)[:size]  # [B]

@@ -22,12 +22,13 @@ def setting(config: TrainConfig, name: str) -> Any:
 
 
 def resolve_settings(config: TrainConfig, task_budget: int) -> TrainConfig:
-    """The config the trainer runs: the generation budget resolved (a flag's; else the preset's capped at the task's
-    `task_budget`; else the task's) and `sources` naming where each training setting came from: what `parse_args`
-    recorded (flag, config file), else `preset` where the value is the preset's, `default <value>` where it is
-    TrainConfig's (with "the paper gives none" when the preset says "not given"), `set` otherwise (a TrainConfig
-    built in Python). A resumed run's budget is already resolved: its recorded source stays."""
-    paper = presets.load(config.preset).training if config.preset is not None else None
+    """The config the trainer runs: the generation budget resolved (a flag's; else, with `paper_settings`, the
+    preset's capped at the task's `task_budget`; else the task's) and `sources` naming where each training setting
+    came from: what `parse_args` recorded (flag, config file), else `preset` where the value is the preset's,
+    `default <value>` where it is TrainConfig's (with "the paper gives none" when the preset says "not given"), `set`
+    otherwise (a TrainConfig built in Python). A resumed run's budget is already resolved: its recorded source stays."""
+    with_paper = config.preset is not None and config.paper_settings  # else the preset's algorithm alone
+    paper = presets.load(config.preset).training if with_paper else None
     budget, budget_source = config.max_completion_length, None
     if budget is None:
         cap = None if paper is None else paper.max_completion_length

@@ -34,6 +34,7 @@ from grpo_kernels.trainer.policy import PolicyModule, UpdateBatch
 from grpo_kernels.trainer.precision import follower_dtype, policy_dtype
 from grpo_kernels.trainer.ref_model import build_ref_model, sync_ref_model
 from grpo_kernels.trainer.rollout import HFRollout, Rollout, RolloutBatch
+from grpo_kernels.trainer.run_names import with_output_dir
 from grpo_kernels.trainer.settings import resolve_settings
 from grpo_kernels.trainer.tasks import PromptStream, build_task
 from grpo_kernels.trainer.update import inner_updates, sampler_correction
@@ -58,6 +59,7 @@ class GRPOTrainer:
         rollout: Rollout | None = None,
     ) -> None:
         check_config(config)
+        config = with_output_dir(config)
         self.parallel = init_parallel(config.parallel, config.device)
         torch.manual_seed(config.seed)
         random.seed(config.seed)

@@ -14,6 +14,7 @@ from grpo_kernels.checks import check_texts
 from grpo_kernels.rewards import REWARDS
 from grpo_kernels.rewards.extraction import last_number
 from grpo_kernels.rewards.limits import score_texts
+from grpo_kernels.trainer.offline import require_hub
 from grpo_kernels.trainer.tasks.dataset import DatasetTask
 from grpo_kernels.trainer.tasks.records import EVAL_SIZE, Prompt
 
@@ -28,8 +29,14 @@ def number_present(completions: list[str], truncated: Tensor, **kwargs) -> Tenso
     return (has_number & ~truncated.cpu()).float()
 
 
+def require_gsm8k() -> None:
+    """An OSError at once when GSM8K can come neither from the Hub nor from its cache (`offline.require_hub`)."""
+    require_hub("dataset 'gsm8k'", HUB_NAME, "dataset", "use a local file instead: " + _LOCAL.removeprefix("or "))
+
+
 def load_gsm8k(eval_size: int = EVAL_SIZE) -> DatasetTask:
     """GSM8K's train split for training, the first `eval_size` problems of its test split for evaluation."""
+    require_gsm8k()
     try:
         import datasets
     except ImportError as error:

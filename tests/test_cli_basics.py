@@ -1,0 +1,92 @@
+"""The commands' basics: `--version`, `python -m grpo_kernels`, a new run directory per run, `--resume` naming the
+latest run, `--paper-settings`, the sampler round limit's flag and the step cap of quick checks."""
+
+import dataclasses
+import os
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+
+import grpo_kernels
+from grpo_kernels.trainer import parse_args, run_names
+from grpo_kernels.trainer.components import SAMPLERS
+from grpo_kernels.trainer.config import TrainConfig
+from grpo_kernels.trainer.samplers import GPG_MAX_ROUNDS, MAX_NUM_GEN_BATCHES
+from tests.test_trainer_presets import FakeSource
+
+
+@pytest.mark.filterwarnings("ignore:.*found in sys.modules:RuntimeWarning")  # runpy of an imported module
+def test_version_on_every_command_and_the_package_lists_its_commands(capsys, monkeypatch):
+    for module in ("grpo_kernels.train", "grpo_kernels.compare", "grpo_kernels.evaluate"):
+        monkeypatch.setattr(sys, "argv", [module, "--version"])
+        with pytest.raises(SystemExit) as stop:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        assert (stop.value.code, capsys.readouterr().out) == (0, f"grpo-kernels {grpo_kernels.__version__}\n")
+    runpy.run_module("grpo_kernels", run_name="__main__")
+    out = capsys.readouterr().out
+    for command in ("train", "compare", "evaluate"):
+        assert sum(f"python -m grpo_kernels.{command} " in line for line in out.splitlines()) == 1
+
+
+def test_runs_without_output_dir_get_new_directories(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    first = parse_args([])
+    assert first.output_dir.startswith("runs/demo-")
+    Path(first.output_dir).mkdir(parents=True)  # the first run exists: the next name differs, also within a second
+    second = parse_args([])
+    assert second.output_dir != first.output_dir and second.output_dir.startswith("runs/demo-")
+    assert parse_args(["--preset", "dapo"]).output_dir.startswith("runs/dapo-")
+    assert parse_args(["--dataset", "countdown"]).output_dir.startswith("runs/countdown-")
+    assert parse_args(["--output-dir", "mine"]).output_dir == "mine"
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="under torchrun give --output-dir"):
+        parse_args([])
+
+
+def test_resume_needs_output_dir_and_names_the_latest_run(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"--resume needs --output-dir.*no run under runs/ yet"):
+        parse_args(["--resume"])
+    for name in ("demo-1", "dapo-2"):
+        (tmp_path / "runs" / name).mkdir(parents=True)
+        (tmp_path / "runs" / name / "config.yaml").write_text("steps: 1\n", encoding="utf-8")
+    os.utime(tmp_path / "runs" / "demo-1" / "config.yaml", (1, 1))  # the older one
+    with pytest.raises(ValueError, match=r"the latest run here: --output-dir runs/dapo-2\)"):
+        parse_args(["--resume"])
+
+
+def test_a_preset_keeps_the_trainers_settings_unless_paper_settings():
+    defaults, dapo = TrainConfig(), parse_args(["--preset", "dapo", "--output-dir", "x"])
+    kept = ("learning_rate", "num_generations", "num_iterations", "max_completion_length")
+    assert [getattr(dapo, n) for n in kept] == [getattr(defaults, n) for n in kept]
+    assert dapo.loss.loss_type == "dapo" and dapo.loss.temperature == defaults.loss.temperature
+    paper = parse_args(["--preset", "dapo", "--paper-settings", "--output-dir", "x"])
+    assert paper.learning_rate == 1e-6 and paper.paper_settings
+    grpo = parse_args(["--paper-settings", "--output-dir", "x"])  # the default preset, with its paper's settings
+    assert (grpo.preset, grpo.learning_rate, grpo.num_generations) == ("grpo", 1e-6, 64)
+
+
+def test_max_num_gen_batches_sets_the_samplers_limit_and_their_errors_name_it():
+    config = TrainConfig(prompts_per_step=2)
+    assert SAMPLERS["dapo_dynamic"](config).filler.max_num_gen_batches == MAX_NUM_GEN_BATCHES
+    assert SAMPLERS["gpg_valid"](config).max_rounds == GPG_MAX_ROUNDS
+    unlimited = dataclasses.replace(config, max_num_gen_batches=0)
+    assert SAMPLERS["dapo_dynamic"](unlimited).filler.max_num_gen_batches == 0
+    assert SAMPLERS["gpg_valid"](unlimited).max_rounds == 0
+    assert parse_args(["--max-num-gen-batches", "50", "--output-dir", "x"]).max_num_gen_batches == 50
+    two = dataclasses.replace(config, max_num_gen_batches=2)
+    with pytest.raises(ValueError, match="max_num_gen_batches=2 .*--max-num-gen-batches N raises the limit"):
+        SAMPLERS["dapo_dynamic"](two)(FakeSource([[1.0] * 4] * 2))  # every group all right: none is kept
+    with pytest.raises(ValueError, match="gpg_valid: 2 rounds .*--max-num-gen-batches N raises the limit"):
+        SAMPLERS["gpg_valid"](two)(FakeSource([[1.0] * 4] * 2))
+    source = FakeSource([[1.0] * 4] * 25 + [[0.0, 1.0, 0.0, 1.0]])  # past GPG's own 20 rounds, then valid groups
+    assert SAMPLERS["gpg_valid"](unlimited)(source).metrics["sampling/rounds"] == 26
+
+
+def test_the_step_cap_of_quick_checks(monkeypatch, capsys):
+    monkeypatch.setenv(run_names.MAX_STEPS_VARIABLE, "3")
+    assert parse_args(["--steps", "300", "--output-dir", "x"]).steps == 3
+    assert "GRPO_KERNELS_MAX_STEPS=3: steps 300 capped at 3" in capsys.readouterr().out
+    assert parse_args(["--steps", "2", "--output-dir", "x"]).steps == 2
