@@ -9,6 +9,7 @@ instead. Warnings (a checkpoint skipped as unreadable, ...) print as one `warnin
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import warnings
 from collections.abc import Callable, Sequence
@@ -39,6 +40,7 @@ def run(command: Callable[[Sequence[str]], object], argv: Sequence[str] | None =
     """Call `command(argv)`: a user error prints `error: ...` on stderr and exits with status 2, Ctrl-C exits with
     130, both in one line; with `--debug` among the arguments they raise as usual."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    _quiet_deepspeed_notices()
     if DEBUG_FLAG in argv:
         command(argv)
         return
@@ -52,6 +54,18 @@ def run(command: Callable[[Sequence[str]], object], argv: Sequence[str] | None =
         except KeyboardInterrupt:
             print("interrupted (--resume continues from the last checkpoint)", file=sys.stderr)
             sys.exit(EXIT_INTERRUPTED)
+
+
+def _quiet_deepspeed_notices() -> None:
+    """Keep DeepSpeed's import-time notices (accelerator detection, on stdout) out of the progress lines.
+
+    The commands never run DeepSpeed, but accelerate imports it when it is installed; its errors still print.
+    """
+    logging.getLogger("DeepSpeed").addFilter(_errors_only)  # adding the same filter twice keeps one
+
+
+def _errors_only(record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.ERROR
 
 
 def one_line(error: BaseException) -> str:
