@@ -16,6 +16,7 @@ from pathlib import Path
 TASK_REWARD = "rewards/task"  # logged when a preset's step reward is not the task's reward
 REWARD = "reward"
 GREEDY_ACCURACY = "eval/answer"
+INTERRUPTED = "interrupted"  # the error of a run an interrupt stopped (`compare --resume` continues it)
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,8 @@ def markdown_table(rows: list[RunSummary], threshold: float) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join(["---"] + ["---:"] * (len(COLUMNS) - 1)) + "|"]
     for row in rows:
         if row.error is not None:
-            lines.append(f"| {row.preset} | failed: {row.error} |" + " |" * (len(COLUMNS) - 2))
+            why = row.error if row.error == INTERRUPTED else f"failed: {row.error}"
+            lines.append(f"| {row.preset} | {why} |" + " |" * (len(COLUMNS) - 2))
             continue
         cells = []
         for _, name, fmt in COLUMNS:
