@@ -11,7 +11,15 @@ import reprlib
 
 MAX_SHOWN = 200  # characters of a shown value, at most
 
-_REPR = reprlib.Repr()
+
+class _Repr(reprlib.Repr):
+    def repr_int(self, x: int, level: int) -> str:  # repr of a 5,000-digit int raises; a long one is cut anyway
+        if x.bit_length() > 4 * self.maxlong:
+            return f"<int of {x.bit_length()} bits>"
+        return super().repr_int(x, level)
+
+
+_REPR = _Repr()
 _REPR.maxlevel = 3
 _REPR.maxlist = _REPR.maxtuple = _REPR.maxset = _REPR.maxfrozenset = _REPR.maxdeque = _REPR.maxarray = 6
 _REPR.maxdict = 6

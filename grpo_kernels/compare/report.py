@@ -57,15 +57,16 @@ def summarize(
     wall_seconds: float,
 ) -> RunSummary:
     """The row of one run from its per-step `history` (the trainer's metrics) and `tokens` (completion tokens trained
-    on at each step)."""
-    if len(tokens) != len(history):
-        raise ValueError(f"tokens must have one entry per step ({len(history)}), got {len(tokens)}")
+    on at each step; a resumed run's: at each of its last steps, those it ran)."""
+    if len(tokens) > len(history):
+        raise ValueError(f"tokens must have at most one entry per step ({len(history)}), got {len(tokens)}")
+    timed = history[len(history) - len(tokens) :]  # a resumed run counts the tokens of its own steps
     curve = [(int(m["step"]), task_reward(m)) for m in history]
     rewards = [r for _, r in curve]
     means = smooth(rewards, window)
     reached = next((curve[i][0] for i, mean in enumerate(means) if i + 1 >= window and mean >= threshold), None)
-    plain = [(n, m["step_time"]) for n, m in zip(tokens, history, strict=True) if GREEDY_ACCURACY not in m]
-    plain = plain or [(n, m["step_time"]) for n, m in zip(tokens, history, strict=True)]
+    plain = [(n, m["step_time"]) for n, m in zip(tokens, timed, strict=True) if GREEDY_ACCURACY not in m]
+    plain = plain or [(n, m["step_time"]) for n, m in zip(tokens, timed, strict=True)]
     seconds = sum(t for _, t in plain)
     evals = [m[GREEDY_ACCURACY] for m in history if GREEDY_ACCURACY in m]
     return RunSummary(
