@@ -5,19 +5,15 @@ table, JSON and plot of the finished run with the stopped one marked, in one lin
 import json
 import os
 import signal
-import subprocess
-import sys
+import threading
 import time
-from pathlib import Path
 
 import pytest
 
 from grpo_kernels.compare import CompareConfig
+from grpo_kernels.compare.__main__ import main
 from grpo_kernels.compare.runs import run_configs
 
-REPO = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "PYTHONPATH": str(REPO)}
-COMPARE = [sys.executable, "-m", "grpo_kernels.compare"]
 TINY = ["--hidden-size", "16", "--num-layers", "1", "--num-heads", "2", "--num-generations", "2"]
 TINY += ["--prompts-per-step", "2", "--device", "cpu"]
 
@@ -32,36 +28,36 @@ def test_preset_names_compare_case_insensitively(tmp_path):
     }
 
 
-def test_sigterm_keeps_the_finished_runs_and_resume_continues_the_rest(tmp_path):
+def one_line(capsys, argv: list[str], status: int) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == status and err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_sigterm_keeps_the_finished_runs_and_resume_continues_the_rest(tmp_path, capsys):
     out = tmp_path / "cmp"
-    args = ["--presets", "grpo,rloo", "--steps", "12", "--window", "1", "--output-dir", str(out), "--checkpoint-every"]
-    process = subprocess.Popen(
-        [*COMPARE, *args, "4", *TINY], cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    deadline = time.monotonic() + 300
-    while not (out / "rloo" / "checkpoints" / "step_000004").is_dir():  # grpo finished, rloo is under way
-        assert process.poll() is None, process.stderr.read()
-        assert time.monotonic() < deadline, "the second run wrote no checkpoint within 300 s"
-        time.sleep(0.02)
-    process.send_signal(signal.SIGTERM)
-    _, stderr = process.communicate(timeout=60)
-    assert process.returncode == 130
-    assert stderr.count("\n") == 1 and "Traceback" not in stderr, stderr
-    assert stderr.startswith("interrupted: 1 of 2 runs finished, rloo interrupted") and "--resume" in stderr
+
+    def terminate_when_the_second_run_checkpoints() -> None:  # then grpo has finished and rloo is under way
+        deadline = time.monotonic() + 300
+        while not (out / "rloo" / "checkpoints" / "step_000004").is_dir() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=terminate_when_the_second_run_checkpoints, daemon=True).start()
+    args = ["--presets", "grpo,rloo", "--steps", "12", "--window", "1", "--output-dir", str(out)]
+    err = one_line(capsys, [*args, "--checkpoint-every", "4", *TINY], status=130)
+    assert err.startswith("interrupted: 1 of 2 runs finished, rloo interrupted") and "--resume" in err
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # compare's handler is gone
     runs = json.loads((out / "compare.json").read_text())["runs"]
     assert [(r["preset"], r["error"]) for r in runs] == [("grpo", None), ("rloo", "interrupted")]
     assert "| rloo | interrupted |" in (out / "compare.md").read_text() and (out / "compare.svg").is_file()
     assert "Traceback" not in (out / "rloo.log").read_text()
 
-    resumed = subprocess.run(
-        [*COMPARE, "--resume", "--output-dir", str(out)], cwd=tmp_path, env=ENV, capture_output=True, text=True
-    )
-    assert resumed.returncode == 0, resumed.stderr
-    assert "[1/2] grpo: finished before, kept" in resumed.stdout
+    assert "drop --steps" in one_line(capsys, ["--resume", "--output-dir", str(out), "--steps", "5"], status=2)
+    main(["--resume", "--output-dir", str(out)])
+    assert "[1/2] grpo: finished before, kept" in capsys.readouterr().out
     assert "resuming from" in (out / "rloo.log").read_text()  # from its checkpoint, not from step 0
     rows = json.loads((out / "compare.json").read_text())["runs"]
     assert rows[0] == runs[0] and rows[1]["error"] is None and [s for s, _ in rows[1]["curve"]] == list(range(1, 13))
-    refused = subprocess.run(
-        [*COMPARE, "--resume", "--output-dir", str(out), "--steps", "5"], env=ENV, capture_output=True, text=True
-    )
-    assert refused.returncode == 2 and "drop --steps" in refused.stderr

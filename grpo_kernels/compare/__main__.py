@@ -109,8 +109,11 @@ def _compare(argv: Sequence[str]) -> None:
         text = f"# {title}\n\n`{info['command']}` (started {info['started']})\n\n{table}\n\n"
         (out / RESULTS[0]).write_text(text + f"![reward curves]({RESULTS[2]})\n", encoding="utf-8")
 
-    signal.signal(signal.SIGTERM, _interrupt)  # as Ctrl-C: stop the current run, keep what finished
-    rows = compare(config, log=lambda line: print(line, flush=True), write=write)
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # as Ctrl-C: stop the current run, keep what finished
+    try:
+        rows = compare(config, log=lambda line: print(line, flush=True), write=write)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(markdown_table(rows, config.threshold))
     print(f"results: {', '.join(str(out / name) for name in RESULTS)}", flush=True)
     errors = [r.preset for r in rows if r.error is not None]
