@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from grpo_kernels import GRPOLoss, LossOptions, fused_linear_grpo_loss, grpo_loss, token_logprobs
+from grpo_kernels import GRPOLoss, LossOptions, fused_linear_grpo_loss, grpo_loss, presets, token_logprobs
 from grpo_kernels.trainer import parse_args
 
 B, T, V, H = 2, 3, 7, 4
@@ -102,3 +102,19 @@ def test_a_list_cu_seqlens_is_converted(inputs):
     want = grpo_loss(**packed, cu_seqlens=torch.tensor([0, T, 2 * T])).loss
     for cu_seqlens in ([0, T, 2 * T], (0, T, 2 * T)):
         assert torch.equal(grpo_loss(**packed, cu_seqlens=cu_seqlens).loss, want)
+
+
+@pytest.mark.parametrize(
+    ("section", "change", "message"),
+    [
+        ("loss", {"entropy_coef": math.nan}, "loss.entropy_coef must be finite"),
+        ("training", {"learning_rate": math.inf}, "training.learning_rate must be finite"),
+        ("rewards", [{"name": "math_answer", "weight": math.nan}], r"rewards\[0\].weight must be finite"),
+        ("loss", {"temperature": "1.0"}, "loss.temperature must be float"),
+    ],
+)
+def test_a_presets_non_finite_or_mistyped_value_is_refused_when_loaded(section, change, message):
+    data = presets.load("grpo").to_dict()
+    data[section] = {**data[section], **change} if isinstance(change, dict) else change
+    with pytest.raises((TypeError, ValueError), match=message):
+        presets.from_dict(data)

@@ -34,6 +34,7 @@ RESUMABLE = (
     "overwrite",
     "start_if_no_checkpoint",
     "steps",
+    "skip_nonfinite_steps",
     "checkpoint_every",
     "eval_every",
     "torch_threads",
