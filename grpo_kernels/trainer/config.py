@@ -127,8 +127,8 @@ class TrainConfig:
     learning_rate: float = 1.0e-3  # AdamW's learning rate
     weight_decay: float = 0.0  # AdamW's weight decay
     max_grad_norm: float = 1.0  # gradients are clipped to this global norm
-    skip_nonfinite_steps: int = 0  # optimizer steps with a non-finite loss or grad_norm that may be skipped (each
-    # logged); past that many, or at the first with 0, the run stops with its last good checkpoint kept
+    skip_nonfinite_steps: int = 0  # steps whose grad_norm is not finite (NaN, inf) that may skip their optimizer
+    # step, each logged; past that many (0: at the first) the run stops there, its last good checkpoint kept
     sync_ref_model: bool = False  # refresh the reference model from the policy (TR-DPO mixing, TRL's names)
     ref_model_sync_steps: int = 512  # steps between refreshes of the reference model
     ref_model_mixup_alpha: float = 0.6  # π_ref ← α·π_θ + (1 − α)·π_ref at each refresh, α in [0, 1]
