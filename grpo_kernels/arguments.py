@@ -2,7 +2,8 @@
 received type, before any shape, value or kernel. One function per entry point, called with the entry point's
 `locals()`; the packed layout's `cu_seqlens` may be a list or tuple of ints, which comes back as a tensor.
 
-Values (ranges, finiteness of floats) are checked later, where they are used (`checks`, `LossOptions`).
+Values (ranges) are checked later, where they are used (`checks`, `LossOptions`), as are `chunk_size` and `tile`,
+whose checks there cover their types too.
 """
 
 from __future__ import annotations
@@ -42,14 +43,10 @@ def _names(x: Any) -> bool:
     return isinstance(x, (tuple, list)) and all(isinstance(name, str) for name in x)
 
 
-def _pair(x: Any) -> bool:
-    return isinstance(x, (tuple, list)) and len(x) == 2 and all(_int(v) for v in x)
-
-
 # argument -> (test, what it must be, whether None is accepted)
 _RULES: dict[str, tuple[Callable[[Any], bool], str, bool]] = {
     **dict.fromkeys(("logits", "hidden", "weight", "advantages"), (_tensor, "a torch.Tensor", False)),
-    "targets": (_ids, "an integer torch.Tensor of token ids", False),
+    "targets": (_ids, "int64 or int32 token ids (a torch.Tensor)", False),
     **dict.fromkeys(
         ("old_logp", "ref_logp", "mask", "is_ratio", "sampling_logp", "token_weights", "sequence_weights", "bias"),
         (_tensor, "a torch.Tensor or None", True),
@@ -61,9 +58,8 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str, bool]] = {
         (lambda x: isinstance(x, bool), "a bool", False),
     ),
     **dict.fromkeys(("backend", "memory"), (lambda x: isinstance(x, str), "a str", False)),
-    **dict.fromkeys(("chunk_size", "vocab_start"), (_int, "an int or None", True)),
-    "tile": (_pair, "a (rows, vocab) pair of ints or None", True),
-    "stats": (_names, "a tuple of names", False),
+    "vocab_start": (_int, "an int or None", True),
+    "stats": (_names, "a sequence of names", False),
     **dict.fromkeys(("process_group", "sequence_group"), (_group, "a torch.distributed.ProcessGroup or None", True)),
 }
 
@@ -78,8 +74,8 @@ def _check(args: Mapping[str, Any]) -> None:
         if not test(value):
             got = f"{type(value).__name__} {shown(value)}" if not isinstance(value, Tensor) else f"{value.dtype} tensor"
             raise TypeError(f"{name} must be {expected}, got {got}")
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ValueError(f"{name} must be finite, got {value}")
+        if isinstance(value, float) and not math.isfinite(value):  # each float argument must be > 0
+            raise ValueError(f"{name} must be > 0 and finite, got {value}")
 
 
 def _cu_seqlens(value: Any, like: Tensor) -> Tensor | None:
@@ -117,11 +113,7 @@ def is_fused_call(x: Any, args: tuple) -> bool:
     """Whether `GRPOLoss()(x, *args)` is the fused form (hidden, weight [V, H], targets, ...): a floating-point 2-D
     second argument whose last dimension is x's. Anything else is the logits form, whose checks name the argument
     (float targets among them)."""
-    _check({"logits": x})
     weight = args[0] if args else None
-    return (
-        isinstance(weight, Tensor)
-        and weight.is_floating_point()
-        and weight.dim() == 2
-        and weight.shape[-1] == x.shape[-1]
-    )
+    if not (isinstance(x, Tensor) and isinstance(weight, Tensor) and weight.is_floating_point()):
+        return False
+    return weight.dim() == 2 and weight.shape[-1] == x.shape[-1]

@@ -202,6 +202,19 @@ def _warn_once(key: str, message: str, category: type[Warning]) -> None:
         warnings.warn(message, category, stacklevel=4)
 
 
+_POSITIVE = (  # the options that must be > 0 (their non-finite values are refused saying so)
+    "temperature",
+    "sapo_temperature_pos",
+    "sapo_temperature_neg",
+    "delta",
+    "loss_scale_factor",
+    "logit_scale",
+    "final_logit_softcapping",
+    "num_items_in_batch",
+    "num_sequences_in_batch",
+)
+
+
 def _check_types(options: LossOptions) -> None:
     """A TypeError naming the first option whose type is not its field's (an int is a float too; a bool is
     neither), a ValueError for a float that is NaN or ±inf: checked before any range, so that no comparison with a
@@ -221,7 +234,8 @@ def _check_types(options: LossOptions) -> None:
             expected = " | ".join(sorted(allowed)).replace("None", "none")
             raise TypeError(f"{f.name} must be {expected}, got {type(value).__name__} {shown(value)}")
         if isinstance(value, float) and not math.isfinite(value):
-            raise ValueError(f"{f.name} must be finite, got {value}")
+            rule = "> 0 and finite" if f.name in _POSITIVE else "finite"
+            raise ValueError(f"{f.name} must be {rule}, got {value}")
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:

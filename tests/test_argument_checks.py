@@ -24,7 +24,7 @@ def inputs():
 )
 @pytest.mark.parametrize("value", [math.nan, math.inf])
 def test_a_non_finite_float_option_is_refused_by_name(name, value):
-    with pytest.raises(ValueError, match=f"{name} must be finite"):
+    with pytest.raises(ValueError, match=f"{name} must be (> 0 and )?finite"):
         LossOptions(**{name: value})
 
 
@@ -79,16 +79,16 @@ def test_a_tensor_num_items_in_batch_at_or_below_zero_is_refused_like_the_number
     ("call", "message"),
     [
         (lambda x, t, a: token_logprobs(x, t, temperature="1.0"), "temperature must be a float, got str"),
-        (lambda x, t, a: token_logprobs(x, t, stats=None), "stats must be a tuple of names, got NoneType"),
-        (lambda x, t, a: token_logprobs(x, t.float()), "targets must be an integer torch.Tensor"),
+        (lambda x, t, a: token_logprobs(x, t, stats=None), "stats must be a sequence of names, got NoneType"),
+        (lambda x, t, a: token_logprobs(x, t.float()), "targets must be int64 or int32 token ids"),
         (lambda x, t, a: grpo_loss(x, t, a, process_group=object()), "process_group must be a torch.distributed"),
         (lambda x, t, a: grpo_loss(x, t, a, sequence_group="world"), "sequence_group must be a torch.distributed"),
         (lambda x, t, a: grpo_loss(x, t, a, temperature="1.0"), "temperature must be float, got str"),
         (lambda x, t, a: grpo_loss(x, t, a, check_finite="yes"), "check_finite must be a bool"),
         (lambda x, t, a: grpo_loss(x, t, a.tolist()), "advantages must be a torch.Tensor, got list"),
         (lambda x, t, a: grpo_loss(x, t, a, cu_seqlens="0,3,6"), "cu_seqlens must be an integer torch.Tensor"),
-        (lambda x, t, a: GRPOLoss()(x, t.float(), a), "targets must be an integer torch.Tensor"),
-        (lambda x, t, a: fused_linear_grpo_loss(x, torch.randn(V, V), t, a, chunk_size=2.5), "chunk_size must be"),
+        (lambda x, t, a: GRPOLoss()(x, t.float(), a), "targets must be int64 or int32 token ids"),
+        (lambda x, t, a: fused_linear_grpo_loss(x, torch.randn(V, V), t, a, vocab_start=2.5), "vocab_start must be"),
     ],
 )
 def test_a_wrong_argument_type_is_a_type_error_naming_it(inputs, call, message):

@@ -58,7 +58,7 @@ def test_skip_nonfinite_steps_skips_and_logs_each(tmp_path, capsys):
     [
         (["--entropy-coef", "nan"], "entropy_coef must be finite"),
         (["--learning-rate", "inf"], "learning_rate must be finite"),
-        (["--temperature", "inf"], "temperature must be finite"),
+        (["--temperature", "inf"], "temperature must be > 0 and finite"),
         (["--max-completion-length", "1000000000000"], f"max_completion_length must be <= {DEMO_MAX_LENGTH}"),
         (["--seed", str(2**70)], "seed must be <="),
     ],
