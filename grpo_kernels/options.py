@@ -150,10 +150,6 @@ class LossOptions:
             raise ValueError(
                 f"loss_type={self.loss_type!r} forms its own sequence weight: importance_sampling_level must be 'token'"
             )
-        for name in ("num_items_in_batch", "num_sequences_in_batch"):
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, torch.Tensor) and not value > 0:  # NaN too
-                raise ValueError(f"{name} must be > 0, got {value}")
 
     @property
     def clip_high(self) -> float:
@@ -233,6 +229,8 @@ def _check_types(options: LossOptions) -> None:
         if not ok:
             expected = " | ".join(sorted(allowed)).replace("None", "none")
             raise TypeError(f"{f.name} must be {expected}, got {type(value).__name__} {shown(value)}")
+        if f.name in ("num_items_in_batch", "num_sequences_in_batch") and not value > 0:  # NaN too
+            raise ValueError(f"{f.name} must be > 0, got {value}")
         if isinstance(value, float) and not math.isfinite(value):
             rule = "> 0 and finite" if f.name in _POSITIVE else "finite"
             raise ValueError(f"{f.name} must be {rule}, got {value}")
