@@ -7,7 +7,7 @@ import dataclasses
 import torch
 from torch import Tensor
 
-from grpo_kernels import checks, kept_rows, token_level
+from grpo_kernels import arguments, checks, kept_rows, token_level
 from grpo_kernels.kept_rows import (
     as_rows,
     checked_mask,
@@ -86,6 +86,7 @@ def token_logprobs(
     whole-vocabulary ids, and every rank gets the whole vocabulary's logp and entropy (`vocab.parallel`: O(N)
     statistics cross ranks, 16·R + 4·(3 + with_entropy)·B·T bytes per call; no stats).
     """
+    arguments.token_logprobs(locals())
     checks.check_temperature(temperature)
     checks.check_logit_transform(logit_scale, final_logit_softcapping)
     checks.check_tensor("logits", logits)
@@ -161,6 +162,7 @@ def fused_linear_token_logprobs(
     of the lm_head: dW of the shard, dH summed over the group; 16·R + (4·(3 + with_entropy) + H·itemsize)·M bytes
     per forward + backward, M the kept tokens. `head_precision` ("auto": the weight's dtype, "bf16", "tf32",
     "fp32") is the logits GEMM's precision; the gradient GEMMs stay in the weight's dtype (docs/head_precision.md)."""
+    arguments.fused_linear_token_logprobs(locals())
     check_head_precision(head_precision)
     checks.check_temperature(temperature)
     checks.check_logit_transform(logit_scale, final_logit_softcapping)
@@ -267,6 +269,7 @@ def grpo_loss(
     per-sequence sums and batch totals are all-reduced (`losses.reduce`), so the ranks' losses sum to the unsplit
     loss and each token gets its unsplit gradient.
     """
+    cu_seqlens = arguments.grpo_loss(locals())  # argument types first; a list cu_seqlens becomes a tensor
     options = resolve_options(options, loss_options)
     checks.check_tensor("logits", logits)
     backend = resolve_backend(backend, logits.device)
@@ -345,6 +348,7 @@ def fused_linear_grpo_loss(
     of the lm_head) as in `fused_linear_token_logprobs`, `sequence_group` as in `grpo_loss`; either runs the
     4-GEMM route. `head_precision` as in `fused_linear_token_logprobs`.
     """
+    cu_seqlens = arguments.fused_linear_grpo_loss(locals())  # argument types first; a list cu_seqlens: a tensor
     check_head_precision(head_precision)
     options = resolve_options(options, loss_options)
     checks.check_tensor("hidden", hidden)

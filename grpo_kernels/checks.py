@@ -292,6 +292,16 @@ def _check_value(bad: Tensor, fail: Callable[[], None]) -> None:
         reads.checks.append((bad, fail))
 
 
+def check_positive_count(name: str, x: Tensor) -> None:
+    """A normaliser given as a tensor (`num_items_in_batch`, `num_sequences_in_batch`) is > 0, as its Python value
+    must be: a value check (see `one_sync`), so unchecked with `check_finite=False`."""
+
+    def fail() -> None:
+        raise ValueError(f"{name} must be > 0, got {x.reshape(-1)[0].item()}")
+
+    _check_value(~(x > 0).all(), fail)
+
+
 def _fail(message: str) -> Callable[[], None]:
     def fail() -> None:
         raise ValueError(message)

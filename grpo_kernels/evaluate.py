@@ -17,11 +17,9 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-import yaml
-
 from grpo_kernels.trainer.checkpoint import CHECKPOINTS, latest
 from grpo_kernels.trainer.cli import Parser, run
-from grpo_kernels.trainer.config import TrainConfig
+from grpo_kernels.trainer.config import TrainConfig, check_config, from_dict, yaml_mapping
 from grpo_kernels.trainer.evaluate import EVAL_BATCH_SIZE, evaluate
 from grpo_kernels.trainer.offline import require_model
 
@@ -88,13 +86,19 @@ def checkpoint_of(model: str) -> str:
 
 
 def run_settings(model: str) -> dict:
-    """The evaluation settings in the `config.yaml` of the run whose checkpoint `model` is, else {}."""
+    """The evaluation settings in the `config.yaml` of the run whose checkpoint `model` is, else {}; checked as the
+    trainer checks them (a ValueError / TypeError naming the file and the setting)."""
     path = Path(model)
     config_file = path.parent.parent / "config.yaml"
     if not (path.is_dir() and path.parent.name == CHECKPOINTS and config_file.is_file()):
         return {}
-    config = yaml.safe_load(config_file.read_text(encoding="utf-8")) or {}
-    return {key: config[key] for key in SETTINGS if config.get(key) is not None}
+    config = yaml_mapping(config_file)
+    settings = {key: config[key] for key in SETTINGS if config.get(key) is not None}
+    try:
+        check_config(from_dict(settings, where=str(config_file)))
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"{config_file}: {error}") from None
+    return settings
 
 
 def resolve_settings(args: argparse.Namespace) -> dict:
@@ -163,6 +167,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     """Evaluate `--model` (and `--compare`); print the table, write `--output`; returns the results."""
     import torch
 
+    from grpo_kernels.trainer.model import check_lengths, model_context
     from grpo_kernels.trainer.parallel import check_device
     from grpo_kernels.trainer.tasks import build_task
 
@@ -182,6 +187,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
             continue
         model, tokenizer = load_model(name, device)
         budget = settings.get("max_completion_length") or task.max_completion_length
+        check_lengths(tokenizer, task.eval_prompts(), budget, model_context(model), f"the context of {name}")
         metrics = evaluate(model, tokenizer, task, budget, args.batch_size)
         results[role] = {"name": name, "metrics": {key.removeprefix("eval/"): v for key, v in metrics.items()}}
         del model  # free A before B is loaded

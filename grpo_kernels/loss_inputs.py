@@ -158,6 +158,9 @@ class LossInputs:
             elif value is not None and not math.isfinite(value):
                 raise ValueError(f"{name} must be finite, got {value}")
         checks.check_finite_at_kept(named)
+        for name in ("num_items_in_batch", "num_sequences_in_batch"):  # > 0, read with the values above
+            if isinstance(value := getattr(options, name, None), Tensor):
+                checks.check_positive_count(name, value)
 
     def terms(self, logp: Tensor, entropy: Tensor | None, options: LossOptions) -> TokenTerms:
         """TokenTerms of the loss algebra from the pass's logp / entropy [R, C], in the padded view."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
+from grpo_kernels import arguments
 from grpo_kernels.api import LossResult, fused_linear_grpo_loss, grpo_loss
 from grpo_kernels.options import LossOptions, resolve_options
 
@@ -46,7 +47,7 @@ class GRPOLoss(nn.Module):
         common = dict(
             backend=self.backend, with_entropy=self.with_entropy, check_finite=self.check_finite, options=self.options
         )
-        if args and isinstance(args[0], Tensor) and args[0].is_floating_point() and args[0].dim() == 2:
+        if arguments.is_fused_call(hidden_or_logits, args):
             fused = dict(chunk_size=self.chunk_size, memory=self.memory, tile=self.tile)
             fused["head_precision"] = self.head_precision
             return fused_linear_grpo_loss(hidden_or_logits, *args, **fused, **common, **tensors)

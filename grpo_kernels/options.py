@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import warnings
 from dataclasses import dataclass
 
 import torch
+
+from grpo_kernels.shown import shown
 
 TRL_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 LOSS_TYPES = (
@@ -61,7 +64,8 @@ class LossOptions:
     temperature: float = 1.0  # logits are divided by it before the softmax
     importance_sampling_level: str = "token"  # "token" or "sequence" (GSPO, arXiv:2507.18071)
     max_completion_length: int | None = None  # dr_grpo's constant normaliser (arXiv:2503.20783)
-    num_items_in_batch: float | torch.Tensor | None = None  # dapo/cispo/vespo normaliser; None = mask.sum()
+    num_items_in_batch: float | torch.Tensor | None = None  # dapo/cispo/vespo normaliser; None = mask.sum(); a
+    # tensor must be > 0 too, read with the loss's value checks (check_finite=True), unchecked without them
     sapo_temperature_pos: float = 1.0  # SAPO gate temperature for A > 0 (arXiv:2511.20347)
     sapo_temperature_neg: float = 1.05  # SAPO gate temperature for A <= 0
     use_bias_correction_kl: bool = True  # KL term multiplied by the unclipped IS ratio (DeepSeek-V3.2; TRL: True)
@@ -90,6 +94,7 @@ class LossOptions:
     epsilon_low: float | None = None  # verl-style alias of `epsilon`: moved into it on construction, then None
 
     def __post_init__(self) -> None:
+        _check_types(self)
         if self.epsilon_low is not None:
             if self.epsilon not in (_EPSILON_DEFAULT, self.epsilon_low):
                 raise ValueError(
@@ -164,10 +169,6 @@ class LossOptions:
             raise ValueError(
                 f"loss_type={self.loss_type!r} forms its own sequence weight: importance_sampling_level must be 'token'"
             )
-        for name in ("num_items_in_batch", "num_sequences_in_batch"):
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, torch.Tensor) and not value > 0:  # NaN too
-                raise ValueError(f"{name} must be > 0, got {value}")
 
     @property
     def clip_high(self) -> float:
@@ -182,13 +183,24 @@ class LossOptions:
         if unknown:
             hints = [f"{name!r}: did you mean {close[0]!r}?" for name in unknown if (close := _closest(name, names))]
             hint = f" ({'; '.join(hints)})" if hints else ""
-            raise TypeError(f"unknown loss option(s) {unknown}{hint}; valid options are {sorted(names)}")
+            raise TypeError(f"unknown loss option(s) {shown(unknown)}{hint}; valid options are {sorted(names)}")
+        check_epsilon_names(kwargs)
         return cls(**kwargs)
 
 
 def _closest(name: str, names: set[str]) -> list[str]:
     """The valid name closest to a misspelt `name` (difflib), as a list of at most one."""
     return difflib.get_close_matches(name, sorted(names), n=1, cutoff=0.6)
+
+
+def check_epsilon_names(given: dict) -> None:
+    """`epsilon` and its alias `epsilon_low` both given (by name: keywords, a config file, flags) with different
+    values is a ValueError; LossOptions itself cannot tell an explicit `epsilon=0.2` from the default."""
+    if "epsilon" in given and given.get("epsilon_low") is not None and given["epsilon"] != given["epsilon_low"]:
+        raise ValueError(
+            "epsilon_low is an alias of epsilon: give one, got "
+            f"epsilon={shown(given['epsilon'])}, epsilon_low={shown(given['epsilon_low'])}"
+        )
 
 
 def resolve_options(options, loss_options: dict) -> LossOptions:
@@ -200,7 +212,7 @@ def resolve_options(options, loss_options: dict) -> LossOptions:
         raise TypeError(f"options must be a LossOptions or a preset, got {type(options).__name__}")
     if loss_options:
         raise TypeError(
-            f"pass loss options either as options=LossOptions(...) or as keywords, not both: {loss_options}"
+            f"pass loss options either as options=LossOptions(...) or as keywords, not both: {shown(loss_options)}"
         )
     return options
 
@@ -212,9 +224,47 @@ def _warn_once(key: str, message: str, category: type[Warning]) -> None:
         warnings.warn(message, category, stacklevel=4)
 
 
+_POSITIVE = (  # the options that must be > 0 (their non-finite values are refused saying so)
+    "temperature",
+    "sapo_temperature_pos",
+    "sapo_temperature_neg",
+    "delta",
+    "loss_scale_factor",
+    "logit_scale",
+    "final_logit_softcapping",
+    "num_items_in_batch",
+    "num_sequences_in_batch",
+)
+
+
+def _check_types(options: LossOptions) -> None:
+    """A TypeError naming the first option whose type is not its field's (an int is a float too; a bool is
+    neither), a ValueError for a float that is NaN or ±inf: checked before any range, so that no comparison with a
+    string, None or NaN decides. A tensor normaliser is checked with the loss's values (`check_finite`)."""
+    for f in dataclasses.fields(options):
+        value = getattr(options, f.name)
+        allowed = {part.strip() for part in f.type.split("|")}
+        if value is None and "None" in allowed or isinstance(value, torch.Tensor) and "torch.Tensor" in allowed:
+            continue
+        if isinstance(value, bool):
+            ok = "bool" in allowed
+        elif isinstance(value, int):
+            ok = bool(allowed & {"int", "float"})
+        else:
+            ok = any(isinstance(value, kind) for kind in (str, float) if kind.__name__ in allowed)
+        if not ok:
+            expected = " | ".join(sorted(allowed)).replace("None", "none")
+            raise TypeError(f"{f.name} must be {expected}, got {type(value).__name__} {shown(value)}")
+        if f.name in ("num_items_in_batch", "num_sequences_in_batch") and not value > 0:  # NaN too
+            raise ValueError(f"{f.name} must be > 0, got {value}")
+        if isinstance(value, float) and not math.isfinite(value):
+            rule = "> 0 and finite" if f.name in _POSITIVE else "finite"
+            raise ValueError(f"{f.name} must be {rule}, got {value}")
+
+
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
-        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+        raise ValueError(f"{name} must be one of {choices}, got {shown(value)}")
 
 
 def _check_positive(name: str, value: float) -> None:

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -49,7 +50,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
 from grpo_kernels.advantages import ADVANTAGES
 from grpo_kernels.options import LOSS_TYPES, LossOptions
@@ -57,6 +57,8 @@ from grpo_kernels.registry import Registry
 from grpo_kernels.regularizers import REGULARIZERS
 from grpo_kernels.rewards import REWARDS
 from grpo_kernels.sampling import SAMPLERS
+from grpo_kernels.shown import shown
+from grpo_kernels.yaml_files import load_yaml
 
 PRESET_DIR = "configs/papers"
 PRESET_KEYS = ("name", "paper", "loss", "advantage", "rewards", "sampling", "regularizers", "training", "notes")
@@ -203,26 +205,31 @@ def available() -> list[str]:
 
 def load(name_or_path: str | os.PathLike) -> Preset:
     """A shipped preset by name, in any case (`load("dapo")`, `load("DAPO")`) or a preset YAML file by path,
-    validated."""
+    validated. A file that is not UTF-8 YAML without anchors and aliases is a ValueError naming it."""
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise TypeError(f"preset must be a preset name or a YAML path, got {type(name_or_path).__name__}")
     if isinstance(name_or_path, str) and name_or_path.lower() in available():
         name = name_or_path.lower()
         text, where = _preset_dir().joinpath(f"{name}.yaml").read_text(encoding="utf-8"), name
     else:
         path = Path(name_or_path)
         if not path.is_file():
-            raise ValueError(f"unknown preset {str(name_or_path)!r}: no such file, and not one of {available()}")
-        text, where = path.read_text(encoding="utf-8"), str(path)
-    return from_dict(yaml.safe_load(text), where=where)
+            raise ValueError(f"unknown preset {shown(str(name_or_path))}: no such file, and not one of {available()}")
+        try:
+            text, where = path.read_text(encoding="utf-8"), str(path)
+        except UnicodeDecodeError as error:
+            raise ValueError(f"preset {str(path)!r}: not UTF-8 text (byte {error.start})") from None
+    return from_dict(load_yaml(text, f"preset {where!r}"), where=where)
 
 
 def from_dict(data: Mapping[str, Any], *, where: str | None = None) -> Preset:
     """A preset from plain data (the YAML schema of this module's docstring), validated; `where` names it in errors."""
     if not isinstance(data, Mapping):
         raise TypeError(f"preset {where or ''}: must be a mapping of {list(PRESET_KEYS)}, got {type(data).__name__}")
-    where = f"preset {where or data.get('name', '')!r}"
+    where = f"preset {shown(where or data.get('name', ''))}"
     unknown = sorted(set(map(str, data)) - set(PRESET_KEYS))
     if unknown:
-        raise ValueError(f"{where}: unknown key(s) {unknown}; valid keys are {list(PRESET_KEYS)}")
+        raise ValueError(f"{where}: unknown key(s) {shown(unknown)}; valid keys are {list(PRESET_KEYS)}")
     missing = [key for key in REQUIRED_KEYS if key not in data]
     if missing:
         raise ValueError(f"{where}: missing key(s) {missing}; required keys are {list(REQUIRED_KEYS)}")
@@ -252,7 +259,7 @@ def _preset_dir() -> Any:
 
 def _mapping(where: str, key: str, value: Any) -> Mapping[str, Any]:
     if not isinstance(value, Mapping):
-        raise TypeError(f"{where}: {key} must be a mapping, got {type(value).__name__} {value!r}")
+        raise TypeError(f"{where}: {key} must be a mapping, got {type(value).__name__} {shown(value)}")
     return value
 
 
@@ -260,7 +267,7 @@ def _list(where: str, key: str, value: Any, allow_empty: bool = True) -> list[An
     if value is None and allow_empty:
         return []
     if not isinstance(value, list) or not (value or allow_empty):
-        raise TypeError(f"{where}: {key} must be a {'' if allow_empty else 'non-empty '}list, got {value!r}")
+        raise TypeError(f"{where}: {key} must be a {'' if allow_empty else 'non-empty '}list, got {shown(value)}")
     return value
 
 
@@ -268,14 +275,16 @@ def _paper(where: str, value: Any) -> Paper:
     paper = _mapping(where, "paper", value)
     unknown = sorted(set(paper) - set(PAPER_KEYS))
     if unknown or "title" not in paper:
-        raise ValueError(f"{where}: paper needs 'title' and may have {list(PAPER_KEYS[1:])}, got keys {list(paper)}")
+        raise ValueError(
+            f"{where}: paper needs 'title' and may have {list(PAPER_KEYS[1:])}, got keys {shown(list(paper))}"
+        )
     for key in PAPER_KEYS:
         hint = ' (quote arXiv ids: "2503.14476")' if key == "arxiv" and isinstance(paper.get(key), float) else ""
         _check_value(f"{where}: paper.{key}", paper.get(key), "str" if key == "title" else "str | None", hint)
     if paper.get("arxiv") is None and paper.get("openreview") is None:
         raise ValueError(f"{where}: paper needs an 'arxiv' id, or an 'openreview' forum id where there is none")
     if paper.get("arxiv") is not None and not _ARXIV_ID.fullmatch(paper["arxiv"]):
-        raise ValueError(f"{where}: paper.arxiv must look like '2503.14476', got {paper['arxiv']!r}")
+        raise ValueError(f"{where}: paper.arxiv must look like '2503.14476', got {shown(paper['arxiv'])}")
     return Paper(**paper)
 
 
@@ -296,7 +305,7 @@ def _loss(where: str, value: Any) -> LossOptions:
 def _component(where: str, key: str, registry: Registry, value: Any, reserved: tuple[str, ...] = ()) -> ComponentConfig:
     entry = _mapping(where, key, value)
     if not isinstance(entry.get("name"), str):
-        raise TypeError(f"{where}: {key} needs a 'name' (a {registry.kind} name), got {dict(entry)!r}")
+        raise TypeError(f"{where}: {key} needs a 'name' (a {registry.kind} name), got {shown(dict(entry))}")
     try:
         component = registry.component(entry["name"])
     except ValueError as error:
@@ -306,7 +315,7 @@ def _component(where: str, key: str, registry: Registry, value: Any, reserved: t
     unknown = sorted(set(kwargs) - set(params))
     if unknown:
         raise TypeError(
-            f"{where}: {key}: unknown hyperparameter(s) {unknown} of {registry.kind} {component.name!r}; "
+            f"{where}: {key}: unknown hyperparameter(s) {shown(unknown)} of {registry.kind} {component.name!r}; "
             f"valid: {sorted(params)}"
         )
     for name, kwarg in kwargs.items():
@@ -332,7 +341,7 @@ def _training(where: str, value: Any) -> Training:
     settings = _mapping(where, "training", {} if value is None else value)
     unknown = sorted(set(settings) - set(TRAINING_KEYS))
     if unknown:
-        raise ValueError(f"{where}: training: unknown key(s) {unknown}; valid keys are {list(TRAINING_KEYS)}")
+        raise ValueError(f"{where}: training: unknown key(s) {shown(unknown)}; valid keys are {list(TRAINING_KEYS)}")
     values = {}
     for key, setting in settings.items():
         kind, low, strict = TRAINING_KEYS[key]
@@ -341,7 +350,7 @@ def _training(where: str, value: Any) -> Training:
         _check_value(f"{where}: training.{key}", setting, f"{kind.__name__} | str")
         if isinstance(setting, str) or not (setting > low if strict else setting >= low):
             bound = f"> {low}" if strict else f">= {low}"
-            raise ValueError(f"{where}: training.{key} must be {bound} or {NOT_GIVEN!r}, got {setting!r}")
+            raise ValueError(f"{where}: training.{key} must be {bound} or {NOT_GIVEN!r}, got {shown(setting)}")
         values[key] = kind(setting)
     return Training(**values)
 
@@ -390,7 +399,10 @@ def _matches(value: Any, expected: list[str]) -> bool:
 
 
 def _check_value(where: str, value: Any, annotation: Any, hint: str = "", default: Any = None) -> None:
-    """TypeError naming `where`, the expected and the received type when `value` does not fit `annotation`."""
+    """TypeError naming `where`, the expected and the received type when `value` does not fit `annotation`; a
+    ValueError for a float that is NaN or ±inf (no preset value needs one)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{where} must be finite, got {value}")
     expected = _expected(annotation, default)
     if expected is None or _matches(value, expected):
         return
@@ -400,4 +412,4 @@ def _check_value(where: str, value: Any, annotation: Any, hint: str = "", defaul
             hint = f" (YAML reads a float without a dot as a string: write {float(value)!r})"
         except ValueError:
             pass
-    raise TypeError(f"{where} must be {' | '.join(expected)}, got {type(value).__name__} {value!r}{hint}")
+    raise TypeError(f"{where} must be {' | '.join(expected)}, got {type(value).__name__} {shown(value)}{hint}")

@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from grpo_kernels.shown import shown
+
 
 @dataclass(frozen=True)
 class Component:
@@ -41,7 +43,7 @@ class Registry:
 
         def add(obj: Any) -> Any:
             if name in self._components:
-                raise ValueError(f"{self.kind} {name!r} is already registered")
+                raise ValueError(f"{self.kind} {shown(name)} is already registered")
             self._components[name] = Component(name, obj, paper)
             return obj
 
@@ -53,7 +55,7 @@ class Registry:
 
     def component(self, name: str) -> Component:
         if name not in self._components:
-            raise ValueError(f"unknown {self.kind} {name!r}; valid choices: {sorted(self._components)}")
+            raise ValueError(f"unknown {self.kind} {shown(name)}; valid choices: {sorted(self._components)}")
         return self._components[name]
 
     def names(self) -> list[str]:

@@ -3,11 +3,14 @@ task with the same seed and budget, then write `compare.md` (the table), `compar
 curves and the setup) and `compare.svg` (the reward curves) in `--output-dir`, next to one run directory per preset.
 
 Flags it does not know go to every run's trainer (`--dataset countdown`, `--num-generations 8`, ...; see
-`python -m grpo_kernels.train --help`). A user error is one line, `error: ...`, exit status 2, before any run."""
+`python -m grpo_kernels.train --help`). A user error is one line, `error: ...`, exit status 2, before any run.
+The results are rewritten after each run; Ctrl-C or SIGTERM stops the current run and leaves the results of those
+that finished (the stopped one marked interrupted), and `--resume --output-dir DIR` continues from there."""
 
 from __future__ import annotations
 
 import shlex
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -40,6 +43,11 @@ def build_parser() -> cli.Parser:
     parser.add_argument("--seed", type=int, default=0, help="the seed of every run (default: 0)")
     parser.add_argument("--output-dir", help="new or empty directory (default: a new runs/compare-<timestamp>)")
     parser.add_argument("--overwrite", action="store_true", help="clear a non-empty --output-dir first")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the comparison in --output-dir with its own settings: keep its finished runs, resume the rest",
+    )
     parser.add_argument("--threshold", type=float, default=0.8, help="reward of the 'steps to' column (default: 0.8)")
     parser.add_argument("--window", type=int, default=10, help="steps in the reward's moving mean (default: 10)")
     parser.add_argument(
@@ -53,40 +61,63 @@ def main(argv: Sequence[str] | None = None) -> None:
     cli.run(_compare, argv)
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def _compare(argv: Sequence[str]) -> None:
     from grpo_kernels.compare.report import markdown_table, write_json
-    from grpo_kernels.compare.runs import CompareConfig, compare, run_configs, setup
+    from grpo_kernels.compare.runs import CompareConfig, compare, run_configs, saved_config, setup
     from grpo_kernels.compare.svg import reward_plot
 
-    args, train_args = build_parser().parse_known_args(argv)
-    config = CompareConfig(
-        presets=tuple(p.strip() for p in args.presets.split(",") if p.strip()),
-        steps=args.steps,
-        seed=args.seed,
-        output_dir=args.output_dir or new_run_dir("compare"),
-        overwrite=args.overwrite,
-        threshold=args.threshold,
-        window=args.window,
-        paper_settings=args.paper_settings,
-        train_args=tuple(train_args),
-    )
+    parser = build_parser()
+    args, train_args = parser.parse_known_args(argv)
+    saved: dict = {}
+    if args.resume and not args.output_dir:
+        raise ValueError("--resume needs --output-dir: the directory of the comparison to continue")
+    if args.resume:
+        given = [k for k, v in vars(args).items() if v != parser.get_default(k) and k not in ("resume", "output_dir")]
+        if given or train_args:
+            flags = ", ".join([*("--" + k.replace("_", "-") for k in given), *train_args])
+            raise ValueError(f"--resume continues the comparison with its own settings: drop {flags}")
+        config, saved = saved_config(args.output_dir)
+    else:
+        config = CompareConfig(
+            presets=tuple(p.strip() for p in args.presets.split(",") if p.strip()),
+            steps=args.steps,
+            seed=args.seed,
+            output_dir=args.output_dir or new_run_dir("compare"),
+            overwrite=args.overwrite,
+            threshold=args.threshold,
+            window=args.window,
+            paper_settings=args.paper_settings,
+            train_args=tuple(train_args),
+        )
     configs = run_configs(config)  # every error before the first run
     first = next(iter(configs.values()))
     title = args.title or f"{len(configs)} presets on {first.dataset}, {config.steps} steps, seed {config.seed}"
     print(f"compare: {title}; output {config.output_dir}", flush=True)
-    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    rows = compare(config, log=lambda line: print(line, flush=True))
     out = Path(config.output_dir)
     info = setup(config, configs)
-    info.update(started=started, command="python -m grpo_kernels.compare " + shlex.join(argv))
-    write_json(out / RESULTS[1], rows, info)
-    reward_plot(
-        {r.preset: r.curve for r in rows if r.error is None}, out / RESULTS[2], title=title, window=config.window
+    info.update(
+        started=saved.get("started", time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())),
+        command=saved.get("command", "python -m grpo_kernels.compare " + shlex.join(argv)),
     )
-    table = markdown_table(rows, config.threshold)
-    text = f"# {title}\n\n`{info['command']}` (started {started})\n\n{table}\n\n![reward curves]({RESULTS[2]})\n"
-    (out / RESULTS[0]).write_text(text, encoding="utf-8")
-    print(table)
+
+    def write(rows) -> None:
+        write_json(out / RESULTS[1], rows, info)
+        curves = {r.preset: r.curve for r in rows if r.error is None}
+        reward_plot(curves, out / RESULTS[2], title=title, window=config.window)
+        table = markdown_table(rows, config.threshold)
+        text = f"# {title}\n\n`{info['command']}` (started {info['started']})\n\n{table}\n\n"
+        (out / RESULTS[0]).write_text(text + f"![reward curves]({RESULTS[2]})\n", encoding="utf-8")
+
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # as Ctrl-C: stop the current run, keep what finished
+    try:
+        rows = compare(config, log=lambda line: print(line, flush=True), write=write)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    print(markdown_table(rows, config.threshold))
     print(f"results: {', '.join(str(out / name) for name in RESULTS)}", flush=True)
     errors = [r.preset for r in rows if r.error is not None]
     if errors:

@@ -16,6 +16,7 @@ from pathlib import Path
 TASK_REWARD = "rewards/task"  # logged when a preset's step reward is not the task's reward
 REWARD = "reward"
 GREEDY_ACCURACY = "eval/answer"
+INTERRUPTED = "interrupted"  # the error of a run an interrupt stopped (`compare --resume` continues it)
 
 
 @dataclass(frozen=True)
@@ -56,15 +57,16 @@ def summarize(
     wall_seconds: float,
 ) -> RunSummary:
     """The row of one run from its per-step `history` (the trainer's metrics) and `tokens` (completion tokens trained
-    on at each step)."""
-    if len(tokens) != len(history):
-        raise ValueError(f"tokens must have one entry per step ({len(history)}), got {len(tokens)}")
+    on at each step; a resumed run's: at each of its last steps, those it ran)."""
+    if len(tokens) > len(history):
+        raise ValueError(f"tokens must have at most one entry per step ({len(history)}), got {len(tokens)}")
+    timed = history[len(history) - len(tokens) :]  # a resumed run counts the tokens of its own steps
     curve = [(int(m["step"]), task_reward(m)) for m in history]
     rewards = [r for _, r in curve]
     means = smooth(rewards, window)
     reached = next((curve[i][0] for i, mean in enumerate(means) if i + 1 >= window and mean >= threshold), None)
-    plain = [(n, m["step_time"]) for n, m in zip(tokens, history, strict=True) if GREEDY_ACCURACY not in m]
-    plain = plain or [(n, m["step_time"]) for n, m in zip(tokens, history, strict=True)]
+    plain = [(n, m["step_time"]) for n, m in zip(tokens, timed, strict=True) if GREEDY_ACCURACY not in m]
+    plain = plain or [(n, m["step_time"]) for n, m in zip(tokens, timed, strict=True)]
     seconds = sum(t for _, t in plain)
     evals = [m[GREEDY_ACCURACY] for m in history if GREEDY_ACCURACY in m]
     return RunSummary(
@@ -104,7 +106,8 @@ def markdown_table(rows: list[RunSummary], threshold: float) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join(["---"] + ["---:"] * (len(COLUMNS) - 1)) + "|"]
     for row in rows:
         if row.error is not None:
-            lines.append(f"| {row.preset} | failed: {row.error} |" + " |" * (len(COLUMNS) - 2))
+            why = row.error if row.error == INTERRUPTED else f"failed: {row.error}"
+            lines.append(f"| {row.preset} | {why} |" + " |" * (len(COLUMNS) - 2))
             continue
         cells = []
         for _, name, fmt in COLUMNS:

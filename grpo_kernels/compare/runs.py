@@ -6,14 +6,21 @@ settings (group size, prompts per step, generation budget, learning rate, update
 temperature: the trainer's defaults, or the values given as trainer flags), so that only the algorithm differs
 (loss, advantage, rewards, sampler, regularizers). A run's own process makes its peak memory its own; its output
 goes to `<output_dir>/<preset>.log`.
+
+Nothing finished is lost: the results are rewritten after every run, and an interrupt (Ctrl-C, SIGTERM) stops the
+current run's process and writes them with that run marked interrupted. `resume` continues the comparison in its
+`output_dir` with its own settings (`compare.json`): finished runs are kept, the others run with the trainer's
+`--resume --start-if-no-checkpoint` (from their last checkpoint, where `--checkpoint-every` wrote one).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import multiprocessing
 import resource
 import shutil
+import signal
 import sys
 import time
 import traceback
@@ -21,8 +28,10 @@ from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from grpo_kernels.compare.report import RunSummary, failed, summarize
+from grpo_kernels import presets
+from grpo_kernels.compare.report import INTERRUPTED, RunSummary, failed, summarize
 from grpo_kernels.options import LossOptions
+from grpo_kernels.shown import shown
 from grpo_kernels.trainer.cli import one_line
 from grpo_kernels.trainer.config import TrainConfig, build_parser, parse_args
 
@@ -40,6 +49,7 @@ OWN = (
     "paper_settings",
 )  # compare's flags
 RUN_DEFAULTS = ("--eval-every", "0", "--checkpoint-every", "0", "--no-plot")  # greedy eval and a checkpoint at the end
+RESULTS_JSON = "compare.json"  # the results file, which `resume` reads
 
 
 @dataclass(frozen=True)
@@ -55,15 +65,38 @@ class CompareConfig:
     window: int = 10  # steps in the moving mean of the reward (final reward, steps to threshold, plot)
     paper_settings: bool = False  # each preset's own SHARED settings instead of one for all
     train_args: tuple[str, ...] = field(default_factory=tuple)  # other trainer flags, the same for every run
+    resume: bool = False  # continue the comparison in output_dir: keep its finished runs, resume the others
+
+
+def saved_config(output_dir: str) -> tuple[CompareConfig, dict]:
+    """The comparison in `output_dir` (its `compare.json`: settings and setup) to resume, with `resume` set."""
+    path = Path(output_dir) / RESULTS_JSON
+    if not path.is_file():
+        raise ValueError(f"--resume: {str(path)!r} does not exist, so {output_dir!r} holds no comparison to continue")
+    try:
+        setup = json.loads(path.read_text(encoding="utf-8"))["setup"]
+        names = [f.name for f in dataclasses.fields(CompareConfig) if f.name not in ("resume", "output_dir")]
+        values = {n: tuple(setup[n]) if isinstance(setup[n], list) else setup[n] for n in names}
+        return CompareConfig(**values, output_dir=output_dir, resume=True), setup
+    except (ValueError, KeyError, TypeError, RecursionError) as error:
+        raise ValueError(f"--resume: {path}: not the results of a comparison ({shown(error)})") from None
+
+
+def finished_runs(output_dir: str) -> dict[str, RunSummary]:
+    """The runs of `output_dir`'s `compare.json` that finished (no error), by preset."""
+    runs = json.loads((Path(output_dir) / RESULTS_JSON).read_text(encoding="utf-8"))["runs"]
+    rows = [RunSummary(**{**r, "curve": [tuple(point) for point in r["curve"]]}) for r in runs]
+    return {row.preset: row for row in rows if row.error is None}
 
 
 def run_configs(config: CompareConfig) -> dict[str, TrainConfig]:
     """Each preset's trainer configuration, checked (a ValueError / TypeError naming the bad option)."""
     if not config.presets:
         raise ValueError("presets must name at least one preset, e.g. --presets grpo,dapo")
-    repeated = sorted({p for p in config.presets if config.presets.count(p) > 1})
+    folded = [p.lower() for p in config.presets]  # shipped names in any case; run directories differ in any case
+    repeated = sorted({p for p in config.presets if folded.count(p.lower()) > 1})
     if repeated:
-        raise ValueError(f"presets must differ, got {repeated} more than once")
+        raise ValueError(f"presets must differ (in any case), got {shown(repeated)}")
     if config.steps < 1:
         raise ValueError(f"steps must be >= 1, got {config.steps}")
     if config.window < 1:
@@ -79,8 +112,10 @@ def run_configs(config: CompareConfig) -> dict[str, TrainConfig]:
     configs = {}
     for preset in config.presets:
         if "/" in preset or preset in (".", ".."):
-            raise ValueError(f"presets must be preset names (each names a subdirectory), got {preset!r}")
+            raise ValueError(f"presets must be preset names (each names a subdirectory), got {shown(preset)}")
+        preset = preset.lower() if preset.lower() in presets.available() else preset
         run = [*RUN_DEFAULTS, *shared, "--preset", preset, "--steps", str(config.steps), "--seed", str(config.seed)]
+        run += ["--resume", "--start-if-no-checkpoint"] if config.resume else []
         out = str(Path(config.output_dir) / preset)
         configs[preset] = parse_args([*run, *config.train_args, "--output-dir", out])
     return configs
@@ -114,15 +149,29 @@ def prepare_output(config: CompareConfig) -> Path:
     return out
 
 
-def compare(config: CompareConfig, *, log=print) -> list[RunSummary]:
-    """Train each preset in turn (a fresh process each) and summarise it; `log` gets one line per run."""
+def compare(config: CompareConfig, *, log=print, write=lambda rows: None) -> list[RunSummary]:
+    """Train each preset in turn (a fresh process each) and summarise it; `log` gets one line per run, `write` the
+    rows so far after each. An interrupt stops the current run, `write`s the rows with it marked interrupted, and
+    raises KeyboardInterrupt saying so (with `resume`: the runs that finished before are kept, not run again)."""
     configs = run_configs(config)
-    out = prepare_output(config)
-    rows = []
+    out = Path(config.output_dir) if config.resume else prepare_output(config)
+    done = finished_runs(config.output_dir) if config.resume else {}
+    rows: list[RunSummary] = []
     for i, (preset, train_config) in enumerate(configs.items(), start=1):
         log_path = out / f"{preset}.log"
-        row = run_one(preset, train_config, log_path, config.threshold, config.window)
+        if preset in done:
+            rows.append(done[preset])
+            log(f"[{i}/{len(configs)}] {preset}: finished before, kept")
+            continue
+        try:
+            row = run_one(preset, train_config, log_path, config.threshold, config.window)
+        except KeyboardInterrupt:
+            write([*rows, failed(preset, INTERRUPTED)])
+            finished = f"{len(rows)} of {len(configs)} runs finished, {preset} interrupted"
+            resume = f"python -m grpo_kernels.compare --resume --output-dir {config.output_dir} continues"
+            raise KeyboardInterrupt(f"{finished}; results in {out / RESULTS_JSON} and beside it; {resume}") from None
         rows.append(row)
+        write(rows)
         log(f"[{i}/{len(configs)}] {progress_line(row, config.threshold)} (log: {log_path})")
     return rows
 
@@ -151,6 +200,10 @@ def run_one(preset: str, config: TrainConfig, log_path: Path, threshold: float, 
     except EOFError:
         process.join()
         result = ("error", f"the run's process ended without a result (exit code {process.exitcode})")
+    except KeyboardInterrupt:  # the run stops (SIGTERM; a checkpoint write is atomic) before the comparison does
+        process.terminate()
+        process.join()
+        raise
     process.join()
     if result[0] == "error":
         return failed(preset, result[1])
@@ -161,7 +214,9 @@ def run_one(preset: str, config: TrainConfig, log_path: Path, threshold: float, 
 
 
 def _train_in_child(config: TrainConfig, log_path: str, send) -> None:
-    """The run's process: train, then send (history, tokens per step, peak memory in bytes, wall seconds)."""
+    """The run's process: train, then send (history, tokens per step, peak memory in bytes, wall seconds). Ctrl-C
+    is the parent's to handle: it stops this process."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     with open(log_path, "w", encoding="utf-8") as log, redirect_stdout(log), redirect_stderr(log):
         tic = time.perf_counter()
         try:

@@ -21,6 +21,8 @@ USER_ERRORS = (ValueError, TypeError, OSError, ImportError)  # a bad option, a m
 EXIT_USER_ERROR = 2  # argparse's status for a bad command line
 EXIT_INTERRUPTED = 130
 DEBUG_FLAG = "--debug"
+RESUME_HINT = "--resume continues from the last checkpoint"
+MAX_ERROR = 500  # characters of an argparse error line (it repeats the value given)
 
 
 class Parser(argparse.ArgumentParser):
@@ -32,6 +34,7 @@ class Parser(argparse.ArgumentParser):
         self.add_argument("--version", action="version", version=f"grpo-kernels {__version__}")
 
     def error(self, message: str) -> NoReturn:
+        message = message if len(message) <= MAX_ERROR else message[: MAX_ERROR - 3] + "..."
         print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
         sys.exit(EXIT_USER_ERROR)
 
@@ -51,8 +54,8 @@ def run(command: Callable[[Sequence[str]], object], argv: Sequence[str] | None =
         except USER_ERRORS as error:
             print(f"error: {one_line(error)}", file=sys.stderr)
             sys.exit(EXIT_USER_ERROR)
-        except KeyboardInterrupt:
-            print("interrupted (--resume continues from the last checkpoint)", file=sys.stderr)
+        except KeyboardInterrupt as interrupt:  # a command may say what it kept and how to continue
+            print(f"interrupted: {one_line(interrupt) if str(interrupt) else RESUME_HINT}", file=sys.stderr)
             sys.exit(EXIT_INTERRUPTED)
 
 

@@ -35,6 +35,7 @@ from grpo_kernels import presets
 from grpo_kernels.advantages import ADVANTAGES
 from grpo_kernels.presets import ComponentConfig
 from grpo_kernels.regularizers import REGULARIZERS
+from grpo_kernels.shown import shown
 from grpo_kernels.trainer.parallel import ParallelState, gather_rows, local_rows
 from grpo_kernels.trainer.policy import PolicyModule
 from grpo_kernels.trainer.preset_amir import PreferencePolicy, amir_problems
@@ -128,7 +129,7 @@ class PresetComponents:
         if missing:
             reasons = "".join(f" ({n}: {NO_ADVANTAGE_SOURCE[n]})" for n in missing if n in NO_ADVANTAGE_SOURCE)
             problems.append(
-                f"advantage {config.advantage!r}: needs {missing}, which the trainer cannot produce{reasons}"
+                f"advantage {shown(config.advantage)}: needs {missing}, which the trainer cannot produce{reasons}"
             )
         named = parameters(estimator)
         self.advantage_input_names = [
@@ -144,7 +145,7 @@ class PresetComponents:
         self.matrix = MATRIX_WEIGHTS in named
         if self.matrix and (self.rewards.reshapes or MATRIX_WEIGHTS in config.advantage_kwargs):
             problems.append(
-                f"advantage {config.advantage!r}: takes one reward column per entry and its weight, so no entry "
+                f"advantage {shown(config.advantage)}: takes one reward column per entry and its weight, so no entry "
                 f"may reshape the rewards and advantage_kwargs may not set {MATRIX_WEIGHTS!r}"
             )
         filtering = preset is not None and preset.sampling is not None and preset.sampling.name == "pvpo_filter"
@@ -168,7 +169,7 @@ class PresetComponents:
         if uses_correctness and tuple(task.reward_names[:1]) != ("answer",):
             problems.append(f"correctness: read from the task's first reward column 'answer', got {task.reward_names}")
         if problems:
-            raise ValueError(f"preset {config.preset!r}: the trainer cannot apply " + "; ".join(problems))
+            raise ValueError(f"preset {shown(config.preset)}: the trainer cannot apply " + "; ".join(problems))
 
     def bind_policy(self, model: torch.nn.Module, tokenizer: Any, ref_model: torch.nn.Module | None = None) -> None:
         """Give the inputs read from the policy (DRA-GRPO's embeddings, PVPO's injected log-probs) its model and

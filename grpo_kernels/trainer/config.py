@@ -26,6 +26,7 @@ import ast
 import dataclasses
 import inspect
 import io
+import math
 import textwrap
 import tokenize
 from collections.abc import Callable, Mapping, Sequence
@@ -33,23 +34,32 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from grpo_kernels import presets
 from grpo_kernels.advantages import ADVANTAGES
 from grpo_kernels.integrations.attention import ATTN_IMPLEMENTATIONS
-from grpo_kernels.options import IMPORTANCE_SAMPLING_LEVELS, KL_ESTIMATORS, LOSS_AGG_MODES, LOSS_TYPES, LossOptions
+from grpo_kernels.options import (
+    IMPORTANCE_SAMPLING_LEVELS,
+    KL_ESTIMATORS,
+    LOSS_AGG_MODES,
+    LOSS_TYPES,
+    LossOptions,
+    check_epsilon_names,
+)
+from grpo_kernels.shown import shown
 from grpo_kernels.trainer import run_names
 from grpo_kernels.trainer.cli import Parser
 from grpo_kernels.trainer.logging import REPORT_TO
 from grpo_kernels.trainer.parallel import PARALLEL_MODES
 from grpo_kernels.trainer.precision import DTYPES
 from grpo_kernels.trainer.update import IS_MODES
+from grpo_kernels.yaml_files import load_yaml, read_yaml
 
 PER_STEP_LOSS_OPTIONS = ("num_items_in_batch", "num_sequences_in_batch")  # set by the trainer at each step
 TRAINING_SETTINGS = tuple(presets.TRAINING_KEYS)  # a preset's training settings; `temperature` is the loss option
 NOT_CLI = ("loss", "sources")  # TrainConfig fields without a flag of their own
 DEFAULT_PRESET = "grpo"
+DEMO_MAX_LENGTH = 65_536  # the tiny demo model's largest prompt and generation budget, in tokens (its context is
+# sized from them, so no other limit would stop a typo of 10**12 tokens before it allocates)
 ROLLOUTS = ("hf", "vllm")
 
 
@@ -123,6 +133,8 @@ class TrainConfig:
     learning_rate: float = 1.0e-3  # AdamW's learning rate
     weight_decay: float = 0.0  # AdamW's weight decay
     max_grad_norm: float = 1.0  # gradients are clipped to this global norm
+    skip_nonfinite_steps: int = 0  # steps whose grad_norm is not finite (NaN, inf) that may skip their optimizer
+    # step, each logged; past that many (0: at the first) the run stops there, its last good checkpoint kept
     sync_ref_model: bool = False  # refresh the reference model from the policy (TR-DPO mixing, TRL's names)
     ref_model_sync_steps: int = 512  # steps between refreshes of the reference model
     ref_model_mixup_alpha: float = 0.6  # π_ref ← α·π_θ + (1 − α)·π_ref at each refresh, α in [0, 1]
@@ -169,10 +181,10 @@ def advantage_function(config: TrainConfig) -> Callable[..., Any]:
     fn = ADVANTAGES.get(config.advantage)
     missing = missing_advantage_inputs(fn, config.advantage_kwargs)
     if missing:
-        preset = f" (preset {config.preset!r})" if config.preset is not None else ""
+        preset = f" (preset {shown(config.preset)})" if config.preset is not None else ""
         raise ValueError(
-            f"advantage {config.advantage!r}{preset} needs per-step inputs {missing} that the trainer cannot produce "
-            f"(it supplies rewards, group_ids and {list(ADVANTAGE_INPUTS)})"
+            f"advantage {shown(config.advantage)}{preset} needs per-step inputs {missing} that the trainer cannot "
+            f"produce (it supplies rewards, group_ids and {list(ADVANTAGE_INPUTS)})"
         )
     return fn
 
@@ -186,13 +198,20 @@ def from_dict(data: Mapping[str, Any], base: TrainConfig | None = None, where: s
         raise ValueError(f"{where}: unknown key(s) {unknown}; valid keys are {sorted(fields)}")
     values = {k: v for k, v in data.items() if k != "loss"}
     if "sources" in values and not isinstance(values["sources"], Mapping):
-        raise TypeError(f"{where}: sources must be a mapping of training settings, got {values['sources']!r}")
+        raise TypeError(f"{where}: sources must be a mapping of training settings, got {shown(values['sources'])}")
     loss = config.loss
     if data.get("loss") is not None:
         if not isinstance(data["loss"], Mapping):
-            raise TypeError(f"{where}: loss must be a mapping of loss options, got {data['loss']!r}")
+            raise TypeError(f"{where}: loss must be a mapping of loss options, got {shown(data['loss'])}")
+        given = dict(data["loss"])
+        check_epsilon_names(given)
         loss_fields = {f.name: getattr(loss, f.name) for f in dataclasses.fields(LossOptions)}
-        loss = LossOptions.from_kwargs(**{**loss_fields, **data["loss"]})
+        if given.get("epsilon_low") is not None and "epsilon" not in given:  # the alias given replaces epsilon
+            loss_fields.pop("epsilon")
+        try:
+            loss = LossOptions.from_kwargs(**{**loss_fields, **given})
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"{where}: loss: {error}") from None
     return dataclasses.replace(config, **values, loss=loss)
 
 
@@ -258,9 +277,10 @@ _AT_LEAST = {  # field -> its smallest value (None, where the field allows it, i
     "ref_model_mixup_alpha": 0.0,
     "progress_every": 0,
     "progress_seconds": 0.0,
+    "skip_nonfinite_steps": 0,
 }
 _POSITIVE = ("learning_rate", "max_grad_norm", "vllm_gpu_memory_utilization", "vllm_importance_sampling_clip_max")
-_AT_MOST = {"vllm_gpu_memory_utilization": 1.0, "ref_model_mixup_alpha": 1.0}
+_AT_MOST = {"vllm_gpu_memory_utilization": 1.0, "ref_model_mixup_alpha": 1.0, "seed": 2**63 - 1}
 
 
 def choices() -> dict[str, Sequence[str]]:
@@ -293,17 +313,22 @@ def check_config(config: TrainConfig) -> None:
         expected = f.type.split("|")[0].strip().split("[")[0]
         types = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,), "dict": (dict,)}[expected]
         if not isinstance(value, types) or (expected in ("int", "float") and isinstance(value, bool)):
-            raise TypeError(f"{f.name} must be {f.type.replace('None', 'none')}, got {value!r}")
+            raise TypeError(f"{f.name} must be {f.type.replace('None', 'none')}, got {shown(value)}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{f.name} must be finite, got {value}")
         if f.name in _AT_LEAST and value < _AT_LEAST[f.name]:
-            raise ValueError(f"{f.name} must be >= {_AT_LEAST[f.name]}, got {value!r}")
+            raise ValueError(f"{f.name} must be >= {_AT_LEAST[f.name]}, got {shown(value)}")
         if f.name in _POSITIVE and not value > 0:
-            raise ValueError(f"{f.name} must be > 0, got {value!r}")
+            raise ValueError(f"{f.name} must be > 0, got {shown(value)}")
         if f.name in _AT_MOST and value > _AT_MOST[f.name]:
-            raise ValueError(f"{f.name} must be <= {_AT_MOST[f.name]}, got {value!r}")
+            raise ValueError(f"{f.name} must be <= {_AT_MOST[f.name]}, got {shown(value)}")
     for name, valid in choices().items():
         value = getattr(config, name) if hasattr(config, name) else getattr(config.loss, name)
         if value is not None and value not in valid:
-            raise ValueError(f"{name} must be one of {list(valid)}, got {value!r}")
+            raise ValueError(f"{name} must be one of {list(valid)}, got {shown(value)}")
+    budget = config.max_completion_length
+    if config.model == "tiny" and budget is not None and budget > DEMO_MAX_LENGTH:
+        raise ValueError(f"max_completion_length must be <= {DEMO_MAX_LENGTH} for the tiny demo model, got {budget}")
     if config.model == "tiny" and config.hidden_size % config.num_heads:
         raise ValueError(f"num_heads ({config.num_heads}) must divide hidden_size ({config.hidden_size})")
     if config.resume and config.overwrite:
@@ -338,7 +363,7 @@ def _converter(annotation: str):
     parts = [p.strip() for p in annotation.split("|")]
     nullable = "None" in parts
     base = next(p for p in parts if p != "None")
-    parse = {"int": int, "float": float, "str": str}.get(base, yaml.safe_load)
+    parse = {"int": int, "float": float, "str": str}.get(base, lambda text: load_yaml(text, "a YAML value"))
 
     def convert(text: str):
         if nullable and text.lower() in ("none", "null"):
@@ -422,10 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def yaml_mapping(path: Path) -> dict[str, Any]:
     """The mapping in YAML file `path` (empty: {}); a ValueError naming the file otherwise."""
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except yaml.YAMLError as error:
-        raise ValueError(f"{path}: not valid YAML ({' '.join(str(error).split())})") from None
+    data = read_yaml(path) or {}
     if not isinstance(data, Mapping):
         raise TypeError(f"{path}: must be a mapping of TrainConfig fields, got {type(data).__name__}")
     return dict(data)

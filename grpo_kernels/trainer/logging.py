@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+from grpo_kernels.shown import shown
+
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "metrics.png"
 LIVE = ("reward", "rewards/answer", "kl", "entropy")  # shown in the progress bar
@@ -167,7 +169,7 @@ REPORT_TO = ("none", "tensorboard", "wandb")
 def tracker(report_to: str, output_dir: Path, run_config: dict):
     """The experiment tracker `report_to` names, or None for "none"; a clear error when its package is missing."""
     if report_to not in REPORT_TO:
-        raise ValueError(f"report_to must be one of {REPORT_TO}, got {report_to!r}")
+        raise ValueError(f"report_to must be one of {REPORT_TO}, got {shown(report_to)}")
     if report_to == "tensorboard":
         try:
             from torch.utils.tensorboard import SummaryWriter

@@ -15,6 +15,8 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from grpo_kernels.integrations.attention import packing_support, set_attn_implementation
+from grpo_kernels.shown import shown
+from grpo_kernels.trainer.config import DEMO_MAX_LENGTH
 from grpo_kernels.trainer.offline import require_model
 
 TINY = "tiny"  # TrainConfig.model value that builds the tiny Llama instead of loading one
@@ -24,7 +26,7 @@ SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")  # ids 0..3
 def build_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
     """One token per character of `alphabet` after the four special tokens; `<bos>` is prepended to every text."""
     if len(set(alphabet)) != len(alphabet) or not alphabet:
-        raise ValueError(f"alphabet must be non-empty characters without repeats, got {alphabet!r}")
+        raise ValueError(f"alphabet must be non-empty characters without repeats, got {shown(alphabet)}")
     vocab = {token: i for i, token in enumerate((*SPECIAL_TOKENS, *alphabet))}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every character alone
@@ -61,14 +63,47 @@ def build_tiny_llama(
     return LlamaForCausalLM(config)
 
 
-def load_policy(config, alphabet: str, max_prompt_length: int):
-    """(model, tokenizer): the tiny Llama when `config.model == "tiny"`, else `from_pretrained(config.model)`."""
+def load_policy(config, task):
+    """(model, tokenizer): the tiny Llama when `config.model == "tiny"` (its context sized from the task's longest
+    prompt and the budget, checked first against `DEMO_MAX_LENGTH`), else `from_pretrained(config.model)`."""
     if config.model == TINY:
-        tokenizer = build_tokenizer(alphabet)
-        max_length = max_prompt_length + config.max_completion_length
+        tokenizer = build_tokenizer(task.alphabet)
+        check_lengths(tokenizer, task, config.max_completion_length, DEMO_MAX_LENGTH, "the tiny model's cap")
+        max_length = task.max_prompt_length + config.max_completion_length
         model = build_tiny_llama(tokenizer, config.hidden_size, config.num_layers, config.num_heads, max_length)
         return model, tokenizer
     return load_pretrained(config.model)
+
+
+def task_prompts(task) -> list:
+    """Every prompt of `task` a run may use: both splits of a dataset, else the evaluation prompts (a generated task's
+    training prompts are of the same form)."""
+    return [*task.train, *task.test] if hasattr(task, "train") and hasattr(task, "test") else task.eval_prompts()
+
+
+def check_lengths(tokenizer, prompts, budget: int, context: int | None, what: str) -> None:
+    """Each prompt (a task's, or a list of `Prompt`s) in tokens plus the generation `budget` within `context` tokens;
+    a ValueError with both numbers, naming the first prompt over it and where it was read. No check without a
+    context."""
+    if context is None:
+        return
+    if budget >= context:
+        raise ValueError(f"max_completion_length ({budget}) leaves no room for a prompt in {what} ({context} tokens)")
+    prompts = task_prompts(prompts) if not isinstance(prompts, list) else prompts
+    lengths = [len(ids) for ids in tokenizer([p.text for p in prompts])["input_ids"]]
+    for prompt, length in zip(prompts, lengths, strict=True):
+        if length + budget > context:
+            where = prompt.source or f"prompt {shown(prompt.text[:40])}"
+            raise ValueError(
+                f"{where}: prompt + generation budget = {length} + {budget} tokens, over {what} ({context} tokens); "
+                "shorten the prompt or lower --max-completion-length"
+            )
+
+
+def model_context(model: nn.Module) -> int | None:
+    """A loaded model's context in tokens (its config's `max_position_embeddings`), or None where it states none."""
+    context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return context if isinstance(context, int) else None
 
 
 def load_pretrained(name: str):
@@ -79,9 +114,9 @@ def load_pretrained(name: str):
     path, checkpoint = Path(name).expanduser(), "a trainer checkpoint is <run>/checkpoints/step_NNNNNN"
     hub_id = not name.startswith((".", "/", "~")) and name.count("/") <= 1  # "gpt2", "Qwen/Qwen2.5-0.5B"
     if not path.exists() and not hub_id:
-        raise ValueError(f"model {name!r}: no such directory ({checkpoint})")
+        raise ValueError(f"model {shown(name)}: no such directory ({checkpoint})")
     if path.exists() and not (path / "config.json").is_file():
-        raise ValueError(f"model {name!r}: not a model directory, it has no config.json ({checkpoint})")
+        raise ValueError(f"model {shown(name)}: not a model directory, it has no config.json ({checkpoint})")
     require_model(name)
     try:
         tokenizer = AutoTokenizer.from_pretrained(name, padding_side="left")
@@ -89,7 +124,7 @@ def load_pretrained(name: str):
     except OSError as error:  # not a model directory, not on the hub, offline
         reason = " ".join(str(error).split())[:300]
         raise ValueError(
-            f"model {name!r}: not a model directory, and not loadable from the Hugging Face hub ({reason})"
+            f"model {shown(name)}: not a model directory, and not loadable from the Hugging Face hub ({reason})"
         ) from error
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from grpo_kernels.shown import shown
+
 PARALLEL_MODES = ("auto", "none", "ddp", "fsdp")
 
 
@@ -39,7 +41,7 @@ class ParallelState:
 def init_parallel(mode: str, device: str) -> ParallelState:
     """Join torchrun's process group when WORLD_SIZE > 1 (once per process); resolve `mode` and the device."""
     if mode not in PARALLEL_MODES:
-        raise ValueError(f"parallel must be one of {PARALLEL_MODES}, got {mode!r}")
+        raise ValueError(f"parallel must be one of {PARALLEL_MODES}, got {shown(mode)}")
     check_device(device)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     cuda = torch.cuda.is_available() if device == "auto" else device.startswith("cuda")
@@ -64,14 +66,14 @@ def check_device(device: str) -> None:
     try:
         parsed = torch.device(device)
     except RuntimeError:
-        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {device!r}") from None
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {shown(device)}") from None
     if parsed.type == "cuda" and not torch.cuda.is_available():
         build = "a CPU-only build" if torch.version.cuda is None else "a CUDA build, but no GPU is visible"
         raise ValueError(
-            f"device {device!r}: CUDA is not available (torch {torch.__version__} is {build}); use cpu or auto"
+            f"device {shown(device)}: CUDA is not available (torch {torch.__version__} is {build}); use cpu or auto"
         )
     if parsed.type == "cuda" and parsed.index is not None and parsed.index >= torch.cuda.device_count():
-        raise ValueError(f"device {device!r}: this machine has {torch.cuda.device_count()} GPU(s)")
+        raise ValueError(f"device {shown(device)}: this machine has {torch.cuda.device_count()} GPU(s)")
 
 
 def _mode(mode: str) -> str:

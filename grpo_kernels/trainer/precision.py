@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from grpo_kernels.shown import shown
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 _TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -35,5 +37,5 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def _named(name: str, option: str) -> torch.dtype:
     if name not in _TORCH:
-        raise ValueError(f"{option} must be one of {list(DTYPES)}, got {name!r}")
+        raise ValueError(f"{option} must be one of {list(DTYPES)}, got {shown(name)}")
     return _TORCH[name]

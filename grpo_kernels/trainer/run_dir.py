@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from grpo_kernels.shown import shown
 from grpo_kernels.trainer import checkpoint
 from grpo_kernels.trainer.config import TrainConfig, from_dict, yaml_mapping
 from grpo_kernels.trainer.parallel import ParallelState
@@ -33,6 +34,7 @@ RESUMABLE = (
     "overwrite",
     "start_if_no_checkpoint",
     "steps",
+    "skip_nonfinite_steps",
     "checkpoint_every",
     "eval_every",
     "torch_threads",
@@ -90,7 +92,7 @@ def config_differences(saved: TrainConfig, config: TrainConfig) -> list[str]:
 
     before, after = flat(saved), flat(config)
     return [
-        f"{name}: {before.get(name)!r} -> {after.get(name)!r}"
+        f"{name}: {shown(before.get(name))} -> {shown(after.get(name))}"
         for name in [*after, *(k for k in before if k not in after)]
         if name not in RESUMABLE and before.get(name) != after.get(name)
     ]

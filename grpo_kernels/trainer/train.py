@@ -18,12 +18,20 @@ import time
 import torch
 from torch import Tensor, nn
 
+from grpo_kernels.shown import shown
 from grpo_kernels.trainer import checkpoint, run_dir
 from grpo_kernels.trainer.components import PresetComponents, StepSamples, gather_inputs, local_part
 from grpo_kernels.trainer.config import ROLLOUTS, TrainConfig, advantage_function, check_config, loss_options
 from grpo_kernels.trainer.evaluate import evaluate
 from grpo_kernels.trainer.logging import MetricsLogger, read_metrics, start_line
-from grpo_kernels.trainer.model import TINY, apply_lora, configure_attention, load_policy
+from grpo_kernels.trainer.model import (
+    TINY,
+    apply_lora,
+    check_lengths,
+    configure_attention,
+    load_policy,
+    model_context,
+)
 from grpo_kernels.trainer.parallel import (
     init_parallel,
     mean_over_ranks,
@@ -37,7 +45,7 @@ from grpo_kernels.trainer.rollout import HFRollout, Rollout, RolloutBatch
 from grpo_kernels.trainer.run_names import with_output_dir
 from grpo_kernels.trainer.settings import resolve_settings
 from grpo_kernels.trainer.tasks import PromptStream, build_task
-from grpo_kernels.trainer.update import inner_updates, sampler_correction
+from grpo_kernels.trainer.update import NonFiniteUpdate, inner_updates, sampler_correction
 
 
 class GRPOTrainer:
@@ -72,7 +80,8 @@ class GRPOTrainer:
         start = run_dir.prepare(config, self.parallel, ref_model=self.options.beta != 0.0)
         self.resumed_from = None if start is None else start.path
         if model is None:
-            model, tokenizer = load_policy(config, self.task.alphabet, self.task.max_prompt_length)
+            model, tokenizer = load_policy(config, self.task)
+        check_lengths(tokenizer, self.task, config.max_completion_length, model_context(model), "the model's context")
         model = model.to(self.parallel.device, dtype=policy_dtype(config.dtype, self.parallel.device))
         max_length = self.task.max_prompt_length + config.max_completion_length
         self.padding_free = configure_attention(model, config, max_length, self.parallel.is_main)
@@ -86,6 +95,7 @@ class GRPOTrainer:
         self.model, self.tokenizer = model, tokenizer
         self.prompts = PromptStream(self.task, config.seed)
         self.step = 0
+        self.skipped_updates = 0  # refused updates skipped so far (`skip_nonfinite_steps`)
         if start is not None:  # weights before wrapping: FSDP2 shards what it is given
             checkpoint.load_weights(start.path, self.model, self.ref_model)
         self.policy = wrap_policy(self.components.policy_module(self.model, self.padding_free), self.parallel)
@@ -134,7 +144,11 @@ class GRPOTrainer:
         while self.step < config.steps:
             tic = time.perf_counter()
             self.step += 1
-            metrics = self.training_step()
+            try:
+                metrics = self.training_step()
+            except NonFiniteUpdate as error:
+                self.skip_update(error)
+                continue
             if self.step == config.steps or (config.eval_every and self.step % config.eval_every == 0):
                 metrics.update(evaluate(unwrap(self.policy), self.tokenizer, self.task, config.max_completion_length))
             metrics["step_time"] = time.perf_counter() - tic
@@ -144,6 +158,21 @@ class GRPOTrainer:
         logger.close(plot=config.plot)
         torch.set_num_threads(threads)
         return logger.history
+
+    def skip_update(self, error: NonFiniteUpdate) -> None:
+        """Skip this step's refused update (`--skip-nonfinite-steps`, each logged), or stop the run at it: no
+        checkpoint is written after a refused update, so the last one written is the last good one."""
+        config = self.config
+        self.skipped_updates += 1
+        if self.skipped_updates > config.skip_nonfinite_steps:
+            raise ValueError(
+                f"step {self.step}: {error}, so the optimizer step is refused and the run stops (the last checkpoint "
+                f"in {config.output_dir} is kept; --skip-nonfinite-steps N skips up to N such steps)"
+            ) from error
+        self.rollout.sync_weights()  # updates before the refused one (num_iterations > 1) were taken
+        if self.parallel.is_main:
+            count = f"{self.skipped_updates} of at most {config.skip_nonfinite_steps}"
+            print(f"step {self.step}: {error}: optimizer step skipped ({count})", flush=True)
 
     def training_step(self) -> dict[str, float]:
         """One GRPO step on this rank's share of `prompts_per_step` prompts; returns the step's metrics."""
@@ -247,7 +276,7 @@ def build_rollout(config: TrainConfig, model: nn.Module, tokenizer, parallel=Non
             raise ValueError("--rollout vllm is not supported with --parallel fsdp or --lora yet: use hf rollouts")
         import_vllm()  # an ImportError naming the install command, before any work
         return build_vllm_rollout(config, getattr(model, "model", model), tokenizer, parallel, task)
-    raise ValueError(f"rollout must be one of {list(ROLLOUTS)}, got {config.rollout!r}")
+    raise ValueError(f"rollout must be one of {list(ROLLOUTS)}, got {shown(config.rollout)}")
 
 
 def train(config: TrainConfig) -> list[dict]:

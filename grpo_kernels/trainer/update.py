@@ -14,11 +14,21 @@ from torch import Tensor, nn
 from grpo_kernels.distributed import micro_batch_scale, num_items_in_batch, num_sequences_in_batch
 from grpo_kernels.losses.policy import POLICY_LOSSES
 from grpo_kernels.options import LossOptions
+from grpo_kernels.shown import shown
 from grpo_kernels.trainer.parallel import no_gradient_sync, unwrap
 from grpo_kernels.trainer.policy import UpdateBatch, token_budget_groups
 from grpo_kernels.trainer.rollout import RolloutBatch
 
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+class NonFiniteUpdate(ValueError):
+    """An optimizer update refused because its grad_norm is not finite; the weights are those before it."""
+
+    def __init__(self, metrics: dict[str, float]) -> None:
+        name, value = next((n, v) for n, v in metrics.items() if not math.isfinite(v))
+        super().__init__(f"{name} is {value}")
+        self.metric = name
 
 
 def importance_sampling_ratio(
@@ -34,7 +44,7 @@ def importance_sampling_ratio(
     ratios outside it to 0. It multiplies the policy term (`is_ratio`): the sampler (vLLM) and the trainer compute
     slightly different distributions, and the update must be for samples of π_old."""
     if mode not in IS_MODES:
-        raise ValueError(f"vllm_importance_sampling_mode must be one of {IS_MODES}, got {mode!r}")
+        raise ValueError(f"vllm_importance_sampling_mode must be one of {IS_MODES}, got {shown(mode)}")
     log_diff = (old_logp - sampling_logp) * mask  # [B, T]
     if mode.startswith("sequence"):
         log_diff = log_diff.sum(dim=1)  # [B]
@@ -78,6 +88,7 @@ def inner_updates(
     (`num_items_in_batch`, `num_sequences_in_batch` all-reduced, `micro_batch_scale` for the rest), so K ranks × M
     micro-batches make the same update as one process on the whole batch. `loss` is the step batch's loss; the
     other metrics are token-weighted means over the micro-batches (averaged over ranks: the whole batch's means).
+    An update whose grad_norm is not finite is not taken: `NonFiniteUpdate` names the first non-finite metric.
     """
     policy.train()
     micro_batches = split_batch(batch, gradient_accumulation_steps, max_tokens_per_microbatch, policy)
@@ -101,8 +112,12 @@ def inner_updates(
             for name, value in metrics.items():
                 totals[name] += float(value) * share
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), max_grad_norm)
+        norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        if not math.isfinite(norm):  # the norm of the reduced gradients: every rank refuses together
+            optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteUpdate({**totals, "grad_norm": norm})
         optimizer.step()
-        totals["grad_norm"] += float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        totals["grad_norm"] += norm
     return {name: value / num_iterations for name, value in totals.items()}
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from grpo_kernels.shown import shown
 from grpo_kernels.trainer.tasks.addition import AdditionTask, closeness, exact_answer, number_format
 from grpo_kernels.trainer.tasks.countdown import CountdownTask
 from grpo_kernels.trainer.tasks.dataset import DatasetTask
@@ -56,4 +57,4 @@ def build_task(config) -> Task:
         return load_gsm8k(eval_size)
     if isinstance(dataset, (str, Path)) and str(dataset).endswith(".jsonl"):
         return load_jsonl(dataset, eval_size)
-    raise ValueError(f"dataset must be one of {list(DATASETS)} or a path ending in .jsonl, got {dataset!r}")
+    raise ValueError(f"dataset must be one of {list(DATASETS)} or a path ending in .jsonl, got {shown(dataset)}")

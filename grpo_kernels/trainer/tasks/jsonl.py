@@ -26,6 +26,7 @@ from torch import Tensor
 from grpo_kernels.checks import check_texts
 from grpo_kernels.rewards.limits import over_limit, score_texts, too_long
 from grpo_kernels.rewards.math_answer import final_answer, verify_answers
+from grpo_kernels.shown import shown
 from grpo_kernels.trainer.tasks.dataset import DatasetTask
 from grpo_kernels.trainer.tasks.records import EVAL_SIZE, Prompt
 
@@ -95,7 +96,7 @@ def _field(record: dict, key: str, where: str) -> str:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         value = str(value)
     if not isinstance(value, str) or not value.strip():
-        raise ValueError(f"{where}: {key!r} must be a non-empty string (or a number), got {value!r}")
+        raise ValueError(f"{where}: {key!r} must be a non-empty string (or a number), got {shown(value)}")
     return value
 
 
@@ -127,6 +128,8 @@ def read_jsonl(path: str | Path) -> tuple[list[Prompt], list[Prompt]]:
             record = json.loads(line)
         except json.JSONDecodeError as error:
             raise ValueError(f"{where}: not valid JSON ({error.msg})") from None
+        except RecursionError:
+            raise ValueError(f"{where}: not valid JSON here (nested too deeply)") from None
         if not isinstance(record, dict):
             raise ValueError(f"{where}: must be a JSON object, got {type(record).__name__}")
         missing = [key for key in ("prompt", "answer") if key not in record]
@@ -134,8 +137,8 @@ def read_jsonl(path: str | Path) -> tuple[list[Prompt], list[Prompt]]:
             raise ValueError(f"{where}: missing key(s) {missing}; every line needs 'prompt' and 'answer'")
         split = record.get("split")
         if split not in splits:
-            raise ValueError(f"{where}: 'split' must be one of {list(SPLITS)} or absent, got {split!r}")
-        splits[split].append(Prompt(_field(record, "prompt", where), _field(record, "answer", where)))
+            raise ValueError(f"{where}: 'split' must be one of {list(SPLITS)} or absent, got {shown(split)}")
+        splits[split].append(Prompt(_field(record, "prompt", where), _field(record, "answer", where), where))
     train, test, unsplit = splits["train"], splits["test"], splits[None]
     held_out = 0 if test else max(1, round(HELD_OUT_FRACTION * len(unsplit)))
     return train + unsplit[: len(unsplit) - held_out], test + unsplit[len(unsplit) - held_out :]

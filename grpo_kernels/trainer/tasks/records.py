@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -23,6 +23,7 @@ class Prompt:
 
     text: str
     answer: str
+    source: str = field(default="", compare=False)  # where it was read ("file, line N"), for errors; "" generated
 
 
 @dataclass(frozen=True)
