@@ -165,13 +165,12 @@ def print_table(results: dict) -> None:
 
 def main(argv: Sequence[str] | None = None) -> dict:
     """Evaluate `--model` (and `--compare`); print the table, write `--output`; returns the results."""
+    args = build_parser().parse_args(argv)
     import torch
 
-    from grpo_kernels.trainer.model import check_lengths, model_context
     from grpo_kernels.trainer.parallel import check_device
     from grpo_kernels.trainer.tasks import build_task
 
-    args = build_parser().parse_args(argv)
     args.model = checkpoint_of(args.model)
     args.compare = None if args.compare is None else checkpoint_of(args.compare)
     settings = resolve_settings(args)
@@ -180,6 +179,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     for model in (args.model, args.compare):
         if model is not None:
             require_model(model)  # before transformers is imported: fails fast offline
+    from grpo_kernels.trainer.model import check_lengths, model_context
+
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     results: dict = {"settings": settings, "num_prompts": len(task.eval_prompts())}
     for role, name in (("model", args.model), ("compare", args.compare)):
