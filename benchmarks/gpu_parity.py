@@ -38,7 +38,7 @@ import torch
 import grpo_kernels as gk
 from benchmarks.gpu_run import failure_line, parity_markdown
 from grpo_kernels import reference
-from grpo_kernels.vocab import backends
+from grpo_kernels.kernels import backend as backends
 from tests.conftest import RTOL
 
 F64 = torch.float64

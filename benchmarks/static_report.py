@@ -92,7 +92,7 @@ def _inputs(dtype: torch.dtype, V: int, B: int, T: int) -> dict:
 
 def _token_logprobs_fwd(with_entropy: bool, softcap: float | None = None, stats: tuple[str, ...] = ()) -> Callable:
     def launch(dtype, V, B, T):
-        from grpo_kernels.vocab import token_logprobs_triton
+        from grpo_kernels.kernels import token_logprobs_triton
 
         x = _inputs(dtype, V, B, T)
         token_logprobs_triton.token_logprobs_fwd(
@@ -104,7 +104,7 @@ def _token_logprobs_fwd(with_entropy: bool, softcap: float | None = None, stats:
 
 def _token_logprobs_bwd(with_entropy: bool, softcap: float | None = None) -> Callable:
     def launch(dtype, V, B, T):
-        from grpo_kernels.vocab import token_logprobs_triton
+        from grpo_kernels.kernels import token_logprobs_triton
 
         x = _inputs(dtype, V, B, T)
         entropy = x["row"] if with_entropy else None
@@ -120,9 +120,9 @@ def _grpo_loss_fwd(
     kind: str, with_entropy: bool = False, softcap: float | None = None, is_ratio: bool = False, **epilogue
 ) -> Callable:
     def launch(dtype, V, B, T):
+        from grpo_kernels.kernels import grpo_loss_triton
+        from grpo_kernels.kernels.function import TokenEpilogue
         from grpo_kernels.options import LossOptions
-        from grpo_kernels.vocab import grpo_loss_triton
-        from grpo_kernels.vocab.function import TokenEpilogue
 
         x = _inputs(dtype, V, B, T)
         spec = dataclasses.replace(TokenEpilogue.from_options(kind, LossOptions()), **epilogue)
@@ -137,8 +137,8 @@ def _grpo_loss_fwd(
 
 def cases() -> dict[str, Callable]:
     """Case name -> launch(dtype, V, B, T); each policy epilogue and KL estimator of the fused kernel is one case."""
-    from grpo_kernels.vocab.function import TOKEN_STATS
-    from grpo_kernels.vocab.grpo_loss_triton import EPILOGUES, KL_KINDS
+    from grpo_kernels.kernels.function import TOKEN_STATS
+    from grpo_kernels.kernels.grpo_loss_triton import EPILOGUES, KL_KINDS
 
     out = {
         "token_logprobs_fwd": _token_logprobs_fwd(False),

@@ -7,8 +7,12 @@ import dataclasses
 import torch
 from torch import Tensor
 
-from grpo_kernels import checks, kept_rows, token_level
-from grpo_kernels.kept_rows import (
+from grpo_kernels import checks
+from grpo_kernels.engine import finite, sync, validate
+from grpo_kernels.engine import layout as kept_rows
+from grpo_kernels.engine import routes as token_level
+from grpo_kernels.engine.inputs import LossInputs
+from grpo_kernels.engine.layout import (
     as_rows,
     checked_mask,
     kept_index,
@@ -19,25 +23,24 @@ from grpo_kernels.kept_rows import (
     scatter,
     take,
 )
-from grpo_kernels.loss_inputs import LossInputs
-from grpo_kernels.losses.loss import GRPOLossOutput, compute_loss, loss_metrics
-from grpo_kernels.options import LossOptions, resolve_options
-from grpo_kernels.vocab import parallel, parallel_linear
-from grpo_kernels.vocab.backends import resolve_backend
-from grpo_kernels.vocab.function import (
+from grpo_kernels.kernels import parallel, parallel_linear
+from grpo_kernels.kernels.backend import resolve_backend
+from grpo_kernels.kernels.function import (
     VocabPassOptions,
     poisoned,
     vocab_pass,
     vocab_pass_with_stats,
 )
-from grpo_kernels.vocab.fused_linear import (
+from grpo_kernels.kernels.fused_linear import (
     LINEAR_ROWS,
     FusedLinearOptions,
     fused_linear_logprobs,
     fused_linear_logprobs_with_stats,
     fused_linear_token_loss,
 )
-from grpo_kernels.vocab.fused_linear_lean import resolve_memory
+from grpo_kernels.kernels.fused_linear_lean import resolve_memory
+from grpo_kernels.losses.loss import GRPOLossOutput, compute_loss, loss_metrics
+from grpo_kernels.options import LossOptions, resolve_options
 
 LossResult = GRPOLossOutput | tuple[GRPOLossOutput, Tensor]
 
@@ -82,20 +85,20 @@ def token_logprobs(
 
     Vocabulary parallel: with `process_group`, logits `[..., V_r]` are this rank's columns [vocab_start,
     vocab_start + V_r) of the whole vocabulary (`vocab_start` None: the ranks' shards in rank order); targets are
-    whole-vocabulary ids, and every rank gets the whole vocabulary's logp and entropy (`vocab.parallel`: O(N)
+    whole-vocabulary ids, and every rank gets the whole vocabulary's logp and entropy (`kernels.parallel`: O(N)
     statistics cross ranks, 16·R + 4·(3 + with_entropy)·B·T bytes per call; no stats).
     """
-    checks.check_temperature(temperature)
-    checks.check_logit_transform(logit_scale, final_logit_softcapping)
+    validate.check_temperature(temperature)
+    validate.check_logit_transform(logit_scale, final_logit_softcapping)
     checks.check_tensor("logits", logits)
     squeeze = logits.dim() == 2
     rows, targets, mask = as_rows(logits, targets, mask)
     backend = resolve_backend(backend, logits.device)
-    stats = checks.check_stats(stats, backend)
-    checks.check_logits(rows, backend)
+    stats = validate.check_stats(stats, backend)
+    validate.check_logits(rows, backend)
     shard = parallel.vocab_shard(process_group, rows.shape[-1], vocab_start, stats)
     vocab = rows.shape[-1] if shard is None else shard.vocab
-    with checks.one_sync(check_finite):
+    with sync.one_sync(check_finite):
         mask = checked_mask(mask, rows, targets, vocab=vocab)
     targets, invalid = safe_targets(targets, mask, vocab, check_finite)
     opts = VocabPassOptions(
@@ -106,7 +109,7 @@ def token_logprobs(
         logit_scale,
         final_logit_softcapping,
         stats,
-        row_check(check_finite, checks.RowCheck(), squeeze),
+        row_check(check_finite, finite.RowCheck(), squeeze),
     )
     if stats:
         out = vocab_pass_with_stats(rows, targets, mask, opts)
@@ -158,20 +161,20 @@ def fused_linear_token_logprobs(
     `process_group` / `vocab_start` as in `token_logprobs`, weight `[V_r, H]` (bias `[V_r]`) being this rank's rows
     of the lm_head: dW of the shard, dH summed over the group; 16·R + (4·(3 + with_entropy) + H·itemsize)·M bytes
     per forward + backward, M the kept tokens."""
-    checks.check_temperature(temperature)
-    checks.check_logit_transform(logit_scale, final_logit_softcapping)
+    validate.check_temperature(temperature)
+    validate.check_logit_transform(logit_scale, final_logit_softcapping)
     checks.check_tensor("hidden", hidden)
     squeeze = hidden.dim() == 2
     rows, targets, mask = as_rows(hidden, targets, mask, name="hidden")
     backend = resolve_backend(backend, hidden.device)
-    stats = checks.check_stats(stats, backend)
-    checks.check_linear(rows, weight, bias, backend)
-    checks.check_chunk_size(chunk_size)
-    tile = checks.check_memory(memory, tile, chunk_size, backend)
+    stats = validate.check_stats(stats, backend)
+    validate.check_linear(rows, weight, bias, backend)
+    validate.check_chunk_size(chunk_size)
+    tile = validate.check_memory(memory, tile, chunk_size, backend)
     shard = parallel.vocab_shard(process_group, weight.shape[0], vocab_start, stats)
     vocab = weight.shape[0] if shard is None else shard.vocab
     all_rows = kept_rows.all_rows(check_finite, hidden.device)
-    with checks.one_sync(check_finite) as reads:
+    with sync.one_sync(check_finite) as reads:
         mask = checked_mask(mask, rows, targets, vocab=vocab)
         if not all_rows:
             reads.read(mask.sum())  # the kept-row count sizes the gather: read with the checks
@@ -265,11 +268,11 @@ def grpo_loss(
     options = resolve_options(options, loss_options)
     checks.check_tensor("logits", logits)
     backend = resolve_backend(backend, logits.device)
-    checks.check_logits(layout_view("logits", logits, cu_seqlens), backend)
+    validate.check_logits(layout_view("logits", logits, cu_seqlens), backend)
     shard = parallel.vocab_shard(process_group, logits.shape[-1], vocab_start)
     vocab = logits.shape[-1] if shard is None else shard.vocab
     tensors = (targets, advantages, old_logp, ref_logp, mask, is_ratio, token_weights, sequence_weights, cu_seqlens)
-    with checks.one_sync(check_finite):
+    with sync.one_sync(check_finite):
         inputs = _checked_inputs(logits, vocab, tensors, sampling_logp, options, check_finite)
     safe, invalid = safe_targets(inputs.targets, inputs.mask, vocab, check_finite)
     inputs = dataclasses.replace(inputs, targets=safe, vocab_shard=shard, sequence_group=sequence_group)
@@ -281,7 +284,7 @@ def grpo_loss(
         inplace,
         options.logit_scale,
         options.final_logit_softcapping,
-        finite=row_check(check_finite, checks.RowCheck(), inputs.layout is not None, loss=True),
+        finite=row_check(check_finite, finite.RowCheck(), inputs.layout is not None, loss=True),
     )
     in_kernel = (
         token_level.is_token_level(options, inputs)
@@ -342,14 +345,14 @@ def fused_linear_grpo_loss(
     options = resolve_options(options, loss_options)
     checks.check_tensor("hidden", hidden)
     backend = resolve_backend(backend, hidden.device)
-    checks.check_linear(layout_view("hidden", hidden, cu_seqlens), weight, bias, backend)
-    checks.check_chunk_size(chunk_size)
-    tile = checks.check_memory(memory, tile, chunk_size, backend)
+    validate.check_linear(layout_view("hidden", hidden, cu_seqlens), weight, bias, backend)
+    validate.check_chunk_size(chunk_size)
+    tile = validate.check_memory(memory, tile, chunk_size, backend)
     shard = parallel.vocab_shard(process_group, weight.shape[0], vocab_start)
     vocab = weight.shape[0] if shard is None else shard.vocab
     all_rows = kept_rows.all_rows(check_finite, hidden.device)
     tensors = (targets, advantages, old_logp, ref_logp, mask, is_ratio, token_weights, sequence_weights, cu_seqlens)
-    with checks.one_sync(check_finite) as reads:
+    with sync.one_sync(check_finite) as reads:
         inputs = _checked_inputs(hidden, vocab, tensors, sampling_logp, options, check_finite)
         if not all_rows:
             reads.read(inputs.mask.sum())  # the kept-row count sizes the gather: read with the checks
@@ -391,7 +394,7 @@ def _checked_inputs(
     x: Tensor, vocab: int, tensors: tuple, sampling_logp: Tensor | None, options: LossOptions, check_finite: bool
 ) -> LossInputs:
     """A loss's inputs checked against logits / hidden `x` (shapes, dtypes, devices, mask and target values) and,
-    with `check_finite`, for non-finite values at kept tokens; run inside the caller's `checks.one_sync`, so that
+    with `check_finite`, for non-finite values at kept tokens; run inside the caller's `sync.one_sync`, so that
     every value read is one host sync."""
     inputs = LossInputs.check(tuple(x.shape[:-1]), vocab, x.device, *tensors, options, sampling_logp)
     if check_finite:

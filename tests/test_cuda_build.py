@@ -20,13 +20,13 @@ import pytest
 import torch
 
 from grpo_kernels import reference
+from grpo_kernels.kernels import cuda
+from grpo_kernels.kernels.function import TokenEpilogue
+from grpo_kernels.kernels.grpo_loss_triton import EPILOGUES, KL_KINDS
 from grpo_kernels.losses.loss import per_token_loss
 from grpo_kernels.losses.policy import POLICY_LOSSES
 from grpo_kernels.losses.terms import build_terms
 from grpo_kernels.options import LossOptions
-from grpo_kernels.vocab import cuda
-from grpo_kernels.vocab.function import TokenEpilogue
-from grpo_kernels.vocab.grpo_loss_triton import EPILOGUES, KL_KINDS
 from tests.conftest import assert_close
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"

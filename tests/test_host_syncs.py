@@ -24,7 +24,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import grpo_kernels as gk
-from grpo_kernels import kept_rows
+from grpo_kernels.engine import layout as kept_rows
 from tests.conftest import DEVICE
 
 aten = torch.ops.aten

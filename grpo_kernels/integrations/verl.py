@@ -42,10 +42,10 @@ import torch
 from torch import Tensor
 
 from grpo_kernels.api import fused_linear_token_logprobs
+from grpo_kernels.kernels import parallel
 from grpo_kernels.losses.loss import compute_loss
 from grpo_kernels.losses.terms import build_terms
 from grpo_kernels.options import CLIPPED_SURROGATE_TYPES, LOSS_TYPES, LossOptions
-from grpo_kernels.vocab import parallel
 
 INSTALL = 'pip install "grpo-kernels[verl]"'
 PREFIX = "gk_"
@@ -242,7 +242,7 @@ def linear_cross_entropy(
     entropy `[N]` always. Differentiable w.r.t. hidden and weight; the `[N, V]` logits are never stored.
     `dist_process_group` as verl means it (Megatron's tensor-parallel group): weight `[V_r, H]` is rank r's rows
     [r·V_r, (r + 1)·V_r) of the lm_head (equal shards), labels are whole-vocabulary ids, logprobs and entropy are the
-    whole vocabulary's on every rank (`vocab.parallel`: O(N) statistics cross ranks), dW is the shard's, and dH is
+    whole vocabulary's on every rank (`kernels.parallel`: O(N) statistics cross ranks), dW is the shard's, and dH is
     this rank's share, left for the caller to sum (Megatron's sequence-parallel gather does), as verl's kernel
     leaves it. A group of one rank holds the whole vocabulary.
     """

@@ -34,8 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from grpo_kernels.vocab import backends
-from grpo_kernels.vocab.function import (
+from grpo_kernels.kernels import backend as backends
+from grpo_kernels.kernels.function import (
     VocabPassOptions,
     backend_kernels,
     check_not_overwritten,

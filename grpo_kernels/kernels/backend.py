@@ -13,7 +13,7 @@ from collections import Counter
 
 import torch
 
-from grpo_kernels.vocab import cuda
+from grpo_kernels.kernels import cuda
 
 BACKENDS = ("auto", "torch", "triton", "cuda")
 

@@ -1,4 +1,4 @@
-"""The fused lm_head on a vocabulary shard of the weight (`vocab/parallel.py` holds the merge and the byte count).
+"""The fused lm_head on a vocabulary shard of the weight (`kernels/parallel.py` holds the merge and the byte count).
 
 Per chunk of rows: the shard's logits [c, V_r] (one GEMM), the backend's vocabulary pass on them; once every chunk's
 O(c) statistics are in, two all-reduces merge them over the group (`merge_stats`). The backward recomputes each
@@ -13,10 +13,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from grpo_kernels.vocab import backends
-from grpo_kernels.vocab.function import backend_kernels, checked_rows
-from grpo_kernels.vocab.fused_linear import FusedLinearOptions, accumulate, chunk_rows, gemm_mode
-from grpo_kernels.vocab.parallel import VocabShard, merge_stats, reduce_hidden_grad, remove_foreign_onehot
+from grpo_kernels.kernels import backend as backends
+from grpo_kernels.kernels.function import backend_kernels, checked_rows
+from grpo_kernels.kernels.fused_linear import FusedLinearOptions, accumulate, chunk_rows, gemm_mode
+from grpo_kernels.kernels.parallel import VocabShard, merge_stats, reduce_hidden_grad, remove_foreign_onehot
 
 
 def _chunk_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, buffer: Tensor) -> Tensor:

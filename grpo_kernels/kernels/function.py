@@ -7,9 +7,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from grpo_kernels import checks
+from grpo_kernels.engine.finite import RowCheck, check_row_stats
+from grpo_kernels.kernels import backend as backends
+from grpo_kernels.kernels import token_logprobs_torch
 from grpo_kernels.options import LossOptions
-from grpo_kernels.vocab import backends, token_logprobs_torch
 
 TOKEN_STATS = ("log_sum_sq_probs", "mean_logits", "is_top1")  # optional outputs of the pass (TRL's names)
 STATS_BACKENDS = ("torch", "triton")  # the backends that compute them
@@ -28,7 +29,7 @@ class VocabPassOptions:
     logit_scale: float = 1.0
     final_logit_softcapping: float | None = None
     stats: tuple[str, ...] = ()
-    finite: checks.RowCheck | None = checks.RowCheck()
+    finite: RowCheck | None = RowCheck()
 
     def transform(self) -> dict:
         """The backends' keyword arguments for the logit transform."""
@@ -77,11 +78,11 @@ def backend_kernels(backend: str):
         return token_logprobs_torch
     if backend == "triton":
         backends.check_triton_version()  # before triton is imported: a clear error for an unsupported one
-        from grpo_kernels.vocab import token_logprobs_triton  # imported on first use: nothing runs at import
+        from grpo_kernels.kernels import token_logprobs_triton  # imported on first use: nothing runs at import
 
         return token_logprobs_triton
     if backend == "cuda":
-        from grpo_kernels.vocab import cuda
+        from grpo_kernels.kernels import cuda
 
         return cuda
     raise ValueError(f"no vocabulary pass for backend {backend!r}")
@@ -91,11 +92,11 @@ def _fused_kernels(backend: str):
     """The module with `grpo_loss_fwd` (the vocabulary pass with the token-loss epilogue) for `backend`."""
     if backend == "triton":
         backends.check_triton_version()
-        from grpo_kernels.vocab import grpo_loss_triton
+        from grpo_kernels.kernels import grpo_loss_triton
 
         return grpo_loss_triton
     if backend == "cuda":
-        from grpo_kernels.vocab import cuda
+        from grpo_kernels.kernels import cuda
 
         return cuda
     raise ValueError(f"no fused token-loss pass for backend {backend!r}")
@@ -212,11 +213,11 @@ def check_not_overwritten(logits: Tensor) -> None:
         )
 
 
-def checked_rows(finite: checks.RowCheck | None, lse: Tensor, logp: Tensor, kept: Tensor | None) -> Tensor:
+def checked_rows(finite: RowCheck | None, lse: Tensor, logp: Tensor, kept: Tensor | None) -> Tensor:
     """The pass's logp, its kept rows checked (`check_row_stats`); unchecked (finite=None), NaN where the row's lse
     is not finite, so that a loss on it is NaN too, never finite over non-finite gradients."""
     if finite is not None:
-        checks.check_row_stats(lse, logp, kept, finite)
+        check_row_stats(lse, logp, kept, finite)
         return logp
     bad = ~torch.isfinite(lse) if kept is None else ~torch.isfinite(lse) & kept
     return logp.masked_fill(bad, float("nan"))

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from grpo_kernels import checks
-from grpo_kernels.vocab import backends
-from grpo_kernels.vocab.function import backend_kernels, checked_rows, nonfinite_rows, poisoned, transform_kwargs
+from grpo_kernels.engine.finite import RowCheck
+from grpo_kernels.kernels import backend as backends
+from grpo_kernels.kernels.function import backend_kernels, checked_rows, nonfinite_rows, poisoned, transform_kwargs
 
 # CPU: each chunk's GEMMs stream all of W (and dW) once, so a chunk needs a few hundred rows to keep them
 # compute-bound. Measured on 2 cores, B·T = 2048, H = 896, fused-linear forward + backward: V = 151,936 took
@@ -31,7 +31,7 @@ from grpo_kernels.vocab.function import backend_kernels, checked_rows, nonfinite
 # 2.5 / 2.5 / 1.8 / 2.1 / 1.9 s (128 to 2,048 rows).
 CPU_CHUNK_ROWS = 512
 CPU_CHUNK_BYTES = 1 << 28  # at most 256 MiB of logits per chunk
-LINEAR_ROWS = checks.RowCheck(
+LINEAR_ROWS = RowCheck(
     "hidden @ weight.T + bias", "NaN or inf in hidden, weight or bias, or their product overflowing"
 )  # how a non-finite row is blamed (the logits are never stored)
 
@@ -45,7 +45,7 @@ class FusedLinearOptions:
     logit_scale: float = 1.0  # the logit transform, as in VocabPassOptions
     final_logit_softcapping: float | None = None
     stats: tuple[str, ...] = ()  # extra non-differentiable statistics (function.TOKEN_STATS)
-    finite: checks.RowCheck | None = LINEAR_ROWS  # the check of each row's lse / logp; None: check_finite=False
+    finite: RowCheck | None = LINEAR_ROWS  # the check of each row's lse / logp; None: check_finite=False
     memory: str = "fast"  # "fast": row chunks, 3 or 4 GEMMs; "lean": 2-D tiles at the memory floor (fused_linear_lean)
     tile: tuple[int, int] | None = None  # lean: (rows, vocab) per tile; None: from the budget and the dtypes
 
@@ -324,7 +324,7 @@ class _FusedLinearTokenLossFunction(torch.autograd.Function):
 def _logprobs_function(opts: FusedLinearOptions):
     """The Function of `opts.memory`: row chunks ("fast") or 2-D tiles ("lean")."""
     if opts.memory == "lean":
-        from grpo_kernels.vocab.fused_linear_lean import _LeanLinearLogprobsFunction  # it builds on this module
+        from grpo_kernels.kernels.fused_linear_lean import _LeanLinearLogprobsFunction  # it builds on this module
 
         return _LeanLinearLogprobsFunction
     return _FusedLinearLogprobsFunction

@@ -15,9 +15,9 @@ import os
 import torch
 from torch import Tensor
 
-from grpo_kernels.vocab import backends
-from grpo_kernels.vocab.function import backend_kernels, checked_rows
-from grpo_kernels.vocab.fused_linear import accumulate, chunk_rows, gemm_mode
+from grpo_kernels.kernels import backend as backends
+from grpo_kernels.kernels.function import backend_kernels, checked_rows
+from grpo_kernels.kernels.fused_linear import accumulate, chunk_rows, gemm_mode
 
 LEAN_BACKENDS = ("torch", "triton")
 # Tile budget: the [rows, vocab] logits in the weight's dtype (plus their float32 copy where `gemm_mode` upcasts, and
@@ -97,12 +97,12 @@ def _tile_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, buffer: Te
 def _tile_pass(backend: str):
     """The module with `TileStats` and `tile_grad_` for `backend`."""
     if backend == "torch":
-        from grpo_kernels.vocab import lean_torch
+        from grpo_kernels.kernels import lean_torch
 
         return lean_torch
     if backend == "triton":
         backend_kernels(backend)  # the triton version check, before triton is imported
-        from grpo_kernels.vocab import lean_triton
+        from grpo_kernels.kernels import lean_triton
 
         return lean_triton
     raise ValueError(f"memory='lean' runs on backends {LEAN_BACKENDS}, got backend={backend!r}")

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from grpo_kernels import checks
+from grpo_kernels.engine import finite, validate
 from grpo_kernels.losses.terms import TokenTerms, build_terms
 from grpo_kernels.options import LossOptions
 from grpo_kernels.packing import PackedLayout
@@ -33,7 +33,7 @@ class LossInputs:
     sequence_weights: Tensor | None
     layout: PackedLayout | None  # None: padded
     sampling_logp: Tensor | None = None  # the sampler's log-probs, for the off-policy sequence mask
-    vocab_shard: Any = None  # vocab.parallel.VocabShard: the pass sees this rank's vocabulary shard
+    vocab_shard: Any = None  # kernels.parallel.VocabShard: the pass sees this rank's vocabulary shard
     sequence_group: Any = None  # the process group the sequences are split across (context parallel)
 
     @classmethod
@@ -60,11 +60,11 @@ class LossInputs:
                 raise ValueError(f"expected [B, T, ·] logits or hidden states, got leading dims {list(leading)}")
             B, T = leading
             mask = torch.ones((B, T), dtype=torch.bool, device=device) if mask is None else mask
-            checks.check_mask(mask, B, T, device)
-            checks.check_targets(targets, mask.bool(), vocab, device)
-            checks.check_loss_inputs(B, T, device, advantages, old_logp, ref_logp, is_ratio, options, sampling_logp)
-            checks.check_per_token_float("token_weights", token_weights, B, T, device)
-            checks.check_per_sequence_float("sequence_weights", sequence_weights, B, device)
+            validate.check_mask(mask, B, T, device)
+            validate.check_targets(targets, mask.bool(), vocab, device)
+            validate.check_loss_inputs(B, T, device, advantages, old_logp, ref_logp, is_ratio, options, sampling_logp)
+            validate.check_per_token_float("token_weights", token_weights, B, T, device)
+            validate.check_per_sequence_float("sequence_weights", sequence_weights, B, device)
             return cls(
                 targets.long(),
                 mask.bool(),
@@ -83,16 +83,16 @@ class LossInputs:
         layout = PackedLayout.from_cu_seqlens(cu_seqlens.to(device), N)
         S = layout.num_sequences
         mask = torch.ones(N, dtype=torch.bool, device=device) if mask is None else mask
-        checks.check_packed("targets", targets, ((N,),), ("[N]",), device, floating=False)
-        checks.check_packed("mask", mask, ((N,),), ("[N]",), device, floating=False)
-        checks.check_mask(mask[None], 1, N, device)
-        checks.check_targets(targets[None], mask[None].bool(), vocab, device)
+        validate.check_packed("targets", targets, ((N,),), ("[N]",), device, floating=False)
+        validate.check_packed("mask", mask, ((N,),), ("[N]",), device, floating=False)
+        validate.check_mask(mask[None], 1, N, device)
+        validate.check_targets(targets[None], mask[None].bool(), vocab, device)
         per_token = (("old_logp", old_logp), ("ref_logp", ref_logp), ("sampling_logp", sampling_logp))
         for name, x in (*per_token, ("token_weights", token_weights)):
-            checks.check_packed(name, x, ((N,),), ("[N]",), device)
+            validate.check_packed(name, x, ((N,),), ("[N]",), device)
         for name, x in (("advantages", advantages), ("is_ratio", is_ratio)):
-            checks.check_packed(name, x, ((S,), (N,)), ("[S]", "[N]"), device)
-        checks.check_packed("sequence_weights", sequence_weights, ((S,),), ("[S]",), device)
+            validate.check_packed(name, x, ((S,), (N,)), ("[S]", "[N]"), device)
+        validate.check_packed("sequence_weights", sequence_weights, ((S,),), ("[S]",), device)
         if options.beta != 0.0 and ref_logp is None:
             raise ValueError(f"ref_logp is required when beta != 0 (beta={options.beta})")
         return cls(
@@ -157,7 +157,7 @@ class LossInputs:
                 named.append((name, value.reshape(-1), torch.ones_like(value.reshape(-1), dtype=torch.bool)))
             elif value is not None and not math.isfinite(value):
                 raise ValueError(f"{name} must be finite, got {value}")
-        checks.check_finite_at_kept(named)
+        finite.check_finite_at_kept(named)
 
     def terms(self, logp: Tensor, entropy: Tensor | None, options: LossOptions) -> TokenTerms:
         """TokenTerms of the loss algebra from the pass's logp / entropy [R, C], in the padded view."""

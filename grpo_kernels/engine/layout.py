@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from grpo_kernels import checks
+from grpo_kernels.engine import finite, validate
 
 
 def layout_view(name: str, x: Tensor, cu_seqlens: Tensor | None) -> Tensor:
@@ -22,11 +23,11 @@ def layout_view(name: str, x: Tensor, cu_seqlens: Tensor | None) -> Tensor:
 
 def row_check(
     check_finite: bool,
-    rows: checks.RowCheck,
+    rows: finite.RowCheck,
     flat: bool,
     kept: tuple[Tensor, Tensor] | None = None,
     loss: bool = False,
-) -> checks.RowCheck | None:
+) -> finite.RowCheck | None:
     """The vocabulary pass's row check (None: `check_finite=False`), naming a bad row by the user's index: (b, t),
     or n for `[N, ·]` inputs (`flat`), through `kept` when the pass saw only the kept rows. A loss refuses a
     target of probability 0 (logp = -inf)."""
@@ -51,8 +52,8 @@ def as_rows(x: Tensor, targets: Tensor, mask: Tensor | None, name: str = "logits
 def checked_mask(mask: Tensor | None, rows: Tensor, targets: Tensor, vocab: int | None = None) -> Tensor:
     B, T = rows.shape[:2]
     mask = torch.ones((B, T), dtype=torch.bool, device=rows.device) if mask is None else mask
-    checks.check_mask(mask, B, T, rows.device)
-    checks.check_targets(targets, mask.bool(), rows.shape[-1] if vocab is None else vocab, rows.device)
+    validate.check_mask(mask, B, T, rows.device)
+    validate.check_targets(targets, mask.bool(), rows.shape[-1] if vocab is None else vocab, rows.device)
     return mask.bool()
 
 
@@ -61,7 +62,7 @@ def safe_targets(targets: Tensor, mask: Tensor, vocab: int, check_finite: bool) 
     kept tokens that had one, whose logp becomes NaN (`poison`): no host sync, no read outside a row."""
     if check_finite:
         return targets, None
-    return checks.targets_in_vocab(targets, mask, vocab)
+    return validate.targets_in_vocab(targets, mask, vocab)
 
 
 def poison(logp: Tensor, invalid: Tensor | None) -> Tensor:

@@ -7,14 +7,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from grpo_kernels import kept_rows
-from grpo_kernels.loss_inputs import LossInputs
+from grpo_kernels.engine import layout as kept_rows
+from grpo_kernels.engine.inputs import LossInputs
+from grpo_kernels.kernels.function import TokenEpilogue, VocabPassOptions, fused_token_loss, poisoned
 from grpo_kernels.losses.aggregate import token_weights_for
 from grpo_kernels.losses.loss import GRPOLossOutput, loss_metrics, per_token_loss
 from grpo_kernels.losses.policy import POLICY_LOSSES
 from grpo_kernels.losses.terms import build_terms, per_sequence_or_token
 from grpo_kernels.options import LossOptions
-from grpo_kernels.vocab.function import TokenEpilogue, VocabPassOptions, fused_token_loss, poisoned
 
 FUSED_KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")  # those the fused epilogues implement (Triton, CUDA)
 
