@@ -58,8 +58,9 @@ VOCABS = {"aligned": 151_936, "unaligned": 151_939}  # Qwen2's V; + 3: a row str
 ROWS = ((1, 64), (8, 2048))  # (B, T): few rows (a launcher may split V) and many
 MAX_REGISTERS = 64
 # Main-loop warp instructions per KB of logits read, by pass and variant (see the module docstring). The forward
-# budget is issue 15's; the backward also writes one KB of gradient per KB read, hence twice the forward's; soft-capping
-# and the optional statistics (log Σ q², mean, top-1) cost extra math per element and get the bandwidth ceiling.
+# budget is the Triton kernels' design target; the backward also writes one KB of gradient per KB read, hence twice
+# the forward's; soft-capping and the optional statistics (log Σ q², mean, top-1) cost extra math per element and
+# get the bandwidth ceiling.
 BUDGETS = {
     ("fwd", "base"): 200,
     ("fwd", "softcap"): 260,
@@ -121,11 +122,11 @@ def _grpo_loss_fwd(
 ) -> Callable:
     def launch(dtype, V, B, T):
         from grpo_kernels.kernels import grpo_loss_triton
-        from grpo_kernels.kernels.function import TokenEpilogue
+        from grpo_kernels.losses.epilogue import TokenEpilogue
         from grpo_kernels.options import LossOptions
 
         x = _inputs(dtype, V, B, T)
-        spec = dataclasses.replace(TokenEpilogue.from_options(kind, LossOptions()), **epilogue)
+        spec = dataclasses.replace(TokenEpilogue.from_options(LossOptions()), kind=kind, **epilogue)
         grpo_loss_triton.grpo_loss_fwd(
             x["logits"], x["targets"], x["mask"], x["row"], x["per_sequence"], x["row"],
             x["row"] if spec.beta else None, x["per_sequence"] if is_ratio else None,

@@ -8,6 +8,7 @@ generation settings, so `loss_type="dr_grpo"` asks for it instead of assuming TR
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from dataclasses import dataclass
 
@@ -168,7 +169,14 @@ class LossOptions:
 def resolve_options(options, loss_options: dict) -> LossOptions:
     """A call's LossOptions: `options=` (a LossOptions, or a paper preset, whose `.loss` it takes) or keywords."""
     if options is None:
-        return LossOptions.from_kwargs(**loss_options)
+        if any(isinstance(value, torch.Tensor) for value in loss_options.values()):
+            return LossOptions.from_kwargs(**loss_options)
+        try:
+            return _options_of(tuple(sorted(loss_options.items())))
+        except TypeError as error:  # an unhashable value (a list...): built, not cached
+            if "unhashable" not in str(error):
+                raise
+            return LossOptions.from_kwargs(**loss_options)
     options = getattr(options, "loss", options)  # a presets.Preset
     if not isinstance(options, LossOptions):
         raise TypeError(f"options must be a LossOptions or a preset, got {type(options).__name__}")
@@ -177,6 +185,13 @@ def resolve_options(options, loss_options: dict) -> LossOptions:
             f"pass loss options either as options=LossOptions(...) or as keywords, not both: {loss_options}"
         )
     return options
+
+
+@functools.lru_cache(maxsize=256)
+def _options_of(items: tuple) -> LossOptions:
+    """LossOptions of keyword items, built (and validated) once per distinct set: a call's options are frozen, and
+    the same keywords come again every step."""
+    return LossOptions.from_kwargs(**dict(items))
 
 
 def _warn_once(key: str, message: str, category: type[Warning]) -> None:

@@ -266,7 +266,7 @@ def test_host_reads_as_fast(loss_type, check_finite, monkeypatch):
     """The lean path reads the host as the fast one does (test_host_syncs): with the checks on, one batched read
     before the first kernel and one after the forward; off, only the kept-row count, and nothing when every row
     runs masked (as inside a CUDA graph capture), with the gathered path's numbers."""
-    from grpo_kernels.engine import layout as kept_rows
+    from grpo_kernels.engine import layout
     from tests.test_host_syncs import HostReads, _inputs
 
     inputs = _inputs()
@@ -287,7 +287,7 @@ def test_host_reads_as_fast(loss_type, check_finite, monkeypatch):
     assert len(host.reads) == (2 if check_finite else 1), host.reads
     if check_finite:
         return
-    monkeypatch.setattr(kept_rows, "all_rows", lambda check_finite, device: not check_finite)
+    monkeypatch.setattr(layout, "all_rows", lambda check_finite, device: not check_finite)
     with HostReads() as host:
         every = step()
     assert host.reads == []

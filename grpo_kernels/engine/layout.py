@@ -1,15 +1,16 @@
-"""The rows a public function runs: the layout's [R, C, ·] view, the mask and targets checked, the kept rows the
-fused lm_head gathers and scatters back, and the row check that names a bad row by the user's index."""
+"""The rows a call runs: the layout's [R, C, ·] view (padded [B, T, ·], packed [N, ·] as [1, N, ·], or [N, ·]
+log-prob inputs as one row), the mask and targets checked, and the kept rows the fused lm_head gathers and scatters
+back."""
 
 from __future__ import annotations
 
-import dataclasses
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from grpo_kernels import checks
-from grpo_kernels.engine import finite, validate
+from grpo_kernels.engine import validate
 
 
 def layout_view(name: str, x: Tensor, cu_seqlens: Tensor | None) -> Tensor:
@@ -19,25 +20,6 @@ def layout_view(name: str, x: Tensor, cu_seqlens: Tensor | None) -> Tensor:
     if x.dim() != 2:
         raise ValueError(f"with cu_seqlens, {name} must be packed [N, ·], got {list(x.shape)}")
     return x[None]
-
-
-def row_check(
-    check_finite: bool,
-    rows: finite.RowCheck,
-    flat: bool,
-    kept: tuple[Tensor, Tensor] | None = None,
-    loss: bool = False,
-) -> finite.RowCheck | None:
-    """The vocabulary pass's row check (None: `check_finite=False`), naming a bad row by the user's index: (b, t),
-    or n for `[N, ·]` inputs (`flat`), through `kept` when the pass saw only the kept rows. A loss refuses a
-    target of probability 0 (logp = -inf)."""
-    if not check_finite:
-        return None
-    if kept is not None:
-        position = lambda i: int(kept[1][i]) if flat else (int(kept[0][i]), int(kept[1][i]))  # noqa: E731
-    else:
-        position = (lambda i: i) if flat else None
-    return dataclasses.replace(rows, position=position, zero_prob_ok=not loss)
 
 
 def as_rows(x: Tensor, targets: Tensor, mask: Tensor | None, name: str = "logits"):
@@ -59,13 +41,13 @@ def checked_mask(mask: Tensor | None, rows: Tensor, targets: Tensor, vocab: int 
 
 def safe_targets(targets: Tensor, mask: Tensor, vocab: int, check_finite: bool) -> tuple[Tensor, Tensor | None]:
     """Checked targets as they are; unchecked ones (`check_finite=False`) with ids outside [0, V) set to 0, and the
-    kept tokens that had one, whose logp becomes NaN (`poison`): no host sync, no read outside a row."""
+    kept tokens that had one, whose logp becomes NaN (`nan_at_invalid`): no host sync, no read outside a row."""
     if check_finite:
         return targets, None
     return validate.targets_in_vocab(targets, mask, vocab)
 
 
-def poison(logp: Tensor, invalid: Tensor | None) -> Tensor:
+def nan_at_invalid(logp: Tensor, invalid: Tensor | None) -> Tensor:
     """logp, NaN at the kept tokens whose target was outside [0, V) (unchecked input)."""
     return logp if invalid is None else logp.masked_fill(invalid, float("nan"))
 
@@ -77,26 +59,32 @@ def all_rows(check_finite: bool, device: torch.device) -> bool:
     return not check_finite and device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def kept_index(mask: Tensor, count: int | None) -> tuple[tuple[Tensor, Tensor], Tensor | None]:
-    """((r, c) indices of the rows the fused lm_head runs, in [R, C] order; the mask of those rows [M] or None when
-    they are all kept). `count` kept rows are gathered with no further sync; None: every row, masked."""
-    if count is None:
-        index = torch.arange(mask.numel(), device=mask.device)  # [R·C]
-        return (index // mask.shape[1], index % mask.shape[1]), mask.reshape(-1)
-    try:
-        index = torch.nonzero_static(mask, size=count)  # [M, 2]: the count is known, so no sync
-    except NotImplementedError:  # older torch on CUDA
-        index = mask.nonzero()
-    return (index[:, 0], index[:, 1]), None
+@dataclass(frozen=True)
+class KeptRows:
+    """The rows the fused lm_head runs: `index` (r, c) into the [R, C] rows, in order; `row_mask` [M] None when
+    only kept rows were gathered, else every row runs and it marks the kept ones."""
 
+    index: tuple[Tensor, Tensor]
+    row_mask: Tensor | None
 
-def take(x: Tensor, kept: tuple[Tensor, Tensor], row_mask: Tensor | None) -> Tensor:
-    """x [R, C, ·] at the rows `kept_index` chose, [M, ·] (every row: a view, no gather)."""
-    return x[kept] if row_mask is None else x.flatten(0, 1)
+    @classmethod
+    def of(cls, mask: Tensor, count: int | None) -> KeptRows:
+        """`count` kept rows of `mask` [R, C], gathered with no further sync; None: every row, masked."""
+        if count is None:
+            index = torch.arange(mask.numel(), device=mask.device)  # [R·C]
+            return cls((index // mask.shape[1], index % mask.shape[1]), mask.reshape(-1))
+        try:
+            index = torch.nonzero_static(mask, size=count)  # [M, 2]: the count is known, so no sync
+        except NotImplementedError:  # older torch on CUDA
+            index = mask.nonzero()
+        return cls((index[:, 0], index[:, 1]), None)
 
+    def take(self, x: Tensor) -> Tensor:
+        """x [R, C, ·] at the kept rows, [M, ·] (every row: a view, no gather)."""
+        return x[self.index] if self.row_mask is None else x.flatten(0, 1)
 
-def scatter(values: Tensor | None, kept: tuple[Tensor, Tensor], mask: Tensor) -> Tensor | None:
-    """Kept-token values [M] back into rows [R, C] (0 elsewhere); differentiable."""
-    if values is None:
-        return None
-    return values.new_zeros(mask.shape).index_put(kept, values)
+    def scatter(self, values: Tensor | None, mask: Tensor) -> Tensor | None:
+        """Kept-row values [M] back into rows [R, C] (0 elsewhere); differentiable."""
+        if values is None:
+            return None
+        return values.new_zeros(mask.shape).index_put(self.index, values)

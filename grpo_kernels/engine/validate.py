@@ -11,14 +11,10 @@ from torch import Tensor
 
 from grpo_kernels.checks import check_tensor
 from grpo_kernels.engine.sync import check_value, fail_with
-from grpo_kernels.kernels.function import STATS_BACKENDS, TOKEN_STATS
+from grpo_kernels.kernels.backend import CAPABILITIES
+from grpo_kernels.kernels.function import TOKEN_STATS
+from grpo_kernels.kernels.fused_linear_lean import lean_backends
 from grpo_kernels.options import LossOptions
-
-LOGITS_DTYPES = {
-    "torch": (torch.bfloat16, torch.float16, torch.float32, torch.float64),
-    "triton": (torch.bfloat16, torch.float16, torch.float32),
-    "cuda": (torch.bfloat16, torch.float16, torch.float32),
-}
 
 
 def _shape(shape) -> str:
@@ -30,7 +26,7 @@ def check_logits(logits: Tensor, backend: str) -> None:
     check_tensor("logits", logits)
     if logits.dim() != 3 or logits.shape[-1] < 1:
         raise ValueError(f"logits must be [B, T, V] with V >= 1, got {_shape(logits.shape)}")
-    dtypes = LOGITS_DTYPES[backend]
+    dtypes = CAPABILITIES[backend].dtypes
     if logits.dtype not in dtypes:
         raise TypeError(f"logits dtype must be one of {dtypes} for backend={backend!r}, got {logits.dtype}")
 
@@ -42,7 +38,7 @@ def check_linear(hidden: Tensor, weight: Tensor, bias: Tensor | None, backend: s
     check_tensor("weight", weight)
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
         raise ValueError(f"weight must be [V, H] with H = {hidden.shape[-1]}, got {_shape(weight.shape)}")
-    dtypes = LOGITS_DTYPES[backend]
+    dtypes = CAPABILITIES[backend].dtypes
     if hidden.dtype not in dtypes:
         raise TypeError(f"hidden dtype must be one of {dtypes} for backend={backend!r}, got {hidden.dtype}")
     for name, x in (("weight", weight), ("bias", bias)):
@@ -150,8 +146,10 @@ def check_memory(memory: str, tile, chunk_size: int | None, backend: str) -> tup
         tile = tuple(tile)
     if memory == "lean" and chunk_size is not None:
         raise ValueError(f"chunk_size={chunk_size} sizes the row chunks of memory='fast'; memory='lean' takes tile=")
-    if memory == "lean" and backend not in ("torch", "triton"):
-        raise ValueError(f"memory='lean' runs on backends 'torch' and 'triton', got backend={backend!r}")
+    if memory == "lean" and backend not in lean_backends():
+        raise ValueError(
+            f"memory='lean' runs on backends {' and '.join(map(repr, lean_backends()))}, got backend={backend!r}"
+        )
     return tile
 
 
@@ -174,31 +172,20 @@ def check_stats(stats: object, backend: str) -> tuple[str, ...]:
     unknown = [name for name in stats if name not in TOKEN_STATS]
     if unknown:
         raise ValueError(f"stats must be names from {TOKEN_STATS}, got {unknown}")
-    if stats and backend not in STATS_BACKENDS:
-        raise ValueError(f"stats are computed by the {STATS_BACKENDS} backends, not backend={backend!r}")
+    if stats and not CAPABILITIES[backend].stats:
+        stats_backends = tuple(name for name, caps in CAPABILITIES.items() if caps.stats)
+        raise ValueError(f"stats are computed by the {stats_backends} backends, not backend={backend!r}")
     return tuple(dict.fromkeys(stats))
 
 
-def check_loss_inputs(
-    B: int,
-    T: int,
-    device,
-    advantages: Tensor,
-    old_logp: Tensor | None,
-    ref_logp: Tensor | None,
-    is_ratio: Tensor | None,
-    options: LossOptions,
-    sampling_logp: Tensor | None = None,
-) -> None:
-    """The loss's per-token and per-sequence inputs, and the options that need one of them."""
-    check_tensor("advantages", advantages)
-    check_per_token_float("advantages", advantages, B, T, device, per_sequence=True)
-    check_per_token_float("old_logp", old_logp, B, T, device)
-    check_per_token_float("ref_logp", ref_logp, B, T, device)
-    check_per_token_float("sampling_logp", sampling_logp, B, T, device)
-    check_per_token_float("is_ratio", is_ratio, B, T, device, per_sequence=True)
-    if options.beta != 0.0 and ref_logp is None:
-        raise ValueError(f"ref_logp is required when beta != 0 (beta={options.beta})")
+def check_loss_inputs(given, *, B: int, T: int, device, options: LossOptions) -> None:
+    """A padded loss call's per-token and per-sequence inputs (`inputs.LossTensors`), and the normaliser option."""
+    check_tensor("advantages", given.advantages)
+    check_per_token_float("advantages", given.advantages, B, T, device, per_sequence=True)
+    check_per_token_float("old_logp", given.old_logp, B, T, device)
+    check_per_token_float("ref_logp", given.ref_logp, B, T, device)
+    check_per_token_float("sampling_logp", given.sampling_logp, B, T, device)
+    check_per_token_float("is_ratio", given.is_ratio, B, T, device, per_sequence=True)
     items = options.num_items_in_batch
     if isinstance(items, Tensor) and items.numel() != 1:
         raise ValueError(f"num_items_in_batch must be a number or a 1-element tensor, got {_shape(items.shape)}")

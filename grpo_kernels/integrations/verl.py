@@ -119,7 +119,14 @@ def policy_loss_fn(loss_type: str, **loss_options) -> PolicyLossFn:
             if x.shape != log_prob.shape:
                 raise ValueError(f"{name} must be [B, T] = {list(log_prob.shape)}, got {list(x.shape)}")
         options, dp_size = options_from_config(loss_type, config, loss_agg_mode, response_mask, loss_options)
-        terms = build_terms(log_prob, old_log_prob, None, advantages, response_mask, None, rollout_is_weights, options)
+        terms = build_terms(
+            log_prob,
+            old_logp=old_log_prob,
+            advantages=advantages,
+            mask=response_mask,
+            is_ratio=rollout_is_weights,
+            options=options,
+        )
         output, _ = compute_loss(terms, options)
         return output.loss * dp_size, _verl_metrics(loss_type, output.metrics, terms)
 

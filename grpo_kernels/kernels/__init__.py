@@ -1,1 +1,1 @@
-"""The vocabulary pass: log-softmax gather and entropy over V, and their gradient, once per backend."""
+"""The vocabulary pass, once per backend: the kernels and their autograd Functions (`README.md`: adding a backend)."""

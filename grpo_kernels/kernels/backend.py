@@ -1,21 +1,23 @@
-"""Backend names, "auto" resolution, the supported triton versions and a launch counter (tests read it to prove
-which backend ran)."""
+"""The backends: one capability record each (what it computes and where its kernels live), "auto" resolution, the
+supported triton versions and a launch counter (tests read it to prove which backend ran). `kernels/README.md`
+says how to add one."""
 
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.metadata
 import importlib.util
 import os
 import re
 import warnings
 from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from grpo_kernels.kernels import cuda
-
-BACKENDS = ("auto", "torch", "triton", "cuda")
 
 launches: Counter[str] = Counter()  # backend name (and "fused_epilogue") -> vocabulary passes launched
 
@@ -42,20 +44,94 @@ def triton_usable(device: torch.device) -> tuple[bool, str]:
     )
 
 
+def _always(device: torch.device) -> tuple[bool, str]:
+    return True, ""
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What one backend computes, and the modules that compute it (imported on first use). `module` follows the
+    `Backend` protocol (`kernels/protocol.py`): `token_logprobs_fwd` / `token_logprobs_bwd`; `epilogue_module` adds
+    `grpo_loss_fwd` (a token-level loss formed in the forward kernel's epilogue), `tile_module` the lean fused
+    lm_head's `TileStats` / `tile_grad_`."""
+
+    name: str
+    module: str
+    dtypes: tuple[torch.dtype, ...]  # of the logits / hidden states it computes on
+    usable: Callable[[torch.device], tuple[bool, str]] = _always  # (ok, why not) on a device
+    stats: bool = False  # the extra per-token statistics (`function.TOKEN_STATS`)
+    contiguous_vocab: bool = False  # reads logits with stride 1 along V (others are copied first)
+    epilogue_module: str | None = None
+    epilogue_kl: tuple[str, ...] = ()  # the KL estimators its epilogue implements
+    tile_module: str | None = None
+    before_import: Callable[[], None] | None = None  # a check to run before its modules are imported
+
+
+def _check_triton() -> None:
+    check_triton_version()
+
+
+HALF_AND_SINGLE = (torch.bfloat16, torch.float16, torch.float32)
+CAPABILITIES = {
+    "torch": Capabilities(
+        name="torch",
+        module="grpo_kernels.kernels.token_logprobs_torch",
+        dtypes=(*HALF_AND_SINGLE, torch.float64),
+        stats=True,
+        tile_module="grpo_kernels.kernels.lean_torch",
+    ),
+    "triton": Capabilities(
+        name="triton",
+        module="grpo_kernels.kernels.token_logprobs_triton",
+        dtypes=HALF_AND_SINGLE,
+        usable=lambda device: triton_usable(device),
+        stats=True,
+        contiguous_vocab=True,
+        epilogue_module="grpo_kernels.kernels.grpo_loss_triton",
+        epilogue_kl=("k1", "k2", "k3", "low_var_kl"),
+        tile_module="grpo_kernels.kernels.lean_triton",
+        before_import=_check_triton,  # a clear error for an unsupported triton, before triton is imported
+    ),
+    "cuda": Capabilities(
+        name="cuda",
+        module="grpo_kernels.kernels.cuda",
+        dtypes=HALF_AND_SINGLE,
+        usable=lambda device: cuda.cuda_usable(device),
+        contiguous_vocab=True,
+        epilogue_module="grpo_kernels.kernels.cuda",
+        epilogue_kl=("k1", "k2", "k3", "low_var_kl"),
+    ),
+}
+
+
+BACKENDS = ("auto", *CAPABILITIES)
+_loaded: dict[tuple[str, str], object] = {}
+
+
+def kernels_of(backend: str, part: str = "module"):
+    """The module of `backend` holding `part` ("module", "epilogue_module" or "tile_module" of its record),
+    imported on first use: nothing runs at import."""
+    module = _loaded.get((backend, part))
+    if module is None:
+        caps = CAPABILITIES[backend]
+        name = getattr(caps, part)
+        if name is None:
+            raise ValueError(f"backend {backend!r} has no {part.replace('_module', '')} kernels")
+        if caps.before_import is not None:
+            caps.before_import()
+        module = _loaded[(backend, part)] = importlib.import_module(name)
+    return module
+
+
 def resolve_backend(backend: str, device: torch.device) -> str:
     """Turn the user's `backend` into a concrete one, or raise a clear error; never falls back silently."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
         backend = "triton" if device.type == "cuda" else "torch"
-    if backend == "triton":
-        ok, why = triton_usable(device)
-        if not ok:
-            raise RuntimeError(why)
-    if backend == "cuda":
-        ok, why = cuda.cuda_usable(device)
-        if not ok:
-            raise RuntimeError(why)
+    ok, why = CAPABILITIES[backend].usable(device)
+    if not ok:
+        raise RuntimeError(why)
     return backend
 
 
