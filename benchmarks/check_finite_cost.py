@@ -15,8 +15,8 @@ import time
 import torch
 
 import grpo_kernels as gk
-from grpo_kernels import checks
-from grpo_kernels.loss_inputs import LossInputs
+from grpo_kernels.engine import finite
+from grpo_kernels.engine.inputs import LossInputs
 from grpo_kernels.options import LossOptions
 
 B, T, H = 8, 256, 896
@@ -72,7 +72,7 @@ def checks_alone(V: int, targets, adv, old, ref, mask, logp, repeats: int = 200)
     start = time.perf_counter()
     for _ in range(repeats):
         inputs.check_finite(options)
-        checks.check_row_stats(lse, logp, mask, checks.RowCheck(zero_prob_ok=False))
+        finite.check_row_stats(lse, logp, mask, finite.RowCheck(zero_prob_ok=False))
     return (time.perf_counter() - start) / repeats
 
 

@@ -59,7 +59,7 @@ from benchmarks.parity_reference import (
     run_plain,
     sync,
 )
-from grpo_kernels.vocab import backends
+from grpo_kernels.kernels import backend as backends
 from tests.conftest import RTOL
 
 SIZES = {"smoke": dict(B=4, T=16, V=1000, H=32), "gpu": dict(B=64, T=256, V=151936, H=4096)}

@@ -20,7 +20,7 @@ import time
 import torch
 
 import grpo_kernels as gk
-from grpo_kernels.vocab.head_precision import HEAD_PRECISIONS
+from grpo_kernels.kernels.head_precision import HEAD_PRECISIONS
 
 PEAK_ROWS = 8  # the weight rows the peaked hidden states align with
 PEAK_LOGITS = (25.0, 24.0, 23.0)  # the aligned rows' logits (before noise)

@@ -4,7 +4,7 @@ rounds; the floor and the peak extra memory as the suite takes them (CPU: a fres
 pytest-benchmark's layout (`python -m benchmarks.report` reads it) and its markdown beside it, with the ratio
 tables against TRL.
 
-    python -m benchmarks.interleaved                       # issue 13: ours vs TRL 1.16 on the size's TRL case
+    python -m benchmarks.interleaved                       # ours vs TRL 1.16 on the size's TRL case
     python -m benchmarks.interleaved --size smoke --rounds 1 --out /tmp/smoke.json    # a quick check
 
 Defaults: the fused lm_head + loss and the log-prob pass, forward + backward, ours and TRL, 3 rounds, the case

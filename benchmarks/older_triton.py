@@ -21,7 +21,7 @@ from pathlib import Path
 
 from benchmarks import static_report
 
-OLDER_TRITONS = ("3.6.0",)  # torch 2.10 / 2.11's pin; the oldest `grpo_kernels.vocab.backends` accepts
+OLDER_TRITONS = ("3.6.0",)  # torch 2.10 / 2.11's pin; the oldest `grpo_kernels.kernels.backend` accepts
 ARCHS = ("sm_90a",)
 
 

@@ -60,7 +60,7 @@ SIZES = {
     ],
     "gpu": [
         *(Shape(n, v, h, BF16) for n in (1024, 4096, 16384) for v in (32000, 128256, 151936) for h in (896, 4096)),
-        Shape(8192, 151936, 4096, BF16),  # the GPU case of the TRL comparison (issue 13)
+        Shape(8192, 151936, 4096, BF16),  # the GPU case of the TRL comparison
         Shape(16384, 151936, 4096, BF16, "grpo"),
         Shape(16384, 151936, 4096, BF16, "gspo"),
     ],
@@ -72,6 +72,6 @@ SIZES = {
     ],
 }
 
-# The case each size compares against TRL 1.16 (`python -m benchmarks.interleaved`; issue 13's CPU bar: fp32,
+# The case each size compares against TRL 1.16 (`python -m benchmarks.interleaved`; the CPU bar: fp32,
 # N = 2,048 completion tokens, H = 896, V = 151,936, dapo, beta = 0.04)
 TRL_CASES = {"smoke": SIZES["smoke"][0], "cpu": Shape(2048, 151936, 896, F32), "gpu": Shape(8192, 151936, 4096, BF16)}

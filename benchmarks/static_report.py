@@ -58,8 +58,9 @@ VOCABS = {"aligned": 151_936, "unaligned": 151_939}  # Qwen2's V; + 3: a row str
 ROWS = ((1, 64), (8, 2048))  # (B, T): few rows (a launcher may split V) and many
 MAX_REGISTERS = 64
 # Main-loop warp instructions per KB of logits read, by pass and variant (see the module docstring). The forward
-# budget is issue 15's; the backward also writes one KB of gradient per KB read, hence twice the forward's; soft-capping
-# and the optional statistics (log Σ q², mean, top-1) cost extra math per element and get the bandwidth ceiling.
+# budget is the Triton kernels' design target; the backward also writes one KB of gradient per KB read, hence twice
+# the forward's; soft-capping and the optional statistics (log Σ q², mean, top-1) cost extra math per element and
+# get the bandwidth ceiling.
 BUDGETS = {
     ("fwd", "base"): 200,
     ("fwd", "softcap"): 260,
@@ -92,7 +93,7 @@ def _inputs(dtype: torch.dtype, V: int, B: int, T: int) -> dict:
 
 def _token_logprobs_fwd(with_entropy: bool, softcap: float | None = None, stats: tuple[str, ...] = ()) -> Callable:
     def launch(dtype, V, B, T):
-        from grpo_kernels.vocab import token_logprobs_triton
+        from grpo_kernels.kernels import token_logprobs_triton
 
         x = _inputs(dtype, V, B, T)
         token_logprobs_triton.token_logprobs_fwd(
@@ -104,7 +105,7 @@ def _token_logprobs_fwd(with_entropy: bool, softcap: float | None = None, stats:
 
 def _token_logprobs_bwd(with_entropy: bool, softcap: float | None = None) -> Callable:
     def launch(dtype, V, B, T):
-        from grpo_kernels.vocab import token_logprobs_triton
+        from grpo_kernels.kernels import token_logprobs_triton
 
         x = _inputs(dtype, V, B, T)
         entropy = x["row"] if with_entropy else None
@@ -120,12 +121,12 @@ def _grpo_loss_fwd(
     kind: str, with_entropy: bool = False, softcap: float | None = None, is_ratio: bool = False, **epilogue
 ) -> Callable:
     def launch(dtype, V, B, T):
+        from grpo_kernels.kernels import grpo_loss_triton
+        from grpo_kernels.losses.epilogue import TokenEpilogue
         from grpo_kernels.options import LossOptions
-        from grpo_kernels.vocab import grpo_loss_triton
-        from grpo_kernels.vocab.function import TokenEpilogue
 
         x = _inputs(dtype, V, B, T)
-        spec = dataclasses.replace(TokenEpilogue.from_options(kind, LossOptions()), **epilogue)
+        spec = dataclasses.replace(TokenEpilogue.from_options(LossOptions()), kind=kind, **epilogue)
         grpo_loss_triton.grpo_loss_fwd(
             x["logits"], x["targets"], x["mask"], x["row"], x["per_sequence"], x["row"],
             x["row"] if spec.beta else None, x["per_sequence"] if is_ratio else None,
@@ -137,8 +138,8 @@ def _grpo_loss_fwd(
 
 def cases() -> dict[str, Callable]:
     """Case name -> launch(dtype, V, B, T); each policy epilogue and KL estimator of the fused kernel is one case."""
-    from grpo_kernels.vocab.function import TOKEN_STATS
-    from grpo_kernels.vocab.grpo_loss_triton import EPILOGUES, KL_KINDS
+    from grpo_kernels.kernels.function import TOKEN_STATS
+    from grpo_kernels.kernels.grpo_loss_triton import EPILOGUES, KL_KINDS
 
     out = {
         "token_logprobs_fwd": _token_logprobs_fwd(False),

@@ -1,44 +1,16 @@
-"""The public functions: check -> pick backend -> vocabulary pass -> loss algebra -> GRPOLossOutput."""
+"""The public functions: each builds one plan (`engine/plan.py`: checks, backend, layout, route) and runs it. Their
+keyword arguments reach the plan as records (`LossTensors`, `Request`) whose fields bear the same names."""
 
 from __future__ import annotations
-
-import dataclasses
 
 import torch
 from torch import Tensor
 
-from grpo_kernels import arguments, checks, kept_rows, token_level
-from grpo_kernels.kept_rows import (
-    as_rows,
-    checked_mask,
-    kept_index,
-    layout_view,
-    poison,
-    row_check,
-    safe_targets,
-    scatter,
-    take,
-)
-from grpo_kernels.loss_inputs import LossInputs
-from grpo_kernels.losses.loss import GRPOLossOutput, compute_loss, loss_metrics
+from grpo_kernels import arguments
+from grpo_kernels.engine.inputs import LossTensors
+from grpo_kernels.engine.plan import Request, Source, logprobs_plan, loss_plan
+from grpo_kernels.losses.loss import GRPOLossOutput
 from grpo_kernels.options import LossOptions, resolve_options
-from grpo_kernels.vocab import parallel, parallel_linear
-from grpo_kernels.vocab.backends import resolve_backend
-from grpo_kernels.vocab.function import (
-    VocabPassOptions,
-    poisoned,
-    vocab_pass,
-    vocab_pass_with_stats,
-)
-from grpo_kernels.vocab.fused_linear import (
-    LINEAR_ROWS,
-    FusedLinearOptions,
-    fused_linear_logprobs,
-    fused_linear_logprobs_with_stats,
-    fused_linear_token_loss,
-)
-from grpo_kernels.vocab.fused_linear_lean import resolve_memory
-from grpo_kernels.vocab.head_precision import check_head_precision
 
 LossResult = GRPOLossOutput | tuple[GRPOLossOutput, Tensor]
 
@@ -83,45 +55,11 @@ def token_logprobs(
 
     Vocabulary parallel: with `process_group`, logits `[..., V_r]` are this rank's columns [vocab_start,
     vocab_start + V_r) of the whole vocabulary (`vocab_start` None: the ranks' shards in rank order); targets are
-    whole-vocabulary ids, and every rank gets the whole vocabulary's logp and entropy (`vocab.parallel`: O(N)
+    whole-vocabulary ids, and every rank gets the whole vocabulary's logp and entropy (`kernels.parallel`: O(N)
     statistics cross ranks, 16·R + 4·(3 + with_entropy)·B·T bytes per call; no stats).
     """
     arguments.token_logprobs(locals())
-    checks.check_temperature(temperature)
-    checks.check_logit_transform(logit_scale, final_logit_softcapping)
-    checks.check_tensor("logits", logits)
-    squeeze = logits.dim() == 2
-    rows, targets, mask = as_rows(logits, targets, mask)
-    backend = resolve_backend(backend, logits.device)
-    stats = checks.check_stats(stats, backend)
-    checks.check_logits(rows, backend)
-    shard = parallel.vocab_shard(process_group, rows.shape[-1], vocab_start, stats)
-    vocab = rows.shape[-1] if shard is None else shard.vocab
-    with checks.one_sync(check_finite):
-        mask = checked_mask(mask, rows, targets, vocab=vocab)
-    targets, invalid = safe_targets(targets, mask, vocab, check_finite)
-    opts = VocabPassOptions(
-        backend,
-        temperature,
-        with_entropy,
-        inplace,
-        logit_scale,
-        final_logit_softcapping,
-        stats,
-        row_check(check_finite, checks.RowCheck(), squeeze),
-    )
-    if stats:
-        out = vocab_pass_with_stats(rows, targets, mask, opts)
-        out["logp"] = poison(out["logp"], invalid)
-        return {name: x[0] for name, x in out.items()} if squeeze else out
-    if shard is None:
-        logp, entropy = vocab_pass(rows, targets, mask, opts)
-    else:
-        logp, entropy = parallel.vocab_pass(rows, targets, mask, opts, shard)
-    logp = poison(logp, invalid)
-    if squeeze:
-        logp, entropy = logp[0], None if entropy is None else entropy[0]
-    return (logp, entropy) if with_entropy else logp
+    return logprobs_plan(Source(logits), targets, mask, Request.named(locals())).run()
 
 
 def fused_linear_token_logprobs(
@@ -163,55 +101,7 @@ def fused_linear_token_logprobs(
     per forward + backward, M the kept tokens. `head_precision` ("auto": the weight's dtype, "bf16", "tf32",
     "fp32") is the logits GEMM's precision; the gradient GEMMs stay in the weight's dtype (docs/head_precision.md)."""
     arguments.fused_linear_token_logprobs(locals())
-    check_head_precision(head_precision)
-    checks.check_temperature(temperature)
-    checks.check_logit_transform(logit_scale, final_logit_softcapping)
-    checks.check_tensor("hidden", hidden)
-    squeeze = hidden.dim() == 2
-    rows, targets, mask = as_rows(hidden, targets, mask, name="hidden")
-    backend = resolve_backend(backend, hidden.device)
-    stats = checks.check_stats(stats, backend)
-    checks.check_linear(rows, weight, bias, backend)
-    checks.check_chunk_size(chunk_size)
-    tile = checks.check_memory(memory, tile, chunk_size, backend)
-    shard = parallel.vocab_shard(process_group, weight.shape[0], vocab_start, stats)
-    vocab = weight.shape[0] if shard is None else shard.vocab
-    all_rows = kept_rows.all_rows(check_finite, hidden.device)
-    with checks.one_sync(check_finite) as reads:
-        mask = checked_mask(mask, rows, targets, vocab=vocab)
-        if not all_rows:
-            reads.read(mask.sum())  # the kept-row count sizes the gather: read with the checks
-    targets, invalid = safe_targets(targets, mask, vocab, check_finite)
-    kept, row_mask = kept_index(mask, None if all_rows else reads.numbers[0])
-    memory = _memory_mode(memory, backend, shard, kept, weight, chunk_size, tile)
-    opts = FusedLinearOptions(
-        backend,
-        temperature,
-        with_entropy,
-        chunk_size,
-        logit_scale,
-        final_logit_softcapping,
-        stats,
-        row_check(check_finite, LINEAR_ROWS, squeeze, kept),
-        memory=memory,
-        tile=tile,
-        head_precision=head_precision,
-    )
-    if stats:
-        out = fused_linear_logprobs_with_stats(
-            take(rows, kept, row_mask), weight, bias, take(targets, kept, row_mask), opts, row_mask
-        )
-        out = {name: scatter(x, kept, mask) for name, x in out.items()}
-        out["logp"] = poison(out["logp"], invalid)
-        return {name: x[0] for name, x in out.items()} if squeeze else out
-    pass_ = fused_linear_logprobs if shard is None else parallel_linear.on_shard(shard)
-    logp_kept, entropy_kept = pass_(
-        take(rows, kept, row_mask), weight, bias, take(targets, kept, row_mask), opts, row_mask
-    )
-    logp, entropy = poison(scatter(logp_kept, kept, mask), invalid), scatter(entropy_kept, kept, mask)
-    if squeeze:
-        logp, entropy = logp[0], None if entropy is None else entropy[0]
-    return (logp, entropy) if with_entropy else logp
+    return logprobs_plan(Source(hidden, weight, bias), targets, mask, Request.named(locals())).run()
 
 
 def grpo_loss(
@@ -271,39 +161,8 @@ def grpo_loss(
     """
     cu_seqlens = arguments.grpo_loss(locals())  # argument types first; a list cu_seqlens becomes a tensor
     options = resolve_options(options, loss_options)
-    checks.check_tensor("logits", logits)
-    backend = resolve_backend(backend, logits.device)
-    checks.check_logits(layout_view("logits", logits, cu_seqlens), backend)
-    shard = parallel.vocab_shard(process_group, logits.shape[-1], vocab_start)
-    vocab = logits.shape[-1] if shard is None else shard.vocab
-    tensors = (targets, advantages, old_logp, ref_logp, mask, is_ratio, token_weights, sequence_weights, cu_seqlens)
-    with checks.one_sync(check_finite):
-        inputs = _checked_inputs(logits, vocab, tensors, sampling_logp, options, check_finite)
-    safe, invalid = safe_targets(inputs.targets, inputs.mask, vocab, check_finite)
-    inputs = dataclasses.replace(inputs, targets=safe, vocab_shard=shard, sequence_group=sequence_group)
-    rows = logits if inputs.layout is None else logits[None]  # [R, C, V]
-    opts = VocabPassOptions(
-        backend,
-        options.temperature,
-        _needs_entropy(options, with_entropy),
-        inplace,
-        options.logit_scale,
-        options.final_logit_softcapping,
-        finite=row_check(check_finite, checks.RowCheck(), inputs.layout is not None, loss=True),
-    )
-    in_kernel = (
-        token_level.is_token_level(options, inputs)
-        and options.top_entropy_quantile == 1.0
-        and options.entropy_coef == 0.0
-    )
-    in_kernel = in_kernel and (options.beta == 0.0 or options.kl_estimator in token_level.FUSED_KL_ESTIMATORS)
-    if backend in ("triton", "cuda") and inputs.layout is None and in_kernel and not return_sequence_losses:
-        return token_level.fused_grpo_loss(rows, inputs, opts, options, invalid)
-    if shard is None:
-        logp, entropy = vocab_pass(rows, inputs.targets, inputs.mask, opts)  # [R, C] each
-    else:
-        logp, entropy = parallel.vocab_pass(rows, inputs.targets, inputs.mask, opts, shard)  # [R, C] each
-    return _loss(inputs.terms(poison(logp, invalid), entropy, options), options, return_sequence_losses)
+    given, request = LossTensors.named(locals()), Request.named(locals())
+    return loss_plan(Source(logits), given, request, options).run()
 
 
 def fused_linear_grpo_loss(
@@ -349,84 +208,6 @@ def fused_linear_grpo_loss(
     4-GEMM route. `head_precision` as in `fused_linear_token_logprobs`.
     """
     cu_seqlens = arguments.fused_linear_grpo_loss(locals())  # argument types first; a list cu_seqlens: a tensor
-    check_head_precision(head_precision)
     options = resolve_options(options, loss_options)
-    checks.check_tensor("hidden", hidden)
-    backend = resolve_backend(backend, hidden.device)
-    checks.check_linear(layout_view("hidden", hidden, cu_seqlens), weight, bias, backend)
-    checks.check_chunk_size(chunk_size)
-    tile = checks.check_memory(memory, tile, chunk_size, backend)
-    shard = parallel.vocab_shard(process_group, weight.shape[0], vocab_start)
-    vocab = weight.shape[0] if shard is None else shard.vocab
-    all_rows = kept_rows.all_rows(check_finite, hidden.device)
-    tensors = (targets, advantages, old_logp, ref_logp, mask, is_ratio, token_weights, sequence_weights, cu_seqlens)
-    with checks.one_sync(check_finite) as reads:
-        inputs = _checked_inputs(hidden, vocab, tensors, sampling_logp, options, check_finite)
-        if not all_rows:
-            reads.read(inputs.mask.sum())  # the kept-row count sizes the gather: read with the checks
-    safe, invalid = safe_targets(inputs.targets, inputs.mask, vocab, check_finite)
-    inputs = dataclasses.replace(inputs, targets=safe, vocab_shard=shard, sequence_group=sequence_group)
-    rows = hidden if inputs.layout is None else hidden[None]  # [R, C, H]
-    kept, row_mask = kept_index(inputs.mask, None if all_rows else reads.numbers[0])
-    memory = _memory_mode(memory, backend, shard, kept, weight, chunk_size, tile)
-    opts = FusedLinearOptions(
-        backend,
-        options.temperature,
-        _needs_entropy(options, with_entropy),
-        chunk_size,
-        options.logit_scale,
-        options.final_logit_softcapping,
-        finite=row_check(check_finite, LINEAR_ROWS, inputs.layout is not None, kept, loss=True),
-        memory=memory,
-        tile=tile,
-        head_precision=head_precision,
-    )
-    hidden_rows, target_rows = take(rows, kept, row_mask), take(inputs.targets, kept, row_mask)  # [M, H], [M]
-    fast = memory == "fast" and not return_sequence_losses
-    if fast and token_level.is_token_level(options, inputs) and options.top_entropy_quantile == 1.0:
-        chunk_loss = token_level.chunk_loss(inputs, kept, options, row_mask)
-        loss, logp, entropy = fused_linear_token_loss(
-            hidden_rows, weight, bias, target_rows, opts, chunk_loss, row_mask
-        )
-        logp = poison(scatter(logp, kept, inputs.mask), invalid)
-        terms = inputs.terms(logp, scatter(entropy, kept, inputs.mask), options)
-        loss = loss if invalid is None else poisoned(loss, invalid)
-        return GRPOLossOutput(loss, loss_metrics(terms, options))
-    pass_ = fused_linear_logprobs if shard is None else parallel_linear.on_shard(shard)
-    logp, entropy = pass_(hidden_rows, weight, bias, target_rows, opts, row_mask)  # [M] each
-    logp = poison(scatter(logp, kept, inputs.mask), invalid)
-    terms = inputs.terms(logp, scatter(entropy, kept, inputs.mask), options)
-    return _loss(terms, options, return_sequence_losses)
-
-
-def _checked_inputs(
-    x: Tensor, vocab: int, tensors: tuple, sampling_logp: Tensor | None, options: LossOptions, check_finite: bool
-) -> LossInputs:
-    """A loss's inputs checked against logits / hidden `x` (shapes, dtypes, devices, mask and target values) and,
-    with `check_finite`, for non-finite values at kept tokens; run inside the caller's `checks.one_sync`, so that
-    every value read is one host sync."""
-    inputs = LossInputs.check(tuple(x.shape[:-1]), vocab, x.device, *tensors, options, sampling_logp)
-    if check_finite:
-        inputs.check_finite(options)
-    return inputs
-
-
-def _memory_mode(
-    memory: str, backend: str, shard, kept: tuple[Tensor, Tensor], weight: Tensor, chunk_size: int | None, tile
-) -> str:
-    """The fused lm_head's memory mode, "fast" or "lean" (`fused_linear_lean.resolve_memory`); a vocabulary shard
-    (`process_group`) runs "fast"."""
-    if shard is not None:
-        if memory == "lean" or tile is not None:
-            raise ValueError("memory='lean' (and tile) do not run with process_group (a vocabulary shard)")
-        return "fast"
-    return resolve_memory(memory, backend, kept[0].shape[0], weight, chunk_size, tile)
-
-
-def _needs_entropy(options: LossOptions, with_entropy: bool) -> bool:
-    return with_entropy or options.top_entropy_quantile < 1.0 or options.entropy_coef != 0.0
-
-
-def _loss(terms, options: LossOptions, return_sequence_losses: bool) -> LossResult:
-    output, sequence_losses = compute_loss(terms, options)
-    return (output, sequence_losses) if return_sequence_losses else output
+    given, request = LossTensors.named(locals()), Request.named(locals())
+    return loss_plan(Source(hidden, weight, bias), given, request, options).run()

@@ -12,7 +12,7 @@ each micro-batch loss by M itself (as the Hugging Face Trainer does), multiply t
 Without an initialised torch.distributed process group, K = 1 and nothing is reduced.
 
 The other two splits are arguments of the loss functions: `process_group=` (a vocabulary-sharded lm_head or logits,
-tensor parallel: `vocab.parallel`) and `sequence_group=` (sequences split across ranks, context parallel:
+tensor parallel: `kernels.parallel`) and `sequence_group=` (sequences split across ranks, context parallel:
 `losses.reduce`). Both give every rank the numbers of one process on the whole vocabulary / the whole sequences.
 """
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import warnings
 from dataclasses import dataclass
@@ -206,7 +207,14 @@ def check_epsilon_names(given: dict) -> None:
 def resolve_options(options, loss_options: dict) -> LossOptions:
     """A call's LossOptions: `options=` (a LossOptions, or a paper preset, whose `.loss` it takes) or keywords."""
     if options is None:
-        return LossOptions.from_kwargs(**loss_options)
+        if any(isinstance(value, torch.Tensor) for value in loss_options.values()):
+            return LossOptions.from_kwargs(**loss_options)
+        try:
+            return _options_of(tuple(sorted((name, type(v), v) for name, v in loss_options.items())))
+        except TypeError as error:  # an unhashable value (a list...): built, not cached
+            if "unhashable" not in str(error):
+                raise
+            return LossOptions.from_kwargs(**loss_options)
     options = getattr(options, "loss", options)  # a presets.Preset
     if not isinstance(options, LossOptions):
         raise TypeError(f"options must be a LossOptions or a preset, got {type(options).__name__}")
@@ -215,6 +223,14 @@ def resolve_options(options, loss_options: dict) -> LossOptions:
             f"pass loss options either as options=LossOptions(...) or as keywords, not both: {shown(loss_options)}"
         )
     return options
+
+
+@functools.lru_cache(maxsize=256)
+def _options_of(items: tuple) -> LossOptions:
+    """LossOptions of keyword items (name, type, value), built (and validated) once per distinct set: a call's
+    options are frozen, and the same keywords come again every step. The type is part of the key, so that `1` and
+    `1.0` or `True` (equal, of one hash) are each validated as given."""
+    return LossOptions.from_kwargs(**{name: value for name, _, value in items})
 
 
 def _warn_once(key: str, message: str, category: type[Warning]) -> None:

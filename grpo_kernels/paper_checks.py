@@ -4,8 +4,8 @@ One entry per loss type, advantage estimator, reward, sampler and regularizer; `
 when a registered component has none. Labels (the spec's, §0.1): `V-code` (the official code, read at a pinned
 commit), `V-paper` (the paper's page, abstract or a faithful summary), `V-ref` (a widely used reference
 implementation: verl, TRL, ms-swift), `partial` (mechanism verified, some form or constant from a third-party port),
-`unverified` (no primary source retrieved), `n/a` (a utility, not a paper's component). In issue 16 the papers were
-looked up again with the search tools: only abstracts and first pages could be read, so a form that rests on a
+`unverified` (no primary source retrieved), `n/a` (a utility, not a paper's component). When the papers were
+looked up again, only abstracts and first pages could be read, so a form that rests on a
 port stays `partial` unless the readable text decides it (GTPO/GRPO-S normalisation, TIC-GRPO's advantage).
 """
 

@@ -110,10 +110,10 @@ def _checks_intro() -> list[str]:
         f"Per component (`grpo_kernels/paper_checks.py`), with the labels {', '.join(f'`{x}`' for x in LABELS)}: "
         "official code read at a pinned commit; the paper's page, abstract or a faithful summary; a reference "
         "implementation; mechanism verified but a form or constant from a third-party port; no primary source; a "
-        "utility. The last column says what is still unverified and why. Issue 16 re-checked the forms that rested "
-        "on a port: GTPO and GRPO-S now standardise over the whole group (the port's within-O± standardisation gave "
-        "correct responses negative advantages, against the paper's Fig. 1; it stays as `normalize='split'`), and "
-        "the `tic_grpo` preset uses GRPO's advantage, as the paper's abstract describes it.",
+        "utility. The last column says what is still unverified and why. The forms that rested on a port were "
+        "checked again: GTPO and GRPO-S now standardise over the whole group (the port's within-O± "
+        "standardisation gave correct responses negative advantages, against the paper's Fig. 1; it stays as "
+        "`normalize='split'`), and the `tic_grpo` preset uses GRPO's advantage, as the paper's abstract describes it.",
     ]
 
 

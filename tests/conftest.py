@@ -12,7 +12,7 @@ if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
 
 import pytest  # noqa: E402
 
-from grpo_kernels.vocab import backends  # noqa: E402
+from grpo_kernels.kernels import backend as backends  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 BACKENDS = ("torch", "triton") + (

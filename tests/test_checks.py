@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import grpo_kernels as gk
-from grpo_kernels.vocab import backends
+from grpo_kernels.kernels import backend as backends
 from tests.cases import Case
 from tests.conftest import DEVICE
 from tests.helpers import loss_inputs

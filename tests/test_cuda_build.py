@@ -20,13 +20,12 @@ import pytest
 import torch
 
 from grpo_kernels import reference
+from grpo_kernels.kernels import cuda
+from grpo_kernels.kernels.grpo_loss_triton import EPILOGUES, KL_KINDS
+from grpo_kernels.losses.epilogue import TokenEpilogue
 from grpo_kernels.losses.loss import per_token_loss
-from grpo_kernels.losses.policy import POLICY_LOSSES
 from grpo_kernels.losses.terms import build_terms
 from grpo_kernels.options import LossOptions
-from grpo_kernels.vocab import cuda
-from grpo_kernels.vocab.function import TokenEpilogue
-from grpo_kernels.vocab.grpo_loss_triton import EPILOGUES, KL_KINDS
 from tests.conftest import assert_close
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
@@ -202,7 +201,16 @@ def _oracle_token_loss(options: LossOptions, logp, old, ref, adv, is_ratio, weig
     t = lambda x: None if x is None else torch.tensor([[x]], dtype=torch.float64)  # noqa: E731
     logp_t = t(logp).requires_grad_()
     mask = torch.ones(1, 1, dtype=torch.float64)
-    terms = build_terms(logp_t, t(old), t(ref), t(adv), mask, None, t(is_ratio), options, token_weights=t(weight))
+    terms = build_terms(
+        logp_t,
+        old_logp=t(old),
+        ref_logp=t(ref),
+        advantages=t(adv),
+        mask=mask,
+        is_ratio=t(is_ratio),
+        options=options,
+        token_weights=t(weight),
+    )
     loss = per_token_loss(terms, options).sum()
     (dlogp,) = torch.autograd.grad(loss, logp_t)
     return loss.item(), dlogp.item()
@@ -226,7 +234,7 @@ def test_token_loss_epilogue_matches_losses(host_test):
     for policy_name, policy in POLICY_OPTIONS.items():
         for kl_name, kl in KL_OPTIONS.items():
             options = LossOptions(**policy, **kl)
-            epilogue = TokenEpilogue.from_options(POLICY_LOSSES[options.loss_type].epilogue, options)
+            epilogue = TokenEpilogue.from_options(options)
             for token_name, token in TOKENS.items():
                 token = tuple(None if v is None else _f32(v) for v in token)
                 lines.append(_loss_line(epilogue, *token))

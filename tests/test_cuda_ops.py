@@ -8,9 +8,9 @@ import importlib.util
 import pytest
 import torch
 
+from grpo_kernels.kernels import backend as backends
+from grpo_kernels.losses.epilogue import TokenEpilogue
 from grpo_kernels.options import LossOptions
-from grpo_kernels.vocab import backends
-from grpo_kernels.vocab.function import TokenEpilogue
 
 # the extension's tests: cuda-marked, skipped with the reason where there is no GPU or no extension
 NO_EXTENSION = (
@@ -68,7 +68,7 @@ def _cases(name: str, x: dict) -> list[tuple]:
 @pytest.mark.cuda
 @extension
 def test_opcheck(name, dtype):
-    from grpo_kernels.vocab import cuda
+    from grpo_kernels.kernels import cuda
 
     op = getattr(cuda.ops(), name)
     for args in _cases(name, _inputs(dtype)):
@@ -78,7 +78,7 @@ def test_opcheck(name, dtype):
 @pytest.mark.cuda
 @extension
 def test_inplace_backward_declares_the_logits_mutated():
-    from grpo_kernels.vocab import cuda
+    from grpo_kernels.kernels import cuda
 
     schemas = {name: getattr(cuda.ops(), name).default._schema for name in OPS}
     mutated = {n: [a.name for a in s.arguments if a.alias_info and a.alias_info.is_write] for n, s in schemas.items()}
@@ -90,7 +90,7 @@ def test_inplace_backward_declares_the_logits_mutated():
 @pytest.mark.cuda
 @extension
 def test_inplace_backward_writes_what_the_out_of_place_one_writes():
-    from grpo_kernels.vocab import cuda
+    from grpo_kernels.kernels import cuda
 
     x = _inputs(torch.float32)
     out = torch.empty_like(x["logits"])

@@ -1,4 +1,4 @@
-"""Empty batches (issue 14, item 6): every token masked, B = 0 or T = 0, in all four public functions, padded and
+"""Empty batches: every token masked, B = 0 or T = 0, in all four public functions, padded and
 packed, on every backend: loss 0 (log-probs 0 of shape [B, T]), metrics as grpo_loss gives them, and zero gradients
 of the right shapes. Before, the fused lm_head raised `torch.cat(): expected a non-empty list of Tensors`."""
 

@@ -13,7 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import grpo_kernels as gk
-from grpo_kernels.vocab import fused_linear
+from grpo_kernels.kernels import fused_linear
 from tests.conftest import BACKENDS
 from tests.test_fused_linear import CHUNK, H, V, check, leaves, make
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import grpo_kernels as gk
-from grpo_kernels import checks
-from grpo_kernels.vocab import fused_linear_lean
+from grpo_kernels.engine import validate
+from grpo_kernels.kernels import fused_linear_lean
 from tests.conftest import BACKENDS, DEVICE, assert_close
 from tests.test_fused_linear import DTYPES, TYPE_LEVELS, B, H, T, V, check, leaves, make
 
@@ -337,7 +337,7 @@ def test_module_passes_memory_and_tile():
 
 def test_lean_needs_a_tile_backend():
     with pytest.raises(ValueError, match="memory='lean' runs on backends 'torch' and 'triton', got backend='cuda'"):
-        checks.check_memory("lean", None, None, "cuda")
+        validate.check_memory("lean", None, None, "cuda")
 
 
 @pytest.mark.parametrize("check_finite", (True, False), ids=("checks_on", "checks_off"))
@@ -346,7 +346,7 @@ def test_host_reads_as_fast(loss_type, check_finite, monkeypatch):
     """The lean path reads the host as the fast one does (test_host_syncs): with the checks on, one batched read
     before the first kernel and one after the forward; off, only the kept-row count, and nothing when every row
     runs masked (as inside a CUDA graph capture), with the gathered path's numbers."""
-    from grpo_kernels import kept_rows
+    from grpo_kernels.engine import layout
     from tests.test_host_syncs import HostReads, _inputs
 
     inputs = _inputs()
@@ -367,7 +367,7 @@ def test_host_reads_as_fast(loss_type, check_finite, monkeypatch):
     assert len(host.reads) == (2 if check_finite else 1), host.reads
     if check_finite:
         return
-    monkeypatch.setattr(kept_rows, "all_rows", lambda check_finite, device: not check_finite)
+    monkeypatch.setattr(layout, "all_rows", lambda check_finite, device: not check_finite)
     with HostReads() as host:
         every = step()
     assert host.reads == []

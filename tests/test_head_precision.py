@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import grpo_kernels as gk
-from grpo_kernels.vocab import head_precision
+from grpo_kernels.kernels import head_precision
 from tests.conftest import BACKENDS, assert_close
 from tests.test_fused_linear import CHUNK, leaves, make, oracle
 

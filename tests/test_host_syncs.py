@@ -24,7 +24,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import grpo_kernels as gk
-from grpo_kernels import kept_rows
+from grpo_kernels.engine import layout
 from tests.conftest import DEVICE
 
 aten = torch.ops.aten
@@ -175,7 +175,7 @@ def test_fused_lm_head_every_row_is_sync_free(kind, loss_type, monkeypatch):
     inputs = _inputs(1)
     options = dict(loss_type=loss_type, beta=0.0) if kind == "fused_linear_grpo_loss" else {}
     gathered, gathered_grads = _step(kind, False, inputs, **options)
-    monkeypatch.setattr(kept_rows, "all_rows", lambda check_finite, device: not check_finite)
+    monkeypatch.setattr(layout, "all_rows", lambda check_finite, device: not check_finite)
     with HostReads() as host:
         every, every_grads = _step(kind, False, inputs, **options)
     assert host.reads == []
@@ -234,7 +234,7 @@ def test_cuda_graph_capture(kind, options, monkeypatch):
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream), monkeypatch.context() as patch:  # warm-up: compile what the capture runs
-        patch.setattr(kept_rows, "all_rows", lambda check_finite, device: not check_finite)
+        patch.setattr(layout, "all_rows", lambda check_finite, device: not check_finite)
         for _ in range(2):
             _step(kind, False, inputs, **options)
     torch.cuda.current_stream().wait_stream(stream)

@@ -180,7 +180,7 @@ def test_off_policy_mask_is_trls(per_token_advantages):
     mask[:, 0] = True
     adv = torch.randn((B, T) if per_token_advantages else (B,), generator=g, dtype=torch.float64)
     options = LossOptions(off_policy_mask_threshold=0.05)
-    terms = build_terms(logp, None, None, adv, mask, None, None, options, sampling_logp=sampling)
+    terms = build_terms(logp, advantages=adv, mask=mask, options=options, sampling_logp=sampling)
     ours = off_policy_keep(terms, options)
     adv_trl = adv if per_token_advantages else adv[:, None]
     theirs = trl_trainer.GRPOTrainer.get_off_policy_mask(adv_trl, logp, sampling, mask.double(), 0.05)

@@ -63,13 +63,13 @@ def run(
     tensor = lambda x: None if x is None else torch.tensor(x, dtype=F64)
     terms = build_terms(
         logp,
-        logp.detach() - log_ratio,
-        ref,
-        tensor(advantages),
-        tensor(MASK),
-        tensor(entropy),
-        tensor(is_ratio),
-        options,
+        old_logp=logp.detach() - log_ratio,
+        ref_logp=ref,
+        advantages=tensor(advantages),
+        mask=tensor(MASK),
+        entropy=tensor(entropy),
+        is_ratio=tensor(is_ratio),
+        options=options,
     )
     out, _ = compute_loss(terms, options)
     out.loss.backward()

@@ -1,4 +1,4 @@
-"""Non-finite values are never hidden (issue 14, items 5 and 9).
+"""Non-finite values are never hidden: not in the inputs, the logits, the loss or the gradients.
 
 - NaN/±inf at a kept token in any tensor argument is a ValueError naming the tensor and the first bad index, raised
   before any kernel; at masked positions anything goes (it is never read).
@@ -336,7 +336,8 @@ def test_check_finite_false_skips_the_checks(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("path", PATHS)
 def test_a_second_call_on_consumed_logits_raises(path, backend):
-    """Before: the second call used the gradient as logits (issue 14: `ratio/mean` 1.03 where 1.0 is right)."""
+    """A second call on logits an in-place backward overwrote is refused: it would read the gradient as logits
+    (`ratio/mean` 1.03 where 1.0 is right)."""
     d = make()
     args = (d["targets"], d["advantages"], d["old_logp"], d["ref_logp"], d["mask"])
     logits = d["logits"].clone().requires_grad_()

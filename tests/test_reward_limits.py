@@ -1,5 +1,6 @@
-"""Rewards under adversarial model output: every input of issue 14 item 4 finishes within its limit, from the main
-thread and from worker threads, scores 0 and is counted as over a limit; extraction stays linear.
+"""Rewards under adversarial model output: every adversarial input below (huge numbers, endless unclosed tags and
+boxes, giant expressions) finishes within its limit, from the main thread and from worker threads, scores 0 and is
+counted as over a limit; extraction stays linear.
 
 The time bounds asserted here are the limits themselves plus slack for a loaded 2-core machine; what each input
 costs when measured is in the comments (ms unless said).

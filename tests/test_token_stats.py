@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import grpo_kernels as gk
-from grpo_kernels import checks
-from grpo_kernels.vocab import cuda
-from grpo_kernels.vocab.function import TOKEN_STATS
+from grpo_kernels.engine import validate
+from grpo_kernels.kernels import cuda
+from grpo_kernels.kernels.function import TOKEN_STATS
 from tests.cases import CASE_IDS, CASES, Case, make_inputs
 from tests.conftest import BACKENDS, DEVICE, DTYPES, assert_close
 from tests.helpers import oracle_logits
@@ -182,8 +182,8 @@ def test_bad_stats_raise_before_any_launch(stats, error, message, launches):
 def test_cuda_backend_refuses_stats():
     """The CUDA backend computes no statistics: asking is an error at the check and at its launcher."""
     with pytest.raises(ValueError, match=r"not backend='cuda'"):
-        checks.check_stats(("is_top1",), "cuda")
-    assert checks.check_stats(("is_top1", "is_top1", "mean_logits"), "triton") == ("is_top1", "mean_logits")
+        validate.check_stats(("is_top1",), "cuda")
+    assert validate.check_stats(("is_top1", "is_top1", "mean_logits"), "triton") == ("is_top1", "mean_logits")
     logits = torch.zeros(1, 2, 5)
     ids, mask = torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.bool)
     with pytest.raises(ValueError, match="backend='cuda' does not compute"):

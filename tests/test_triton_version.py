@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo_kernels.vocab import backends
+from grpo_kernels.kernels import backend as backends
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCHERS = sorted((ROOT / "grpo_kernels" / "vocab").glob("*_triton.py"))

@@ -19,8 +19,8 @@ transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
 
 from grpo_kernels.integrations import trl as drop_in  # noqa: E402
+from grpo_kernels.kernels import fused_linear  # noqa: E402
 from grpo_kernels.trainer.model import build_tokenizer  # noqa: E402
-from grpo_kernels.vocab import fused_linear  # noqa: E402
 from tests.conftest import assert_close  # noqa: E402
 
 P, T = 3, 6  # prompt and completion lengths of the hand-built batches

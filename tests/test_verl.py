@@ -161,7 +161,7 @@ def test_abs_kl_equals_verl():
     g = torch.Generator().manual_seed(0)
     logp, ref = -torch.rand(B, T, generator=g), -torch.rand(B, T, generator=g)
     terms = build_terms(
-        logp, None, ref, torch.zeros(B), torch.ones(B, T), None, None, gk.LossOptions(kl_estimator="abs")
+        logp, ref_logp=ref, advantages=torch.zeros(B), mask=torch.ones(B, T), options=gk.LossOptions(kl_estimator="abs")
     )
     expected = core_algos.kl_penalty(logp, ref, "abs")
     torch.testing.assert_close(KL_ESTIMATORS["abs"](terms), expected, rtol=0, atol=0)
@@ -173,10 +173,10 @@ def test_gmpo_is_ratio_is_a_geometric_mean():
     mask = inputs["response_mask"]
     w = inputs["rollout_is_weights"]
     geo = torch.exp(((w + 1e-10).log() * mask).sum(-1) / mask.sum(-1).clamp(min=1))  # [B]
-    args = (inputs["log_prob"], inputs["old_log_prob"], None, inputs["advantages"][:, 0], mask, None)
     options = gk.LossOptions(loss_type="gmpo")
-    per_token = compute_loss(build_terms(*args, w, options), options)[0].loss
-    per_sequence = compute_loss(build_terms(*args, geo, options), options)[0].loss
+    args = dict(old_logp=inputs["old_log_prob"], advantages=inputs["advantages"][:, 0], mask=mask, options=options)
+    per_token = compute_loss(build_terms(inputs["log_prob"], is_ratio=w, **args), options)[0].loss
+    per_sequence = compute_loss(build_terms(inputs["log_prob"], is_ratio=geo, **args), options)[0].loss
     assert_close(per_token, per_sequence, F32, "loss")
 
 

@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 
 import grpo_kernels as gk
 from grpo_kernels.integrations import verl as gk_verl
-from grpo_kernels.vocab import parallel
+from grpo_kernels.kernels import parallel
 from tests.conftest import assert_close
 
 F32 = torch.float32

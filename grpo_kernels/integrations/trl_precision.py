@@ -10,7 +10,7 @@ import torch
 import trl
 from torch import Tensor
 
-from grpo_kernels.vocab.head_precision import HEAD_PRECISIONS, check_head_precision
+from grpo_kernels.kernels.head_precision import HEAD_PRECISIONS, check_head_precision
 
 
 @dataclasses.dataclass

@@ -51,10 +51,10 @@ import torch
 from torch import Tensor
 
 from grpo_kernels.api import fused_linear_token_logprobs
+from grpo_kernels.kernels import parallel
 from grpo_kernels.losses.loss import compute_loss
 from grpo_kernels.losses.terms import build_terms
 from grpo_kernels.options import CLIPPED_SURROGATE_TYPES, DPPO_TYPES, LOSS_TYPES, LossOptions
-from grpo_kernels.vocab import parallel
 
 INSTALL = 'pip install "grpo-kernels[verl]"'
 PREFIX = "gk_"
@@ -126,7 +126,14 @@ def policy_loss_fn(loss_type: str, **loss_options) -> PolicyLossFn:
     ) -> tuple[Tensor, dict[str, Any]]:
         _check_call(fn.__name__, config, old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
         options, dp_size = options_from_config(loss_type, config, loss_agg_mode, response_mask, loss_options)
-        terms = build_terms(log_prob, old_log_prob, None, advantages, response_mask, None, rollout_is_weights, options)
+        terms = build_terms(
+            log_prob,
+            old_logp=old_log_prob,
+            advantages=advantages,
+            mask=response_mask,
+            is_ratio=rollout_is_weights,
+            options=options,
+        )
         output, _ = compute_loss(terms, options)
         return output.loss * dp_size, _verl_metrics(loss_type, output.metrics, terms)
 
@@ -315,7 +322,7 @@ def linear_cross_entropy(
     entropy `[N]` always. Differentiable w.r.t. hidden and weight; the `[N, V]` logits are never stored.
     `dist_process_group` as verl means it (Megatron's tensor-parallel group): weight `[V_r, H]` is rank r's rows
     [r·V_r, (r + 1)·V_r) of the lm_head (equal shards), labels are whole-vocabulary ids, logprobs and entropy are the
-    whole vocabulary's on every rank (`vocab.parallel`: O(N) statistics cross ranks), dW is the shard's, and dH is
+    whole vocabulary's on every rank (`kernels.parallel`: O(N) statistics cross ranks), dW is the shard's, and dH is
     this rank's share, left for the caller to sum (Megatron's sequence-parallel gather does), as verl's kernel
     leaves it. A group of one rank holds the whole vocabulary.
     """

@@ -77,31 +77,37 @@ def off_policy_keep(terms: TokenTerms, options: LossOptions) -> Tensor:
     return ((terms.advantages >= 0) | (mean_kl <= options.off_policy_mask_threshold)).to(terms.mask.dtype)
 
 
-def _masked_mean(x: Tensor, mask: Tensor, group=None) -> Tensor:
-    """Mean over kept tokens (on every rank of `group`) of a [B, T] tensor, or over all sequences of a per-sequence
-    [B, 1] one (TRL's rule; at T = 1 TRL's shape test would also average padding, so there a [B, 1] tensor is taken
-    per token). With a group every rank runs the all-reduces whatever its local T, so that none waits alone."""
-    token_mean = batch_sum(x * mask, group) / batch_sum(mask, group).clamp(min=1.0)
+def _masked_mean(x: Tensor, mask: Tensor, group, kept_count: Tensor) -> Tensor:
+    """Mean over kept tokens (on every rank of `group`; `kept_count` their number, at least 1) of a [B, T] tensor,
+    or over all sequences of a per-sequence [B, 1] one (TRL's rule; at T = 1 TRL's shape test would also average
+    padding, so there a [B, 1] tensor is taken per token). With a group every rank runs the all-reduces whatever its
+    local T, so that none waits alone."""
+    token_mean = batch_sum(x * mask, group) / kept_count
     if x.shape[-1] == 1 and mask.shape[-1] > 1:
         return x.sum() / max(x.shape[0], 1)
     return token_mean
 
 
-def _sequence_extreme(flags: Tensor, mask: Tensor, extreme, group=None) -> Tensor:
-    """min or max over sequences of each sequence's fraction of flagged tokens (TRL's `low_min` / `high_max`).
+def _sequence_extremes(low: Tensor, high: Tensor, mask: Tensor, group=None) -> tuple[Tensor, Tensor]:
+    """The min over sequences of each sequence's fraction of `low` tokens, and the max of its fraction of `high`
+    tokens (TRL's `low_min` / `high_max`).
 
     A per-sequence [B, 1] flag is that sequence's value, as in TRL; sequences with no kept token have no fraction
     and are skipped (TRL's NaN, dropped by its nanmin / nanmax); 0 when no sequence has one. With a group, the
     fractions are over every rank's tokens (all-reduces every rank runs, as in `_masked_mean`).
     """
     counts = sequence_tokens(mask, group)[:, 0]  # [B]
-    per_sequence = sequence_sum(flags.to(mask.dtype), mask, group)[:, 0] / counts.clamp(min=1.0)  # [B]
-    if flags.shape[-1] == 1 and mask.shape[-1] > 1:
-        per_sequence = flags[:, 0].to(mask.dtype)  # [B]
-        return extreme(per_sequence) if per_sequence.numel() else mask.new_zeros(())
-    skip = float("inf") if extreme is torch.min else float("-inf")  # never the extreme while a sequence counts
-    value = extreme(per_sequence.masked_fill(counts == 0, skip)) if per_sequence.numel() else mask.new_zeros(())
-    return torch.where((counts > 0).any(), value, 0.0)  # no host sync (a boolean index would be one)
+    denominators, uncounted, counted = counts.clamp(min=1.0), counts == 0, (counts > 0).any()
+
+    def extreme(flags: Tensor, reduce, skip: float) -> Tensor:  # skip: never the extreme while a sequence counts
+        per_sequence = sequence_sum(flags.to(mask.dtype), mask, group)[:, 0] / denominators  # [B]
+        if flags.shape[-1] == 1 and mask.shape[-1] > 1:
+            per_sequence = flags[:, 0].to(mask.dtype)  # [B]
+            return reduce(per_sequence) if per_sequence.numel() else mask.new_zeros(())
+        value = reduce(per_sequence.masked_fill(uncounted, skip)) if per_sequence.numel() else mask.new_zeros(())
+        return torch.where(counted, value, 0.0)  # no host sync (a boolean index would be one)
+
+    return extreme(low, torch.min, float("inf")), extreme(high, torch.max, float("-inf"))
 
 
 @torch.no_grad()
@@ -111,7 +117,8 @@ def loss_metrics(terms: TokenTerms, options: LossOptions) -> dict[str, Tensor]:
     ratio = spec.ratio(terms, options)
     low, high = spec.clip_flags(terms, options, ratio)
     group = terms.sequence_group
-    mean = lambda x: _masked_mean(x.to(terms.mask.dtype), terms.mask, group)  # noqa: E731
+    kept_count = batch_sum(terms.mask, group).clamp(min=1.0)  # every mean's denominator
+    mean = lambda x: _masked_mean(x.to(terms.mask.dtype), terms.mask, group, kept_count)  # noqa: E731
     metrics = {
         "clip_ratio/low_mean": mean(low),
         "clip_ratio/high_mean": mean(high),
@@ -119,8 +126,7 @@ def loss_metrics(terms: TokenTerms, options: LossOptions) -> dict[str, Tensor]:
         "ratio/mean": mean(ratio),
     }
     if options.loss_type in CLIPPED_SURROGATE_TYPES:  # TRL's per-sequence extremes of the clip fractions
-        metrics["clip_ratio/low_min"] = _sequence_extreme(low, terms.mask, torch.min, group)
-        metrics["clip_ratio/high_max"] = _sequence_extreme(high, terms.mask, torch.max, group)
+        metrics["clip_ratio/low_min"], metrics["clip_ratio/high_max"] = _sequence_extremes(low, high, terms.mask, group)
     if options.clip_ratio_c is not None and options.loss_type in DPPO_TYPES:  # kept tokens whose weight is capped
         metrics["clip_ratio/truncated_mean"] = mean((ratio > options.clip_ratio_c) & dppo_keep(terms, options))
     elif options.clip_ratio_c is not None:  # where the dual clip's −A·c floor is the loss
@@ -139,4 +145,4 @@ def loss_metrics(terms: TokenTerms, options: LossOptions) -> dict[str, Tensor]:
         metrics["pg_clipfrac"] = clip_cov_fraction(terms, options)
     if options.loss_type == "kl_cov":
         metrics["ppo_kl_abs"] = mean(terms.token_log_ratio.abs())
-    return {name: value.detach() for name, value in metrics.items()}
+    return {name: value.detach() if value.requires_grad else value for name, value in metrics.items()}

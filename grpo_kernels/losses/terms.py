@@ -39,13 +39,14 @@ class TokenTerms:
 
 def build_terms(
     logp: Tensor,
-    old_logp: Tensor | None,
-    ref_logp: Tensor | None,
+    *,
     advantages: Tensor,
     mask: Tensor,
-    entropy: Tensor | None,
-    is_ratio: Tensor | None,
     options: LossOptions,
+    old_logp: Tensor | None = None,
+    ref_logp: Tensor | None = None,
+    entropy: Tensor | None = None,
+    is_ratio: Tensor | None = None,
     token_weights: Tensor | None = None,
     sequence_weights: Tensor | None = None,
     sampling_logp: Tensor | None = None,

@@ -9,7 +9,7 @@ input dtype (tensor cores) with float32 accumulation (`gemm_mode`). Two Function
 - `_FusedLinearTokenLossFunction`: for token-level losses the per-token dL/dlogp is known as soon as a chunk's
   log-probs are, so the gradients are formed in the forward from the logits still in memory and the backward only
   scales them: 3 GEMMs, the floor.
-`FusedLinearOptions.head_precision` sets the logits GEMM's dtype (`head_precision.py`); the gradient GEMMs stay in
+`PassOptions.head_precision` sets the logits GEMM's dtype (`head_precision.py`); the gradient GEMMs stay in
 the weight's.
 """
 
@@ -18,14 +18,14 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from grpo_kernels import checks
-from grpo_kernels.vocab import backends, head_precision
-from grpo_kernels.vocab.function import backend_kernels, checked_rows, nonfinite_rows, poisoned, transform_kwargs
+from grpo_kernels.kernels import backend as backends
+from grpo_kernels.kernels import head_precision
+from grpo_kernels.kernels.function import backend_kernels, checked_rows, nonfinite_rows, poisoned
+from grpo_kernels.kernels.pass_options import PassOptions
 
 # CPU: each chunk's GEMMs stream all of W (and dW) once, so a chunk needs a few hundred rows to keep them
 # compute-bound. Measured on 2 cores, B·T = 2048, H = 896, fused-linear forward + backward: V = 151,936 took
@@ -33,28 +33,6 @@ from grpo_kernels.vocab.function import backend_kernels, checked_rows, nonfinite
 # 2.5 / 2.5 / 1.8 / 2.1 / 1.9 s (128 to 2,048 rows).
 CPU_CHUNK_ROWS = 512
 CPU_CHUNK_BYTES = 1 << 28  # at most 256 MiB of logits per chunk
-LINEAR_ROWS = checks.RowCheck(
-    "hidden @ weight.T + bias", "NaN or inf in hidden, weight or bias, or their product overflowing"
-)  # how a non-finite row is blamed (the logits are never stored)
-
-
-@dataclass(frozen=True)
-class FusedLinearOptions:
-    backend: str
-    temperature: float = 1.0
-    with_entropy: bool = False
-    chunk_size: int | None = None  # rows per chunk; None: from V, H and free memory
-    logit_scale: float = 1.0  # the logit transform, as in VocabPassOptions
-    final_logit_softcapping: float | None = None
-    stats: tuple[str, ...] = ()  # extra non-differentiable statistics (function.TOKEN_STATS)
-    finite: checks.RowCheck | None = LINEAR_ROWS  # the check of each row's lse / logp; None: check_finite=False
-    memory: str = "fast"  # "fast": row chunks, 3 or 4 GEMMs; "lean": 2-D tiles at the memory floor (fused_linear_lean)
-    tile: tuple[int, int] | None = None  # lean: (rows, vocab) per tile; None: from the budget and the dtypes
-    head_precision: str = "auto"  # the logits GEMM's precision (vocab/head_precision.py)
-
-    def transform(self) -> dict:
-        """The backends' keyword arguments for the logit transform."""
-        return transform_kwargs(self.logit_scale, self.final_logit_softcapping)
 
 
 def gemm_mode(device: torch.device) -> str:
@@ -193,7 +171,7 @@ class _FusedLinearLogprobsFunction(torch.autograd.Function):
     else the rows it drops give 0 and no gradient."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, row_mask, opts: FusedLinearOptions):
+    def forward(ctx, hidden, weight, bias, targets, row_mask, opts: PassOptions):
         kernels = backend_kernels(opts.backend)
         M, V = targets.shape[0], weight.shape[0]
         w, b = head_precision.operands(weight, bias, opts.head_precision)
@@ -221,7 +199,7 @@ class _FusedLinearLogprobsFunction(torch.autograd.Function):
             for name, acc in stats.items():
                 acc.append(chunk_stats[name][0])
         logp, lse = _cat(logps, hidden), _cat(lses, hidden)  # [M] each
-        logp = checked_rows(opts.finite, lse, logp, row_mask)
+        logp = checked_rows(opts.row_check, lse, logp, row_mask)
         entropy = _cat(entropies, hidden) if opts.with_entropy else logp.new_empty(0)  # [M]
         stats = [_cat(acc, hidden, torch.bool if name == "is_top1" else torch.float32) for name, acc in stats.items()]
         ctx.mark_non_differentiable(*stats, *([] if opts.with_entropy else [entropy]))  # one call: each replaces
@@ -269,7 +247,7 @@ class _FusedLinearTokenLossFunction(torch.autograd.Function):
     entropy; it must give the rows `row_mask` drops no loss). row_mask as in `_FusedLinearLogprobsFunction`."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, row_mask, opts: FusedLinearOptions, chunk_loss: ChunkLoss):
+    def forward(ctx, hidden, weight, bias, targets, row_mask, opts: PassOptions, chunk_loss: ChunkLoss):
         kernels = backend_kernels(opts.backend)
         M, V = targets.shape[0], weight.shape[0]
         w, b = head_precision.operands(weight, bias, opts.head_precision)
@@ -316,7 +294,7 @@ class _FusedLinearTokenLossFunction(torch.autograd.Function):
             entropies.append(entropy[0] if opts.with_entropy else logp.new_empty(0))
         ctx.sink, ctx.weight_like = sink, (weight, bias)
         logp, entropy = _cat(logps, hidden), _cat(entropies, hidden)
-        logp = checked_rows(opts.finite, _cat(lses, hidden), logp, row_mask)
+        logp = checked_rows(opts.row_check, _cat(lses, hidden), logp, row_mask)
         ctx.mark_non_differentiable(logp, entropy)
         return poisoned(loss, bad), logp, entropy
 
@@ -327,35 +305,27 @@ class _FusedLinearTokenLossFunction(torch.autograd.Function):
         return (*sink.result(weight, bias, scale=grad_loss), None, None, None, None)
 
 
-def _logprobs_function(opts: FusedLinearOptions):
+def _logprobs_function(opts: PassOptions):
     """The Function of `opts.memory`: row chunks ("fast") or 2-D tiles ("lean")."""
     if opts.memory == "lean":
-        from grpo_kernels.vocab.fused_linear_lean import _LeanLinearLogprobsFunction  # it builds on this module
+        from grpo_kernels.kernels.fused_linear_lean import _LeanLinearLogprobsFunction  # it builds on this module
 
         return _LeanLinearLogprobsFunction
     return _FusedLinearLogprobsFunction
 
 
 def fused_linear_logprobs(
-    hidden, weight, bias, targets, opts: FusedLinearOptions, row_mask: Tensor | None = None
-) -> tuple[Tensor, Tensor | None]:
-    """logp [M] and entropy [M] (None unless asked) of the rows (0 where `row_mask` drops one); differentiable in
-    hidden, weight, bias."""
-    logp, entropy, *_ = _logprobs_function(opts).apply(hidden, weight, bias, targets, row_mask, opts)
-    return logp, (entropy if opts.with_entropy else None)
-
-
-def fused_linear_logprobs_with_stats(
-    hidden, weight, bias, targets, opts: FusedLinearOptions, row_mask: Tensor | None = None
+    hidden, weight, bias, targets, *, opts: PassOptions, row_mask: Tensor | None = None
 ) -> dict[str, Tensor]:
-    """`fused_linear_logprobs` returning {"logp", "entropy" (if asked), each of `opts.stats`}, all [M]."""
+    """{"logp", "entropy" (if asked), each of `opts.stats`}, all [M], of the rows (0 where `row_mask` drops one);
+    differentiable in hidden, weight, bias (the statistics are not)."""
     logp, entropy, *stats = _logprobs_function(opts).apply(hidden, weight, bias, targets, row_mask, opts)
     out = {"logp": logp} | ({"entropy": entropy} if opts.with_entropy else {})
     return out | dict(zip(opts.stats, stats, strict=True))
 
 
 def fused_linear_token_loss(
-    hidden, weight, bias, targets, opts: FusedLinearOptions, chunk_loss: ChunkLoss, row_mask: Tensor | None = None
+    hidden, weight, bias, targets, *, opts: PassOptions, chunk_loss: ChunkLoss, row_mask: Tensor | None = None
 ):
     """(loss, detached logp [M], detached entropy [M] | None) of a token-level loss, gradients formed in forward."""
     loss, logp, entropy = _FusedLinearTokenLossFunction.apply(hidden, weight, bias, targets, row_mask, opts, chunk_loss)

@@ -19,11 +19,11 @@ import warnings
 import torch
 from torch import Tensor
 
-from grpo_kernels.vocab import backends, head_precision
-from grpo_kernels.vocab.function import backend_kernels, checked_rows
-from grpo_kernels.vocab.fused_linear import accumulate, chunk_rows, gemm_mode
+from grpo_kernels.kernels import backend as backends
+from grpo_kernels.kernels import head_precision
+from grpo_kernels.kernels.function import checked_rows
+from grpo_kernels.kernels.fused_linear import accumulate, chunk_rows, gemm_mode
 
-LEAN_BACKENDS = ("torch", "triton")
 # Tile budget: the [rows, vocab] logits in the weight's dtype (plus their float32 copy where `gemm_mode` upcasts, and
 # the [vocab, H] float32 dW tile for bf16/fp16 when the rows take several tiles). CPU: 32 MiB (the CPU bar, extra
 # memory ≤ 1.15× dW + dH at N = 2,048, H = 896, V = 151,936 fp32, leaves ~79 MiB); CUDA: 64 MiB, at most 1/16 of
@@ -123,7 +123,7 @@ def resolve_memory(memory: str, backend: str, rows: int, weight: Tensor, chunk_s
     if tile is not None:
         return "lean"
     free = available_bytes(weight.device)
-    if chunk_size is not None or backend not in LEAN_BACKENDS or free is None:
+    if chunk_size is not None or backends.CAPABILITIES[backend].tile_module is None or free is None:
         return "fast"
     V, H = weight.shape
     dtype = weight.dtype
@@ -147,16 +147,14 @@ def _tile_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, buffer: Te
 
 def _tile_pass(backend: str):
     """The module with `TileStats` and `tile_grad_` for `backend`."""
-    if backend == "torch":
-        from grpo_kernels.vocab import lean_torch
+    if backends.CAPABILITIES[backend].tile_module is None:
+        raise ValueError(f"memory='lean' runs on backends {lean_backends()}, got backend={backend!r}")
+    return backends.kernels_of(backend, "tile_module")
 
-        return lean_torch
-    if backend == "triton":
-        backend_kernels(backend)  # the triton version check, before triton is imported
-        from grpo_kernels.vocab import lean_triton
 
-        return lean_triton
-    raise ValueError(f"memory='lean' runs on backends {LEAN_BACKENDS}, got backend={backend!r}")
+def lean_backends() -> tuple[str, ...]:
+    """The backends with a tile pass (`Capabilities.tile_module`)."""
+    return tuple(name for name, caps in backends.CAPABILITIES.items() if caps.tile_module is not None)
 
 
 def cast_in_place(acc: Tensor, dtype: torch.dtype) -> Tensor:
@@ -196,7 +194,7 @@ class _LeanLinearLogprobsFunction(torch.autograd.Function):
                 acc.append(tile_stats[name])
         cat = lambda parts, dtype=torch.float32: torch.cat(parts) if parts else hidden.new_empty(0, dtype=dtype)  # noqa: E731
         logp, lse, entropy = cat(logps), cat(lses), cat(entropies)  # [M] each
-        logp = checked_rows(opts.finite, lse, logp, row_mask)
+        logp = checked_rows(opts.row_check, lse, logp, row_mask)
         stats = [cat(acc, torch.bool if name == "is_top1" else torch.float32) for name, acc in stats.items()]
         ctx.mark_non_differentiable(*stats, *([] if opts.with_entropy else [entropy]))
         ctx.set_materialize_grads(False)

@@ -2,103 +2,25 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
-from grpo_kernels import checks
-from grpo_kernels.options import LossOptions
-from grpo_kernels.vocab import backends, token_logprobs_torch
+from grpo_kernels.kernels import backend as backends
+from grpo_kernels.kernels.pass_options import PassOptions, RowCheck
 
 TOKEN_STATS = ("log_sum_sq_probs", "mean_logits", "is_top1")  # optional outputs of the pass (TRL's names)
-STATS_BACKENDS = ("torch", "triton")  # the backends that compute them
-
-
-@dataclass(frozen=True)
-class VocabPassOptions:
-    """How to run the pass: a concrete backend, temperature, whether to compute entropy, in-place backward, the
-    logit transform (z = c·tanh(s·x/c) before the temperature, TRL's order), the extra statistics asked and the
-    check of each kept row's lse / logp (None: `check_finite=False`)."""
-
-    backend: str
-    temperature: float = 1.0
-    with_entropy: bool = False
-    inplace: bool = True
-    logit_scale: float = 1.0
-    final_logit_softcapping: float | None = None
-    stats: tuple[str, ...] = ()
-    finite: checks.RowCheck | None = checks.RowCheck()
-
-    def transform(self) -> dict:
-        """The backends' keyword arguments for the logit transform."""
-        return transform_kwargs(self.logit_scale, self.final_logit_softcapping)
-
-
-def transform_kwargs(logit_scale: float, final_logit_softcapping: float | None) -> dict:
-    return {"logit_scale": logit_scale, "softcap": final_logit_softcapping}
-
-
-@dataclass(frozen=True)
-class TokenEpilogue:
-    """A token-level loss for the fused forward: the policy kind (clip, cispo, sapo, gpg) and its hyperparameters."""
-
-    kind: str
-    eps_low: float
-    eps_high: float
-    delta: float | None
-    clip_ratio_c: float | None
-    cispo_two_sided: bool
-    beta: float
-    kl_estimator: str
-    bias_correction: bool
-    tau_pos: float
-    tau_neg: float
-
-    @classmethod
-    def from_options(cls, kind: str, options: LossOptions) -> TokenEpilogue:
-        return cls(
-            kind,
-            options.epsilon,
-            options.clip_high,
-            options.delta,
-            options.clip_ratio_c,
-            options.cispo_two_sided,
-            options.beta,
-            options.kl_estimator,
-            options.use_bias_correction_kl,
-            options.sapo_temperature_pos,
-            options.sapo_temperature_neg,
-        )
 
 
 def backend_kernels(backend: str):
-    if backend == "torch":
-        return token_logprobs_torch
-    if backend == "triton":
-        backends.check_triton_version()  # before triton is imported: a clear error for an unsupported one
-        from grpo_kernels.vocab import token_logprobs_triton  # imported on first use: nothing runs at import
-
-        return token_logprobs_triton
-    if backend == "cuda":
-        from grpo_kernels.vocab import cuda
-
-        return cuda
-    raise ValueError(f"no vocabulary pass for backend {backend!r}")
+    """The module with `backend`'s vocabulary pass (`token_logprobs_fwd` / `token_logprobs_bwd`)."""
+    return backends.kernels_of(backend)
 
 
-def _fused_kernels(backend: str):
-    """The module with `grpo_loss_fwd` (the vocabulary pass with the token-loss epilogue) for `backend`."""
-    if backend == "triton":
-        backends.check_triton_version()
-        from grpo_kernels.vocab import grpo_loss_triton
-
-        return grpo_loss_triton
-    if backend == "cuda":
-        from grpo_kernels.vocab import cuda
-
-        return cuda
-    raise ValueError(f"no fused token-loss pass for backend {backend!r}")
+def contiguous_vocab(logits: Tensor, backend: str) -> Tensor:
+    """The logits as the backend reads them: with stride 1 along V where it needs that."""
+    if backends.CAPABILITIES[backend].contiguous_vocab and logits.stride(-1) != 1:
+        return logits.contiguous()
+    return logits
 
 
 class _TokenLogprobsFunction(torch.autograd.Function):
@@ -106,16 +28,15 @@ class _TokenLogprobsFunction(torch.autograd.Function):
     saves O(B·T) statistics, never [B, T, V]."""
 
     @staticmethod
-    def forward(ctx, logits: Tensor, targets: Tensor, mask: Tensor, opts: VocabPassOptions):
+    def forward(ctx, logits: Tensor, targets: Tensor, mask: Tensor, opts: PassOptions):
         check_not_overwritten(logits)
-        if opts.backend in ("triton", "cuda") and logits.stride(-1) != 1:
-            logits = logits.contiguous()
+        logits = contiguous_vocab(logits, opts.backend)
         kernels = backend_kernels(opts.backend)
         backends.launches[opts.backend] += 1
         logp, lse, entropy, stats = kernels.token_logprobs_fwd(
             logits, targets, mask, opts.temperature, opts.with_entropy, **opts.transform(), stats=opts.stats
         )
-        logp = checked_rows(opts.finite, lse, logp, mask)
+        logp = checked_rows(opts.row_check, lse, logp, mask)
         stats = [stats[name] for name in opts.stats]
         if entropy is None:
             entropy = logp.new_empty(0)
@@ -128,7 +49,7 @@ class _TokenLogprobsFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logp: Tensor | None, grad_entropy: Tensor | None, *_grad_stats):
-        opts: VocabPassOptions = ctx.opts
+        opts: PassOptions = ctx.opts
         consume(ctx)
         logits, targets, mask, lse, entropy = ctx.saved_tensors
         if not opts.with_entropy:
@@ -143,15 +64,9 @@ class _TokenLogprobsFunction(torch.autograd.Function):
         return out, None, None, None
 
 
-def vocab_pass(logits: Tensor, targets: Tensor, mask: Tensor, opts: VocabPassOptions) -> tuple[Tensor, Tensor | None]:
-    """Run the pass on checked [B, T, V] logits; returns logp [B, T] and entropy [B, T] (None if not asked)."""
-    logp, entropy, *_ = _TokenLogprobsFunction.apply(logits, targets, mask, opts)
-    return logp, (entropy if opts.with_entropy else None)
-
-
-def vocab_pass_with_stats(logits: Tensor, targets: Tensor, mask: Tensor, opts: VocabPassOptions) -> dict[str, Tensor]:
-    """`vocab_pass` returning {"logp", "entropy" (if asked), each of `opts.stats`}, all [B, T]; the statistics
-    (see `token_logprobs`) carry no gradient."""
+def vocab_pass(logits: Tensor, targets: Tensor, mask: Tensor, opts: PassOptions) -> dict[str, Tensor]:
+    """Run the pass on checked [B, T, V] logits: {"logp", "entropy" (if asked), each of `opts.stats`}, all [B, T];
+    the statistics (see `token_logprobs`) carry no gradient."""
     logp, entropy, *stats = _TokenLogprobsFunction.apply(logits, targets, mask, opts)
     out = {"logp": logp} | ({"entropy": entropy} if opts.with_entropy else {})
     return out | dict(zip(opts.stats, stats, strict=True))
@@ -212,11 +127,11 @@ def check_not_overwritten(logits: Tensor) -> None:
         )
 
 
-def checked_rows(finite: checks.RowCheck | None, lse: Tensor, logp: Tensor, kept: Tensor | None) -> Tensor:
-    """The pass's logp, its kept rows checked (`check_row_stats`); unchecked (finite=None), NaN where the row's lse
-    is not finite, so that a loss on it is NaN too, never finite over non-finite gradients."""
-    if finite is not None:
-        checks.check_row_stats(lse, logp, kept, finite)
+def checked_rows(row_check: RowCheck | None, lse: Tensor, logp: Tensor, kept: Tensor | None) -> Tensor:
+    """The pass's logp, its kept rows checked by `row_check` (the engine's); unchecked (None), NaN where the row's
+    lse is not finite, so that a loss on it is NaN too, never finite over non-finite gradients."""
+    if row_check is not None:
+        row_check(lse, logp, kept)
         return logp
     bad = ~torch.isfinite(lse) if kept is None else ~torch.isfinite(lse) & kept
     return logp.masked_fill(bad, float("nan"))
@@ -244,11 +159,10 @@ class _FusedTokenLossFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, mask, weights, advantages, old_logp, ref_logp, is_ratio, opts, epilogue):
         check_not_overwritten(logits)
-        if logits.stride(-1) != 1:
-            logits = logits.contiguous()
+        logits = contiguous_vocab(logits, opts.backend)
         backends.launches[opts.backend] += 1
         backends.launches["fused_epilogue"] += 1
-        logp, lse, entropy, loss, dlogp = _fused_kernels(opts.backend).grpo_loss_fwd(
+        logp, lse, entropy, loss, dlogp = backends.kernels_of(opts.backend, "epilogue_module").grpo_loss_fwd(
             logits,
             targets,
             mask,
@@ -262,7 +176,7 @@ class _FusedTokenLossFunction(torch.autograd.Function):
             opts.with_entropy,
             **opts.transform(),
         )
-        logp = checked_rows(opts.finite, lse, logp, mask)
+        logp = checked_rows(opts.row_check, lse, logp, mask)
         entropy = logp.new_empty(0) if entropy is None else entropy
         ctx.mark_non_differentiable(logp, entropy)
         ctx.save_for_backward(logits, targets, mask, lse, dlogp)
@@ -291,17 +205,20 @@ def fused_token_loss(
     logits: Tensor,
     targets: Tensor,
     mask: Tensor,
+    *,
     weights: Tensor,
     advantages: Tensor,
     old_logp: Tensor | None,
     ref_logp: Tensor | None,
     is_ratio: Tensor | None,
-    opts: VocabPassOptions,
-    epilogue: TokenEpilogue,
+    opts: PassOptions,
+    epilogue,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """Loss (0-dim) of a token-level variant in one kernel pass, plus detached logp and entropy [B, T] for metrics.
 
-    weights [B, T] are the normaliser's per-token weights; advantages / is_ratio may be [B, 1] or [B, T].
+    weights [B, T] are the normaliser's per-token weights; advantages / is_ratio may be [B, 1] or [B, T];
+    `epilogue` the loss's record of flags and constants (`losses.epilogue.TokenEpilogue`: its `kind`, clip widths,
+    KL estimator...), read by the backend's `grpo_loss_fwd`.
     """
     B, T = mask.shape
     f32 = lambda x: None if x is None else x.to(torch.float32).contiguous()  # noqa: E731

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from grpo_kernels.vocab.token_logprobs_triton import (
+from grpo_kernels.kernels.token_logprobs_triton import (
     launch_partials,
     merged_partials,
     row_logprob_stats,

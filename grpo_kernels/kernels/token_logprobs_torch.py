@@ -9,6 +9,8 @@ faster still.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -16,8 +18,9 @@ CHUNK_ELEMENTS = {"cpu": 1 << 20, "other": 1 << 22}  # logits per chunk: 4 MiB o
 LSE_FROM_TARGET = 32.0  # lse = z_t − log q_t for log q_t > −32 (rounding ≤ ulp(32)); logsumexp for the rest
 
 
+@functools.cache
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float32 for bf16/fp16/fp32 input, float64 for float64 input."""
+    """float32 for bf16/fp16/fp32 input, float64 for float64 input (cached: it runs on every call)."""
     return torch.promote_types(dtype, torch.float32)
 
 
@@ -42,7 +45,10 @@ def _windows(logits: Tensor, mask: Tensor):
     flat = _flat(logits)
     lines = flat[None] if flat is not None else logits  # [L, S, V]: windows never cross a line
     L, S = lines.shape[:2]
-    kept = torch.nn.functional.pad(mask.reshape(L, S), (0, -S % step)).view(L, -1, step).any(-1)  # [L, windows]
+    if S <= step:  # one window per line
+        kept = mask.reshape(L, S).any(-1, keepdim=True)  # [L, 1]
+    else:
+        kept = torch.nn.functional.pad(mask.reshape(L, S), (0, -S % step)).view(L, -1, step).any(-1)  # [L, windows]
     for line, window in kept.nonzero().tolist():
         start = window * step
         stop = min(start + step, S)
@@ -115,9 +121,10 @@ def token_logprobs_fwd(
             entropy.view(-1)[rows] = -q_log_q.sum(-1)
         if "log_sum_sq_probs" in out:  # log Σ q²: Σ q² ≥ 1/V, so squaring in the compute dtype loses nothing
             out["log_sum_sq_probs"].view(-1)[rows] = torch.exp(log_q, out=z_buf[: z.shape[0]]).square_().sum(-1).log_()
+    dropped = ~mask
     for stat in (logp, lse, entropy, *out.values()):
         if stat is not None:
-            stat.masked_fill_(~mask, 0)  # the masked rows computed inside windows
+            stat.masked_fill_(dropped, 0)  # the masked rows computed inside windows
     return logp, lse, entropy, out
 
 

@@ -1,4 +1,4 @@
-"""The fused lm_head on a vocabulary shard of the weight (`vocab/parallel.py` holds the merge and the byte count).
+"""The fused lm_head on a vocabulary shard of the weight (`kernels/parallel.py` holds the merge and the byte count).
 
 Per chunk of rows: the shard's logits [c, V_r] (one GEMM), the backend's vocabulary pass on them; once every chunk's
 O(c) statistics are in, two all-reduces merge them over the group (`merge_stats`). The backward recomputes each
@@ -13,10 +13,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from grpo_kernels.vocab import backends, head_precision
-from grpo_kernels.vocab.function import backend_kernels, checked_rows
-from grpo_kernels.vocab.fused_linear import FusedLinearOptions, accumulate, chunk_rows, gemm_mode
-from grpo_kernels.vocab.parallel import VocabShard, merge_stats, reduce_hidden_grad, remove_foreign_onehot
+from grpo_kernels.kernels import backend as backends
+from grpo_kernels.kernels import head_precision
+from grpo_kernels.kernels.function import backend_kernels, checked_rows
+from grpo_kernels.kernels.fused_linear import accumulate, chunk_rows, gemm_mode
+from grpo_kernels.kernels.parallel import VocabShard, merge_stats, reduce_hidden_grad, remove_foreign_onehot
+from grpo_kernels.kernels.pass_options import PassOptions
 
 
 def _chunk_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, buffer: Tensor, precision: str) -> Tensor:
@@ -25,7 +27,7 @@ def _chunk_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, buffer: T
     return head_precision.logits_gemm(hidden, weight, bias, buffer[: hidden.shape[0]], precision)[None]
 
 
-def _row_chunks(hidden: Tensor, weight: Tensor, opts: FusedLinearOptions):
+def _row_chunks(hidden: Tensor, weight: Tensor, opts: PassOptions):
     rows = chunk_rows(hidden.shape[0], weight.shape[0], weight.shape[1], hidden.device, opts.chunk_size, weight.dtype)
     return rows, [slice(s, min(s + rows, hidden.shape[0])) for s in range(0, hidden.shape[0], rows)]
 
@@ -35,7 +37,7 @@ class _ParallelFusedLinearFunction(torch.autograd.Function):
     row_mask [M] | None) -> logp [M], entropy [M] or empty, over the whole vocabulary."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, row_mask, opts: FusedLinearOptions, shard, reduce_hidden_grad):
+    def forward(ctx, hidden, weight, bias, targets, row_mask, opts: PassOptions, shard, reduce_hidden_grad):
         kernels = backend_kernels(opts.backend)
         M = targets.shape[0]
         mask = torch.ones(M, dtype=torch.bool, device=hidden.device) if row_mask is None else row_mask  # [M]
@@ -55,7 +57,7 @@ class _ParallelFusedLinearFunction(torch.autograd.Function):
             if entropy_r is not None:
                 entropy_r[r] = entropy[0]
         lse, logp, entropy = merge_stats(lse_r, logp_r, entropy_r, owned, mask, shard.group)  # [M] each
-        logp = checked_rows(opts.finite, lse, logp, row_mask)
+        logp = checked_rows(opts.row_check, lse, logp, row_mask)
         entropy = logp.new_empty(0) if entropy is None else entropy
         if not opts.with_entropy:
             ctx.mark_non_differentiable(entropy)
@@ -67,7 +69,7 @@ class _ParallelFusedLinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
         hidden, weight, bias, local, owned, mask, lse, entropy = ctx.saved_tensors
-        opts: FusedLinearOptions = ctx.opts
+        opts: PassOptions = ctx.opts
         kernels = backend_kernels(opts.backend)
         if not opts.with_entropy:
             grad_entropy = None
@@ -116,21 +118,15 @@ def fused_linear_logprobs(
     weight: Tensor,
     bias: Tensor | None,
     targets: Tensor,
-    opts: FusedLinearOptions,
+    *,
+    opts: PassOptions,
     row_mask: Tensor | None,
     shard: VocabShard,
-) -> tuple[Tensor, Tensor | None]:
-    """`fused_linear.fused_linear_logprobs` on this rank's shard of the lm_head: logp [M] and entropy [M] (None
-    unless asked) over the whole vocabulary; dW and db of the shard; dH summed over the group (inside
+) -> dict[str, Tensor]:
+    """`fused_linear.fused_linear_logprobs` on this rank's shard of the lm_head: {"logp", "entropy" (if asked)}, [M]
+    each, over the whole vocabulary; dW and db of the shard; dH summed over the group (inside
     `parallel.partial_hidden_grad`: this rank's share of it)."""
     logp, entropy = _ParallelFusedLinearFunction.apply(
         hidden, weight, bias, targets, row_mask, opts, shard, reduce_hidden_grad()
     )
-    return logp, (entropy if opts.with_entropy else None)
-
-
-def on_shard(shard: VocabShard):
-    """`fused_linear_logprobs` with `fused_linear.fused_linear_logprobs`'s signature, on `shard`."""
-    return lambda hidden, weight, bias, targets, opts, row_mask=None: fused_linear_logprobs(
-        hidden, weight, bias, targets, opts, row_mask, shard
-    )
+    return {"logp": logp} | ({"entropy": entropy} if opts.with_entropy else {})

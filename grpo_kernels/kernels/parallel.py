@@ -34,16 +34,17 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from grpo_kernels.vocab import backends
-from grpo_kernels.vocab.function import (
-    VocabPassOptions,
+from grpo_kernels.kernels import backend as backends
+from grpo_kernels.kernels.function import (
     backend_kernels,
     check_not_overwritten,
     checked_rows,
     consume,
+    contiguous_vocab,
     in_place_or_new,
     mark_overwritten,
 )
+from grpo_kernels.kernels.pass_options import PassOptions
 
 _REDUCE_HIDDEN_GRAD = contextvars.ContextVar("reduce_hidden_grad", default=True)
 
@@ -164,17 +165,16 @@ class _ParallelTokenLogprobsFunction(torch.autograd.Function):
     statistics, never [B, T, V_r] beyond the logits themselves."""
 
     @staticmethod
-    def forward(ctx, logits: Tensor, targets: Tensor, mask: Tensor, opts: VocabPassOptions, shard: VocabShard):
+    def forward(ctx, logits: Tensor, targets: Tensor, mask: Tensor, opts: PassOptions, shard: VocabShard):
         check_not_overwritten(logits)
-        if opts.backend in ("triton", "cuda") and logits.stride(-1) != 1:
-            logits = logits.contiguous()
+        logits = contiguous_vocab(logits, opts.backend)
         local, owned = shard.local_targets(targets)
         backends.launches[opts.backend] += 1
         logp_r, lse_r, entropy_r, _ = backend_kernels(opts.backend).token_logprobs_fwd(
             logits, local, mask, opts.temperature, opts.with_entropy, **opts.transform()
         )
         lse, logp, entropy = merge_stats(lse_r, logp_r, entropy_r, owned, mask, shard.group)
-        logp = checked_rows(opts.finite, lse, logp, mask)
+        logp = checked_rows(opts.row_check, lse, logp, mask)
         entropy = logp.new_empty(0) if entropy is None else entropy
         if not opts.with_entropy:
             ctx.mark_non_differentiable(entropy)
@@ -185,7 +185,7 @@ class _ParallelTokenLogprobsFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logp: Tensor | None, grad_entropy: Tensor | None):
-        opts: VocabPassOptions = ctx.opts
+        opts: PassOptions = ctx.opts
         consume(ctx)
         logits, local, owned, mask, lse, entropy = ctx.saved_tensors
         if not opts.with_entropy:
@@ -203,8 +203,8 @@ class _ParallelTokenLogprobsFunction(torch.autograd.Function):
 
 
 def vocab_pass(
-    logits: Tensor, targets: Tensor, mask: Tensor, opts: VocabPassOptions, shard: VocabShard
-) -> tuple[Tensor, Tensor | None]:
+    logits: Tensor, targets: Tensor, mask: Tensor, opts: PassOptions, *, shard: VocabShard
+) -> dict[str, Tensor]:
     """`function.vocab_pass` on this rank's shard [B, T, V_r] of the logits; targets are whole-vocabulary ids."""
     logp, entropy = _ParallelTokenLogprobsFunction.apply(logits, targets, mask, opts, shard)
-    return logp, (entropy if opts.with_entropy else None)
+    return {"logp": logp} | ({"entropy": entropy} if opts.with_entropy else {})

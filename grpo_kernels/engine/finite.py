@@ -1,0 +1,111 @@
+"""Non-finite values: the inputs' values at kept tokens, and the blame for a bad row of the vocabulary pass."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from grpo_kernels.checks import raise_first
+from grpo_kernels.engine.sync import READS, check_value, one_sync
+
+# Non-finite values (`check_finite=True`). A kept token's values must be finite; padding may hold anything, NaN
+# included, because it is never read. O(B·T) values, never a pass over [N, V].
+
+
+def check_finite_at_kept(named: Sequence[tuple[str, Tensor | None, Tensor]]) -> None:
+    """ValueError naming the first `(name, x, kept)` whose x holds NaN or ±inf where `kept` (bool, x's shape) is
+    set, with the value and its index in x; None tensors pass. Value checks (see `one_sync`): one host sync for all
+    of them, also when called alone."""
+    with contextlib.ExitStack() as stack:
+        if READS.get() is None:
+            stack.enter_context(one_sync())
+        for name, x, kept in named:
+            if x is not None:
+                bad = nonfinite(x) & kept
+                check_value(bad.any(), lambda name=name, x=x, bad=bad: raise_first(name, x, bad, FINITE_AT_KEPT))
+
+
+FINITE_AT_KEPT = "be finite where the mask keeps a token"
+
+
+def nonfinite(x: Tensor) -> Tensor:
+    """`~torch.isfinite(x)` in two ops instead of five (x − x is exactly 0 where x is finite, NaN elsewhere): the
+    checks run on every call, and at small shapes their op count is their cost."""
+    if not x.is_floating_point():
+        return ~torch.isfinite(x)
+    x = x.detach() if x.requires_grad else x
+    return (x - x) != 0
+
+
+LOGITS_CAUSES = "NaN or inf logits, or logits · logit_scale / temperature overflowing"
+LINEAR_SOURCE = "hidden @ weight.T + bias"  # the fused lm_head's logits are never stored: blame its inputs
+LINEAR_CAUSES = "NaN or inf in hidden, weight or bias, or their product overflowing"
+
+
+@dataclass(frozen=True)
+class RowCheck:
+    """How `check_row_stats` blames a bad row of the vocabulary pass: `source` (the logits' name) and `causes`;
+    `position` turns a flat row index into the user's index (None: the index in the statistics' shape);
+    `zero_prob_ok` lets a target of probability 0 (its logit −inf, so logp = −inf) pass. Called by the kernels
+    with the pass's (lse, logp, kept rows) after the forward."""
+
+    source: str = "logits"
+    causes: str = LOGITS_CAUSES
+    position: Callable[[int], object] | None = None
+    zero_prob_ok: bool = True
+
+    def __call__(self, lse: Tensor, logp: Tensor, kept: Tensor | None) -> None:
+        check_row_stats(lse, logp, kept, self)
+
+
+def row_check(
+    check_finite: bool, *, linear: bool, flat: bool, kept: tuple[Tensor, Tensor] | None = None, loss: bool = False
+) -> RowCheck | None:
+    """The vocabulary pass's row check (None: `check_finite=False`), naming a bad row by the user's index: (b, t),
+    or n for `[N, ·]` inputs (`flat`), through `kept` when the pass saw only the kept rows (the fused lm_head,
+    `linear`). A loss refuses a target of probability 0 (logp = -inf)."""
+    if not check_finite:
+        return None
+    if kept is not None:
+        position = lambda i: int(kept[1][i]) if flat else (int(kept[0][i]), int(kept[1][i]))  # noqa: E731
+    else:
+        position = (lambda i: i) if flat else None
+    if linear:
+        return RowCheck(LINEAR_SOURCE, LINEAR_CAUSES, position, zero_prob_ok=not loss)
+    return RowCheck(position=position, zero_prob_ok=not loss)
+
+
+def check_row_stats(lse: Tensor, logp: Tensor, kept: Tensor | None, rows: RowCheck) -> None:
+    """ValueError if a kept row's log-sum-exp is not finite or its target's logp is NaN (or −inf, unless
+    `rows.zero_prob_ok`). lse, logp: the pass's O(N) statistics, any shape; kept: bool of that shape (None: all).
+    One host sync."""
+    if rows.zero_prob_ok:
+        bad = nonfinite(lse) | torch.isnan(logp)
+    else:  # a NaN or an infinite logp
+        bad = nonfinite(lse) | nonfinite(logp)
+    if kept is not None:
+        bad = bad & kept
+    if not bool(bad.any()):
+        return
+    flat = int(bad.reshape(-1).nonzero()[0])
+    index, rest = [], flat
+    for size in reversed(bad.shape):
+        rest, i = divmod(rest, size)
+        index.insert(0, i)
+    where = rows.position(flat) if rows.position is not None else (index[0] if len(index) == 1 else tuple(index))
+    row_lse, row_logp = lse.reshape(-1)[flat].item(), logp.reshape(-1)[flat].item()
+    if math.isfinite(row_lse) and not math.isnan(row_logp):
+        raise ValueError(
+            f"{rows.source} give the target token probability 0 (logp = -inf: its logit is -inf) at index {where}, "
+            "where the loss's ratio and log terms are undefined; mask that token, or pass check_finite=False to "
+            "compute with logp = -inf (as TRL does)"
+        )
+    raise ValueError(
+        f"{rows.source} must have a finite log-sum-exp at kept tokens, got {row_lse} (logp {row_logp}) at index "
+        f"{where}: {rows.causes}"
+    )

@@ -1,0 +1,197 @@
+"""The engine's input checks; each raises ValueError/TypeError naming the argument, what was expected and what came.
+
+They run before any kernel: `mask must be [B, T] = [4, 128], got [4, 127]`. Checks of values (mask values, target
+range) are O(N) device work, read with the call's one host sync (`engine.sync.one_sync`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from grpo_kernels.checks import check_tensor
+from grpo_kernels.engine.sync import check_value, fail_with
+from grpo_kernels.kernels.backend import CAPABILITIES
+from grpo_kernels.kernels.function import TOKEN_STATS
+from grpo_kernels.kernels.fused_linear_lean import lean_backends
+from grpo_kernels.options import LossOptions
+
+
+def _shape(shape) -> str:
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def check_logits(logits: Tensor, backend: str) -> None:
+    """logits [B, T, V] with V >= 1, a dtype the backend computes in."""
+    check_tensor("logits", logits)
+    if logits.dim() != 3 or logits.shape[-1] < 1:
+        raise ValueError(f"logits must be [B, T, V] with V >= 1, got {_shape(logits.shape)}")
+    dtypes = CAPABILITIES[backend].dtypes
+    if logits.dtype not in dtypes:
+        raise TypeError(f"logits dtype must be one of {dtypes} for backend={backend!r}, got {logits.dtype}")
+
+
+def check_linear(hidden: Tensor, weight: Tensor, bias: Tensor | None, backend: str) -> None:
+    """hidden [B, T, H] and an lm_head weight [V, H] (bias [V]) of one float dtype, on one device."""
+    if hidden.dim() != 3:
+        raise ValueError(f"hidden must be [B, T, H] (or packed [N, H]), got {_shape(hidden.shape)}")
+    check_tensor("weight", weight)
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be [V, H] (2-D), got {_shape(weight.shape)}")
+    if weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"hidden {_shape(hidden.shape)} and weight {_shape(weight.shape)} disagree on H: hidden's last dimension "
+            f"is {hidden.shape[-1]}, weight's second is {weight.shape[1]} (weight must be [V, H] with H = "
+            f"{hidden.shape[-1]})"
+        )
+    dtypes = CAPABILITIES[backend].dtypes
+    if hidden.dtype not in dtypes:
+        raise TypeError(f"hidden dtype must be one of {dtypes} for backend={backend!r}, got {hidden.dtype}")
+    for name, x in (("weight", weight), ("bias", bias)):
+        if x is None:
+            continue
+        if x.dtype != hidden.dtype:
+            raise TypeError(f"{name} dtype must match hidden's {hidden.dtype}, got {x.dtype}")
+        if x.device != hidden.device:
+            raise ValueError(f"{name} must be on {hidden.device} (the device of hidden), got {x.device}")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"bias must be [V] = [{weight.shape[0]}], got {_shape(bias.shape)}")
+
+
+def _check_like(name: str, x: Tensor, shapes: tuple[tuple[int, ...], ...], labels: tuple[str, ...], device) -> None:
+    check_tensor(name, x)
+    if tuple(x.shape) not in shapes:
+        expected = " or ".join(f"{label} = {_shape(s)}" for label, s in zip(labels, shapes, strict=True))
+        raise ValueError(f"{name} must be {expected}, got {_shape(x.shape)}")
+    if x.device != device:
+        raise ValueError(f"{name} must be on {device} (the device of logits), got {x.device}")
+
+
+def check_per_token_float(name: str, x: Tensor | None, B: int, T: int, device, per_sequence: bool = False) -> None:
+    """A float tensor [B, T] (or [B] when `per_sequence`) on the device of logits; None passes."""
+    if x is None:
+        return
+    shapes, labels = ((B, T), (B,)), ("[B, T]", "[B]")
+    n = 2 if per_sequence else 1
+    _check_like(name, x, shapes[:n], labels[:n], device)
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
+
+
+def check_packed(name: str, x: Tensor | None, shapes, labels, device, floating: bool = True) -> None:
+    """A packed-layout tensor of one of `shapes` on the device of logits (float unless told); None passes."""
+    if x is None:
+        return
+    _check_like(name, x, shapes, labels, device)
+    if floating and not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
+
+
+def check_per_sequence_float(name: str, x: Tensor | None, B: int, device) -> None:
+    """A float tensor [B] on the device of logits; None passes."""
+    if x is None:
+        return
+    _check_like(name, x, ((B,),), ("[B]",), device)
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
+
+
+def check_mask(mask: Tensor, B: int, T: int, device) -> None:
+    """A [B, T] bool tensor, or numbers that are all 0 or 1 (a value check: see `one_sync`)."""
+    _check_like("mask", mask, ((B, T),), ("[B, T]",), device)
+    if mask.dtype != torch.bool:
+        check_value(((mask != 0) & (mask != 1)).any(), fail_with("mask must be bool or hold only 0 and 1"))
+
+
+def check_targets(targets: Tensor, mask: Tensor, vocab: int, device) -> None:
+    """Integer token ids [B, T], inside [0, V) wherever the mask keeps the token (padding is never read; the range
+    is a value check: see `one_sync`)."""
+    B, T = mask.shape
+    _check_like("targets", targets, ((B, T),), ("[B, T]",), device)
+    if targets.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"targets must be int64 or int32 token ids, got {targets.dtype}")
+    outside = ((targets < 0) | (targets >= vocab)) & mask  # [B, T]
+
+    def fail() -> None:
+        kept = targets[mask]
+        lo, hi = int(kept.min()), int(kept.max())
+        raise ValueError(f"targets must lie in [0, V) = [0, {vocab}) where mask is set, got values in [{lo}, {hi}]")
+
+    check_value(outside.any(), fail)
+
+
+def targets_in_vocab(targets: Tensor, mask: Tensor, vocab: int) -> tuple[Tensor, Tensor]:
+    """Unchecked targets made safe to index with, without a host sync: (targets with every id outside [0, V) set to
+    0, the kept tokens that had one [B, T] bool), so that a kernel never reads outside a row and the caller can
+    turn those tokens' results into NaN (`check_finite=False`)."""
+    outside = (targets < 0) | (targets >= vocab)  # [B, T]
+    return targets.masked_fill(outside, 0), outside & mask
+
+
+def check_chunk_size(chunk_size: int | None) -> None:
+    """The fused lm_head's rows per chunk: None (sized from memory) or a positive int."""
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+
+
+def check_memory(memory: str, tile, chunk_size: int | None, backend: str) -> tuple[int, int] | None:
+    """The fused lm_head's memory mode ("auto", "fast", "lean") and lean tile (rows, vocab) of positive ints or
+    None; `tile` only with "lean"/"auto", `chunk_size` only with "fast"/"auto", "lean" only on torch and triton.
+    Returns the tile as a tuple."""
+    if memory not in ("auto", "fast", "lean"):
+        raise ValueError(f"memory must be one of ('auto', 'fast', 'lean'), got {memory!r}")
+    if tile is not None:
+        if (
+            not isinstance(tile, tuple | list)
+            or len(tile) != 2
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in tile)
+        ):
+            raise ValueError(f"tile must be (rows, vocab), two positive ints, or None, got {tile!r}")
+        if memory == "fast":
+            raise ValueError(f"tile={tuple(tile)} sizes the tiles of memory='lean' (or 'auto'); got memory='fast'")
+        tile = tuple(tile)
+    if memory == "lean" and chunk_size is not None:
+        raise ValueError(f"chunk_size={chunk_size} sizes the row chunks of memory='fast'; memory='lean' takes tile=")
+    if memory == "lean" and backend not in lean_backends():
+        raise ValueError(
+            f"memory='lean' runs on backends {' and '.join(map(repr, lean_backends()))}, got backend={backend!r}"
+        )
+    return tile
+
+
+def check_temperature(temperature: float) -> None:
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+
+
+def check_logit_transform(logit_scale: float, final_logit_softcapping: float | None) -> None:
+    if not logit_scale > 0:
+        raise ValueError(f"logit_scale must be > 0, got {logit_scale}")
+    if final_logit_softcapping is not None and not final_logit_softcapping > 0:
+        raise ValueError(f"final_logit_softcapping must be > 0 or None, got {final_logit_softcapping}")
+
+
+def check_stats(stats: object, backend: str) -> tuple[str, ...]:
+    """The requested extra statistics of the vocabulary pass, as a tuple of distinct known names."""
+    if isinstance(stats, str) or not all(isinstance(name, str) for name in stats):
+        raise TypeError(f"stats must be a sequence of names from {TOKEN_STATS}, got {stats!r}")
+    unknown = [name for name in stats if name not in TOKEN_STATS]
+    if unknown:
+        raise ValueError(f"stats must be names from {TOKEN_STATS}, got {unknown}")
+    if stats and not CAPABILITIES[backend].stats:
+        stats_backends = tuple(name for name, caps in CAPABILITIES.items() if caps.stats)
+        raise ValueError(f"stats are computed by the {stats_backends} backends, not backend={backend!r}")
+    return tuple(dict.fromkeys(stats))
+
+
+def check_loss_inputs(given, *, B: int, T: int, device, options: LossOptions) -> None:
+    """A padded loss call's per-token and per-sequence inputs (`inputs.LossTensors`), and the normaliser option."""
+    check_tensor("advantages", given.advantages)
+    check_per_token_float("advantages", given.advantages, B, T, device, per_sequence=True)
+    check_per_token_float("old_logp", given.old_logp, B, T, device)
+    check_per_token_float("ref_logp", given.ref_logp, B, T, device)
+    check_per_token_float("sampling_logp", given.sampling_logp, B, T, device)
+    check_per_token_float("is_ratio", given.is_ratio, B, T, device, per_sequence=True)
+    items = options.num_items_in_batch
+    if isinstance(items, Tensor) and items.numel() != 1:
+        raise ValueError(f"num_items_in_batch must be a number or a 1-element tensor, got {_shape(items.shape)}")

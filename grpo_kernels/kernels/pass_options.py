@@ -1,0 +1,39 @@
+"""PassOptions: how one vocabulary pass runs, as plain data the engine hands to the kernels.
+
+The kernels read it and import nothing of the engine or the losses: the row check arrives as a callable, a fused
+loss epilogue as a record of flags and constants (`losses/epilogue.py` declares it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import Tensor
+
+RowCheck = Callable[[Tensor, Tensor, Tensor | None], None]  # (lse, logp, kept rows or None) -> raises on a bad row
+
+
+@dataclass(frozen=True)
+class PassOptions:
+    """A concrete backend; the logit transform z = c·tanh(s·x/c) / temperature (TRL's order); whether to compute
+    the entropy and which extra statistics; the check of each kept row's lse / logp (None: unchecked, a bad row's
+    logp becomes NaN). Logits in: whether the backward writes into the logits' buffer. Fused lm_head: rows per
+    chunk ("fast"), the memory mode, the lean tile and the logits GEMM's precision."""
+
+    backend: str
+    temperature: float = 1.0
+    with_entropy: bool = False
+    logit_scale: float = 1.0
+    final_logit_softcapping: float | None = None
+    stats: tuple[str, ...] = ()
+    row_check: RowCheck | None = None
+    inplace: bool = True
+    chunk_size: int | None = None  # rows per chunk; None: from V, H and free memory
+    memory: str = "fast"  # "fast": row chunks, 3 or 4 GEMMs; "lean": 2-D tiles at the memory floor (fused_linear_lean)
+    tile: tuple[int, int] | None = None  # lean: (rows, vocab) per tile; None: from the budget and the dtypes
+    head_precision: str = "auto"  # the fused lm_head's logits GEMM precision (kernels/head_precision.py)
+
+    def transform(self) -> dict:
+        """The backends' keyword arguments for the logit transform."""
+        return {"logit_scale": self.logit_scale, "softcap": self.final_logit_softcapping}
