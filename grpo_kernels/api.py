@@ -58,8 +58,9 @@ def token_logprobs(
     whole-vocabulary ids, and every rank gets the whole vocabulary's logp and entropy (`kernels.parallel`: O(N)
     statistics cross ranks, 16·R + 4·(3 + with_entropy)·B·T bytes per call; no stats).
     """
-    arguments.token_logprobs(locals())
-    return logprobs_plan(Source(logits), targets, mask, Request.named(locals())).run()
+    args = dict(locals())  # the call's arguments as one record (whole across a torch.compile graph break)
+    arguments.token_logprobs(args)
+    return logprobs_plan(Source(logits), targets, mask, Request.named(args)).run()
 
 
 def fused_linear_token_logprobs(
@@ -100,8 +101,9 @@ def fused_linear_token_logprobs(
     of the lm_head: dW of the shard, dH summed over the group; 16·R + (4·(3 + with_entropy) + H·itemsize)·M bytes
     per forward + backward, M the kept tokens. `head_precision` ("auto": the weight's dtype, "bf16", "tf32",
     "fp32") is the logits GEMM's precision; the gradient GEMMs stay in the weight's dtype (docs/head_precision.md)."""
-    arguments.fused_linear_token_logprobs(locals())
-    return logprobs_plan(Source(hidden, weight, bias), targets, mask, Request.named(locals())).run()
+    args = dict(locals())  # the call's arguments as one record (whole across a torch.compile graph break)
+    arguments.fused_linear_token_logprobs(args)
+    return logprobs_plan(Source(hidden, weight, bias), targets, mask, Request.named(args)).run()
 
 
 def grpo_loss(
@@ -159,10 +161,10 @@ def grpo_loss(
     per-sequence sums and batch totals are all-reduced (`losses.reduce`), so the ranks' losses sum to the unsplit
     loss and each token gets its unsplit gradient.
     """
-    cu_seqlens = arguments.grpo_loss(locals())  # argument types first; a list cu_seqlens becomes a tensor
+    args = dict(locals())  # the call's arguments as one record (whole across a torch.compile graph break)
+    args["cu_seqlens"] = arguments.grpo_loss(args)  # argument types first; a list cu_seqlens becomes a tensor
     options = resolve_options(options, loss_options)
-    given, request = LossTensors.named(locals()), Request.named(locals())
-    return loss_plan(Source(logits), given, request, options).run()
+    return loss_plan(Source(logits), LossTensors.named(args), Request.named(args), options).run()
 
 
 def fused_linear_grpo_loss(
@@ -207,7 +209,7 @@ def fused_linear_grpo_loss(
     of the lm_head) as in `fused_linear_token_logprobs`, `sequence_group` as in `grpo_loss`; either runs the
     4-GEMM route. `head_precision` as in `fused_linear_token_logprobs`.
     """
-    cu_seqlens = arguments.fused_linear_grpo_loss(locals())  # argument types first; a list cu_seqlens: a tensor
+    args = dict(locals())  # the call's arguments as one record (whole across a torch.compile graph break)
+    args["cu_seqlens"] = arguments.fused_linear_grpo_loss(args)  # argument types first; a list: a tensor
     options = resolve_options(options, loss_options)
-    given, request = LossTensors.named(locals()), Request.named(locals())
-    return loss_plan(Source(hidden, weight, bias), given, request, options).run()
+    return loss_plan(Source(hidden, weight, bias), LossTensors.named(args), Request.named(args), options).run()

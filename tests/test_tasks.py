@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from grpo_kernels.rewards import REWARDS
+from grpo_kernels.trainer import offline as hub
 from grpo_kernels.trainer.model import build_tokenizer
 from grpo_kernels.trainer.tasks import AdditionTask, CountdownTask, DatasetTask, PromptStream, RewardBatch, build_task
 from grpo_kernels.trainer.tasks.countdown import is_held_out
@@ -190,8 +191,10 @@ def test_jsonl_task_rewards_alphabet_and_disjoint_splits(tmp_path):
 
 # ------------------------------------------------------------------------------------------------------------ gsm8k
 def fake_gsm8k(monkeypatch) -> list:
-    """Replace `datasets.load_dataset` by a two-split in-memory GSM8K; returns the arguments it was called with."""
+    """Replace `datasets.load_dataset` by a two-split in-memory GSM8K, on a Hub that answers; returns the arguments
+    it was called with."""
     datasets = pytest.importorskip("datasets")
+    monkeypatch.setattr(hub, "offline_reason", lambda: None)
     calls = []
 
     def load_dataset(*args, **kwargs):
@@ -237,6 +240,7 @@ def test_gsm8k_without_the_hub_or_datasets_says_so(monkeypatch):
         raise ConnectionError("Couldn't reach 'openai/gsm8k' on the Hub (LocalEntryNotFoundError)")
 
     monkeypatch.setattr(datasets, "load_dataset", offline)
+    monkeypatch.setattr(hub, "offline_reason", lambda: None)  # the Hub answers; the library's load fails
     with pytest.raises(ConnectionError, match=r"could not load 'openai/gsm8k' from the Hugging Face hub.*\.jsonl"):
         build_task(Namespace(dataset="gsm8k"))
     monkeypatch.setitem(sys.modules, "datasets", None)  # as if it were not installed
