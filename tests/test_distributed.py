@@ -57,8 +57,8 @@ def _rank(rank: int, port: int, options: dict, queue) -> None:
     rows = slice(2 * rank, 2 * rank + 2)
     grad = _weight_grad(rows, options, _normalisers(_batch()[3][rows]))
     dist.all_reduce(grad)  # what DDP does: the average over ranks
-    if rank == 0:
-        queue.put(grad / 2)
+    if rank == 0:  # by value: a shared tensor would be fetched from this process, which may have exited by then
+        queue.put((grad / 2).numpy())
     dist.destroy_process_group()
 
 
@@ -77,7 +77,7 @@ def test_two_ranks_equal_one(options):
     procs = [ctx.Process(target=_rank, args=(r, port, options, queue)) for r in range(2)]
     for p in procs:
         p.start()
-    averaged = queue.get(timeout=120)
+    averaged = torch.from_numpy(queue.get(timeout=120))
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0

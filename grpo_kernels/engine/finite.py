@@ -33,6 +33,23 @@ def check_finite_at_kept(named: Sequence[tuple[str, Tensor | None, Tensor]]) -> 
 FINITE_AT_KEPT = "be finite where the mask keeps a token"
 
 
+def any_nonfinite_at_kept(
+    named: Sequence[tuple[str, Tensor]], mask: Tensor, blame: Callable[[], None], nan_ok: str = ""
+) -> None:
+    """One value check for all of `named` ([B, T], or [B] counted at its row's kept tokens; `nan_ok`'s NaN passes):
+    their sum at the kept tokens is finite unless one of them is not there (or the sum overflowed). Set, `blame`
+    runs the exact per-tensor checks, which name the tensor and index, or pass after an overflow. A handful of ops
+    for every tensor together: at small shapes the checks' op count is their cost."""
+    total = None
+    for name, x in named:
+        x = x.detach() if x.requires_grad else x
+        x = x.nan_to_num(nan=0.0, posinf=math.inf, neginf=-math.inf) if name == nan_ok else x
+        x = x if x.dim() == mask.dim() else x[:, None]
+        total = x if total is None else total + x
+    if total is not None:
+        check_value(nonfinite(torch.where(mask, total, 0.0).sum()), blame)
+
+
 def nonfinite(x: Tensor) -> Tensor:
     """`~torch.isfinite(x)` in two ops instead of five (x − x is exactly 0 where x is finite, NaN elsewhere): the
     checks run on every call, and at small shapes their op count is their cost."""
@@ -83,7 +100,11 @@ def row_check(
 def check_row_stats(lse: Tensor, logp: Tensor, kept: Tensor | None, rows: RowCheck) -> None:
     """ValueError if a kept row's log-sum-exp is not finite or its target's logp is NaN (or −inf, unless
     `rows.zero_prob_ok`). lse, logp: the pass's O(N) statistics, any shape; kept: bool of that shape (None: all).
-    One host sync."""
+    One host sync; a handful of ops while every row is good (their sum is finite), the exact test after."""
+    ok_logp = logp.nan_to_num(nan=math.nan, posinf=math.inf, neginf=0.0) if rows.zero_prob_ok else logp
+    total = lse + ok_logp if kept is None else torch.where(kept, lse + ok_logp, 0.0)
+    if not bool(nonfinite(total.sum())):
+        return
     if rows.zero_prob_ok:
         bad = nonfinite(lse) | torch.isnan(logp)
     else:  # a NaN or an infinite logp
@@ -91,7 +112,7 @@ def check_row_stats(lse: Tensor, logp: Tensor, kept: Tensor | None, rows: RowChe
     if kept is not None:
         bad = bad & kept
     if not bool(bad.any()):
-        return
+        return  # the sum overflowed
     flat = int(bad.reshape(-1).nonzero()[0])
     index, rest = [], flat
     for size in reversed(bad.shape):

@@ -105,7 +105,10 @@ class LossInputs:
     def check_finite(self, options: LossOptions, sequence_kept: Tensor) -> None:
         """ValueError naming the first tensor with NaN or ±inf at a kept token (a per-sequence one: at a sequence
         with a kept token), and its index; padding may hold anything. One host sync (`check_finite=True`).
-        sampling_logp may hold NaN: TRL's mark of a token the sampler could not score (no off-policy evidence)."""
+        sampling_logp may hold NaN: TRL's mark of a token the sampler could not score (no off-policy evidence).
+
+        Padded inputs queue one flag for all of them (`finite.any_nonfinite_at_kept`); its error path names the
+        tensor with the exact per-tensor checks."""
         mask = self.mask if self.layout is None else self.mask[0]
         names = ("advantages", "old_logp", "ref_logp", "sampling_logp", "is_ratio", "token_weights", "sequence_weights")
 
@@ -114,17 +117,20 @@ class LossInputs:
                 return mask & ~torch.isnan(x)
             return mask if x.shape == mask.shape else sequence_kept
 
-        named = [(name, x, kept(name, x)) for name in names if (x := getattr(self, name)) is not None]
-        for name in ("num_items_in_batch", "num_sequences_in_batch"):  # normalisers: finite wherever they are
+        given = [(name, x) for name in names if (x := getattr(self, name)) is not None]
+        blame = lambda: finite.check_finite_at_kept([(name, x, kept(name, x)) for name, x in given])  # noqa: E731
+        if self.layout is None:  # a per-sequence [B] value counts at its row's kept tokens
+            finite.any_nonfinite_at_kept(given, mask, blame, nan_ok="sampling_logp")
+        else:
+            blame()
+        for name in ("num_items_in_batch", "num_sequences_in_batch"):  # normalisers: finite, > 0
             value = getattr(options, name, None)
             if isinstance(value, Tensor):
-                named.append((name, value.reshape(-1), torch.ones_like(value.reshape(-1), dtype=torch.bool)))
+                flat = value.reshape(-1)
+                finite.check_finite_at_kept([(name, flat, torch.ones_like(flat, dtype=torch.bool))])
+                sync.check_positive_count(name, value)
             elif value is not None and not math.isfinite(value):
                 raise ValueError(f"{name} must be finite, got {value}")
-        finite.check_finite_at_kept(named)
-        for name in ("num_items_in_batch", "num_sequences_in_batch"):  # > 0, read with the values above
-            if isinstance(value := getattr(options, name, None), Tensor):
-                sync.check_positive_count(name, value)
 
     def terms(self, logp: Tensor, entropy: Tensor | None, options: LossOptions) -> TokenTerms:
         """TokenTerms of the loss algebra from the pass's logp / entropy [R, C], in the padded view."""
@@ -229,4 +235,4 @@ def _neutral(x: Tensor | None, keep: Tensor, fill: float) -> Tensor | None:
     0 · NaN. (Finite ones stay: TRL's per-sequence metrics average over every sequence.) Other shapes pass."""
     if x is None or x.dim() != 1:
         return x  # per-token values: build_terms neutralises their padding
-    return torch.where(keep | ~finite.nonfinite(x), x, fill)
+    return torch.where(keep, x, x.nan_to_num(nan=fill, posinf=fill, neginf=fill))

@@ -45,6 +45,10 @@ def _windows(logits: Tensor, mask: Tensor):
     flat = _flat(logits)
     lines = flat[None] if flat is not None else logits  # [L, S, V]: windows never cross a line
     L, S = lines.shape[:2]
+    if L == 1 and S <= step:  # one window of every row
+        if bool(mask.any()):
+            yield slice(0, S), lines[0]
+        return
     if S <= step:  # one window per line
         kept = mask.reshape(L, S).any(-1, keepdim=True)  # [L, 1]
     else:
@@ -55,16 +59,17 @@ def _windows(logits: Tensor, mask: Tensor):
         yield slice(line * S + start, line * S + stop), lines[line, start:stop]
 
 
-def _kept_targets(targets: Tensor, mask: Tensor) -> Tensor:
-    """targets [B, T] as [B·T, 1], with 0 at masked rows: windows read those rows too, and padding ids there
-    (-100, or ≥ V) may be anything."""
-    return targets.masked_fill(~mask, 0).reshape(-1, 1)
+def _kept_targets(targets: Tensor, vocab: int) -> Tensor:
+    """targets [B, T] as [B·T, 1] ids inside [0, V): windows read the masked rows too, and padding ids there (-100,
+    or ≥ V) may be anything; kept ids are inside already (checked, or made safe by the engine)."""
+    return targets.clamp(0, vocab - 1).reshape(-1, 1)
 
 
 def _scratch(logits: Tensor) -> Tensor:
-    """A [chunk rows, V] buffer in the compute dtype, reused by every window of one call."""
-    dtype = compute_dtype(logits.dtype)
-    return torch.empty(_chunk_rows(logits), logits.shape[-1], dtype=dtype, device=logits.device)
+    """A [chunk rows, V] buffer in the compute dtype, reused by every window of one call (no more rows than the
+    logits have: a small call allocates a small buffer)."""
+    rows = min(_chunk_rows(logits), logits.shape[:-1].numel())
+    return torch.empty(rows, logits.shape[-1], dtype=compute_dtype(logits.dtype), device=logits.device)
 
 
 def transform_(z: Tensor, temperature: float, logit_scale: float, softcap: float | None) -> Tensor:
@@ -93,39 +98,49 @@ def token_logprobs_fwd(
     Masked rows get 0 (False).
     """
     dtype = compute_dtype(logits.dtype)
-    logp = torch.zeros(mask.shape, dtype=dtype, device=logits.device)  # [B, T]
-    lse = torch.zeros_like(logp)  # [B, T]
-    entropy = torch.zeros_like(logp) if with_entropy else None  # [B, T]
-    out = {name: torch.zeros_like(logp, dtype=torch.bool if name == "is_top1" else dtype) for name in stats}
-    flat_targets, flat_mask = _kept_targets(targets, mask), mask.reshape(-1)  # [B·T, 1], [B·T]
-    z_buf, log_q_buf = _scratch(logits), _scratch(logits)  # [C, V] each
+    flat_targets, flat_mask = _kept_targets(targets, logits.shape[-1]), mask.reshape(-1)  # [B·T, 1], [B·T]
     identity = temperature == 1.0 and logit_scale == 1.0 and softcap is None
-    for rows, z in _windows(logits, mask):
-        if z.dtype != dtype or not identity:  # [C, V]; the caller's logits are read only
+    transformed = logits.dtype != dtype or not identity
+    log_q_buf = _scratch(logits)  # [C, V] each; z_buf only for a transformed copy or q · log q
+    z_buf = _scratch(logits) if transformed or with_entropy or "log_sum_sq_probs" in stats else None
+    names = ("logp", "lse", *(("entropy",) if with_entropy else ()), *stats)
+
+    def window_stats(rows: slice, z: Tensor) -> dict[str, Tensor]:  # each name's values at the window's rows, [C]
+        if transformed:  # [C, V]; the caller's logits are read only
             z = transform_(z_buf[: z.shape[0]].copy_(z), temperature, logit_scale, softcap)
         target = flat_targets[rows]  # [C, 1]
         log_q = torch.log_softmax(z, dim=-1, out=log_q_buf[: z.shape[0]])  # [C, V]: one fused pass
-        row_logp = log_q.gather(1, target).squeeze(1)  # [C]
-        row_lse = z.gather(1, target).squeeze(1) - row_logp  # [C]: lse = z_target − log q_target, as exact as
-        unlikely = ~(row_logp > -LSE_FROM_TARGET) & flat_mask[rows]  # lse itself while log q_target is small:
-        if bool(unlikely.any()):  # recompute the others
-            row_lse[unlikely] = torch.logsumexp(z[unlikely], dim=-1)
-        lse.view(-1)[rows] = row_lse
-        logp.view(-1)[rows] = row_logp
-        if "mean_logits" in out:
-            out["mean_logits"].view(-1)[rows] = z.sum(-1) / z.shape[-1]
-        if "is_top1" in out:  # argmax gives the first maximum: a tie with an earlier token is not a top-1
-            out["is_top1"].view(-1)[rows] = z.argmax(-1) == target.squeeze(1)
-        if entropy is not None:  # H = −Σ q log q, with 0 · log 0 = 0 for -inf logits (the NaN of 0 · −inf)
+        found = {"logp": log_q.gather(1, target).squeeze(1)}  # [C]
+        found["lse"] = z.gather(1, target).squeeze(1) - found["logp"]  # [C]: lse = z_target − log q_target, as
+        unlikely = ~(found["logp"] > -LSE_FROM_TARGET) & flat_mask[rows]  # exact as lse itself while log q_target
+        if bool(unlikely.any()):  # is small: recompute the others
+            found["lse"][unlikely] = torch.logsumexp(z[unlikely], dim=-1)
+        if "mean_logits" in stats:
+            found["mean_logits"] = z.sum(-1) / z.shape[-1]
+        if "is_top1" in stats:  # argmax gives the first maximum: a tie with an earlier token is not a top-1
+            found["is_top1"] = z.argmax(-1) == target.squeeze(1)
+        if with_entropy:  # H = −Σ q log q, with 0 · log 0 = 0 for -inf logits (the NaN of 0 · −inf)
             q_log_q = torch.exp(log_q, out=z_buf[: z.shape[0]]).mul_(log_q).nan_to_num_(nan=0.0)  # [C, V]
-            entropy.view(-1)[rows] = -q_log_q.sum(-1)
-        if "log_sum_sq_probs" in out:  # log Σ q²: Σ q² ≥ 1/V, so squaring in the compute dtype loses nothing
-            out["log_sum_sq_probs"].view(-1)[rows] = torch.exp(log_q, out=z_buf[: z.shape[0]]).square_().sum(-1).log_()
+            found["entropy"] = -q_log_q.sum(-1)
+        if "log_sum_sq_probs" in stats:  # log Σ q²: Σ q² ≥ 1/V, so squaring in the compute dtype loses nothing
+            found["log_sum_sq_probs"] = torch.exp(log_q, out=z_buf[: z.shape[0]]).square_().sum(-1).log_()
+        return found
+
+    windows = list(_windows(logits, mask))
+    if len(windows) == 1 and windows[0][0] == slice(0, flat_mask.shape[0]):  # one window of every row
+        out = {name: x.view(mask.shape) for name, x in window_stats(*windows[0]).items()}
+    else:
+        out = {
+            name: torch.zeros(mask.shape, dtype=torch.bool if name == "is_top1" else dtype, device=logits.device)
+            for name in names
+        }  # [B, T] each
+        for rows, z in windows:
+            for name, x in window_stats(rows, z).items():
+                out[name].view(-1)[rows] = x
     dropped = ~mask
-    for stat in (logp, lse, entropy, *out.values()):
-        if stat is not None:
-            stat.masked_fill_(dropped, 0)  # the masked rows computed inside windows
-    return logp, lse, entropy, out
+    for stat in out.values():
+        stat.masked_fill_(dropped, 0)  # the masked rows computed inside windows
+    return out.pop("logp"), out.pop("lse"), out.pop("entropy", None), out
 
 
 def token_logprobs_bwd(
@@ -153,7 +168,7 @@ def token_logprobs_bwd(
     flat = lambda x: None if x is None else x.reshape(-1, 1).to(dtype)  # noqa: E731  [B·T, 1]
     lse, entropy, grad_entropy = flat(lse), flat(entropy), flat(grad_entropy)
     g_all = torch.zeros_like(lse) if grad_logp is None else flat(grad_logp)  # [B·T, 1]
-    flat_targets = _kept_targets(targets, mask)  # [B·T, 1]
+    flat_targets = _kept_targets(targets, logits.shape[-1])  # [B·T, 1]
     log_q_buf = None if in_place else _scratch(logits)  # [C, V]
     out_flat = _flat(out)  # [B·T, V] (out is the logits or a contiguous buffer), or None for strided logits
     q_buf = _scratch(logits) if grad_entropy is not None else None  # [C, V]

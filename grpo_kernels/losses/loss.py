@@ -13,7 +13,7 @@ from grpo_kernels.losses.divergence import dppo_keep
 from grpo_kernels.losses.entropy import high_entropy_mask
 from grpo_kernels.losses.kl import kl_penalty
 from grpo_kernels.losses.policy import POLICY_LOSSES, clip_cov_fraction, clipped_surrogate, vespo_weights
-from grpo_kernels.losses.reduce import batch_sum, sequence_mean, sequence_sum, sequence_tokens
+from grpo_kernels.losses.reduce import all_reduce_sum, batch_sum, sequence_mean
 from grpo_kernels.losses.terms import TokenTerms
 from grpo_kernels.options import CLIPPED_SURROGATE_TYPES, DPPO_TYPES, LossOptions
 
@@ -37,16 +37,19 @@ def compute_loss(terms: TokenTerms, options: LossOptions) -> tuple[GRPOLossOutpu
     if options.top_entropy_quantile < 1.0:
         kept = high_entropy_mask(terms.entropy.detach(), terms.mask, options.top_entropy_quantile, group)  # [B, T]
     normaliser = POLICY_LOSSES[options.loss_type].normaliser
-    per_token = per_token_loss(terms, options, kept) * token_weights_for(terms.mask, normaliser, options, group)
+    kl = kl_penalty(terms, options) if options.beta != 0.0 else None  # [B, T]: the loss's term and its metric
+    per_token = per_token_loss(terms, options, kept, kl) * token_weights_for(terms.mask, normaliser, options, group)
     sequence_losses = per_token.sum(-1)  # [B]
     loss = sequence_losses.sum()
     if options.entropy_coef != 0.0:  # TRL: L − coef·mean entropy of the kept tokens, whatever the normaliser
         bonus = batch_sum(terms.entropy * kept, group) / batch_sum(kept, group).clamp(min=1.0)
         loss = loss - options.entropy_coef * bonus
-    return GRPOLossOutput(loss, loss_metrics(terms, options)), sequence_losses
+    return GRPOLossOutput(loss, loss_metrics(terms, options, kl)), sequence_losses
 
 
-def per_token_loss(terms: TokenTerms, options: LossOptions, kept: Tensor | None = None) -> Tensor:
+def per_token_loss(
+    terms: TokenTerms, options: LossOptions, kept: Tensor | None = None, kl: Tensor | None = None
+) -> Tensor:
     """Each token's loss before the normaliser: policy term (on the `kept` tokens when the entropy quantile
     selects) · IS weight + β·KL, times token/sequence weights; [B, T] or [B, 1]."""
     spec = POLICY_LOSSES[options.loss_type]
@@ -58,7 +61,7 @@ def per_token_loss(terms: TokenTerms, options: LossOptions, kept: Tensor | None 
     if terms.is_ratio is not None and not spec.absorbs_is_ratio:
         per_token = per_token * terms.is_ratio
     if options.beta != 0.0:
-        per_token = per_token + options.beta * kl_penalty(terms, options)  # [B, T]
+        per_token = per_token + options.beta * (kl_penalty(terms, options) if kl is None else kl)  # [B, T]
     if terms.weights is not None:
         per_token = per_token * terms.weights  # [B, T]
     return per_token
@@ -77,72 +80,87 @@ def off_policy_keep(terms: TokenTerms, options: LossOptions) -> Tensor:
     return ((terms.advantages >= 0) | (mean_kl <= options.off_policy_mask_threshold)).to(terms.mask.dtype)
 
 
-def _masked_mean(x: Tensor, mask: Tensor, group, kept_count: Tensor) -> Tensor:
-    """Mean over kept tokens (on every rank of `group`; `kept_count` their number, at least 1) of a [B, T] tensor,
-    or over all sequences of a per-sequence [B, 1] one (TRL's rule; at T = 1 TRL's shape test would also average
-    padding, so there a [B, 1] tensor is taken per token). With a group every rank runs the all-reduces whatever its
-    local T, so that none waits alone."""
-    token_mean = batch_sum(x * mask, group) / kept_count
-    if x.shape[-1] == 1 and mask.shape[-1] > 1:
-        return x.sum() / max(x.shape[0], 1)
-    return token_mean
+def _per_sequence_sums(named: dict[str, Tensor], mask: Tensor, group) -> Tensor:
+    """Each named [B, T] (or broadcast [B, 1]) tensor, bool or float, summed over each sequence's kept tokens on
+    every rank of `group`, and each sequence's kept-token count last: [k + 1, B]. One stacked reduction (`stack`
+    promotes bool flags to the mask's float dtype), and with a group one all-reduce that every rank runs with the
+    same k whatever its local T, so that none waits alone."""
+    rows = [x if x.shape == mask.shape else x.expand(mask.shape) for x in named.values()]
+    return all_reduce_sum((torch.stack([*rows, mask]) * mask).sum(-1), group)  # [k + 1, B]
 
 
-def _sequence_extremes(low: Tensor, high: Tensor, mask: Tensor, group=None) -> tuple[Tensor, Tensor]:
+def _masked_means(named: dict[str, Tensor], sums: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    """Each tensor's mean over the kept tokens (`sums` from `_per_sequence_sums`), or over all sequences for a
+    per-sequence [B, 1] one (TRL's rule; at T = 1 TRL's shape test would also average padding, so there a [B, 1]
+    tensor is taken per token)."""
+    totals = sums.sum(-1)  # [k + 1]
+    means = dict(zip(named, (totals[:-1] / totals[-1].clamp(min=1.0)).unbind(), strict=True))
+    if mask.shape[-1] > 1:
+        for name, x in named.items():
+            if x.shape[-1] == 1:
+                means[name] = x.to(mask.dtype).sum() / max(x.shape[0], 1)
+    return means
+
+
+def _sequence_extremes(
+    low: Tensor, high: Tensor, flag_sums: Tensor, counts: Tensor, mask: Tensor
+) -> tuple[Tensor, Tensor]:
     """The min over sequences of each sequence's fraction of `low` tokens, and the max of its fraction of `high`
-    tokens (TRL's `low_min` / `high_max`).
+    tokens (TRL's `low_min` / `high_max`); `flag_sums` [2, B]: each sequence's low and high counts, `counts` [B]:
+    its kept tokens.
 
     A per-sequence [B, 1] flag is that sequence's value, as in TRL; sequences with no kept token have no fraction
-    and are skipped (TRL's NaN, dropped by its nanmin / nanmax); 0 when no sequence has one. With a group, the
-    fractions are over every rank's tokens (all-reduces every rank runs, as in `_masked_mean`).
+    and are skipped (TRL's NaN, dropped by its nanmin / nanmax); 0 when no sequence has one. Both extremes in one
+    reduction: the max of the high fractions is minus the min of their negatives.
     """
-    counts = sequence_tokens(mask, group)[:, 0]  # [B]
-    denominators, uncounted, counted = counts.clamp(min=1.0), counts == 0, (counts > 0).any()
-
-    def extreme(flags: Tensor, reduce, skip: float) -> Tensor:  # skip: never the extreme while a sequence counts
-        per_sequence = sequence_sum(flags.to(mask.dtype), mask, group)[:, 0] / denominators  # [B]
-        if flags.shape[-1] == 1 and mask.shape[-1] > 1:
-            per_sequence = flags[:, 0].to(mask.dtype)  # [B]
-            return reduce(per_sequence) if per_sequence.numel() else mask.new_zeros(())
-        value = reduce(per_sequence.masked_fill(uncounted, skip)) if per_sequence.numel() else mask.new_zeros(())
-        return torch.where(counted, value, 0.0)  # no host sync (a boolean index would be one)
-
-    return extreme(low, torch.min, float("inf")), extreme(high, torch.max, float("-inf"))
+    if mask.shape[0] == 0:
+        return mask.new_zeros(()), mask.new_zeros(())
+    if low.shape[-1] == 1 and mask.shape[-1] > 1:
+        signed, skipped = torch.stack([low[:, 0], high[:, 0]]).to(mask.dtype), None  # [2, B]
+    else:
+        signed, skipped = flag_sums / counts.clamp(min=1.0), counts == 0  # [2, B], [B]
+    signed[1].neg_()  # min of the low fractions, -max of the high ones (a fresh tensor: no host-built constant)
+    if skipped is not None:  # +inf: skipped; all of them skipped, the extreme is 0
+        signed = signed.masked_fill(skipped, float("inf"))
+    extremes = signed.amin(-1).nan_to_num(posinf=0.0)  # [2]
+    low_min, minus_high_max = extremes.unbind()
+    return low_min, -minus_high_max
 
 
 @torch.no_grad()
-def loss_metrics(terms: TokenTerms, options: LossOptions) -> dict[str, Tensor]:
-    """TRL's logged quantities (clip fractions, kl, entropy) plus `ratio/mean`, detached 0-dim tensors."""
+def loss_metrics(terms: TokenTerms, options: LossOptions, kl: Tensor | None = None) -> dict[str, Tensor]:
+    """TRL's logged quantities (clip fractions, kl, entropy) plus `ratio/mean`, detached 0-dim tensors; `kl`: the
+    per-token KL penalty when the loss already computed it."""
     spec = POLICY_LOSSES[options.loss_type]
     ratio = spec.ratio(terms, options)
     low, high = spec.clip_flags(terms, options, ratio)
-    group = terms.sequence_group
-    kept_count = batch_sum(terms.mask, group).clamp(min=1.0)  # every mean's denominator
-    mean = lambda x: _masked_mean(x.to(terms.mask.dtype), terms.mask, group, kept_count)  # noqa: E731
-    metrics = {
-        "clip_ratio/low_mean": mean(low),
-        "clip_ratio/high_mean": mean(high),
-        "clip_ratio/region_mean": mean(low | high),
-        "ratio/mean": mean(ratio),
+    averaged = {  # each averaged over the kept tokens (`_masked_means`)
+        "clip_ratio/low_mean": low,
+        "clip_ratio/high_mean": high,
+        "clip_ratio/region_mean": low | high,
+        "ratio/mean": ratio,
     }
-    if options.loss_type in CLIPPED_SURROGATE_TYPES:  # TRL's per-sequence extremes of the clip fractions
-        metrics["clip_ratio/low_min"], metrics["clip_ratio/high_max"] = _sequence_extremes(low, high, terms.mask, group)
     if options.clip_ratio_c is not None and options.loss_type in DPPO_TYPES:  # kept tokens whose weight is capped
-        metrics["clip_ratio/truncated_mean"] = mean((ratio > options.clip_ratio_c) & dppo_keep(terms, options))
+        averaged["clip_ratio/truncated_mean"] = (ratio > options.clip_ratio_c) & dppo_keep(terms, options)
     elif options.clip_ratio_c is not None:  # where the dual clip's −A·c floor is the loss
         adv = terms.advantages
         unfloored = clipped_surrogate(terms, options, ratio, dual_clip=False)
-        metrics["clip_ratio/dual_mean"] = mean((adv < 0) & (unfloored > -adv * options.clip_ratio_c))
+        averaged["clip_ratio/dual_mean"] = (adv < 0) & (unfloored > -adv * options.clip_ratio_c)
     if options.beta != 0.0:
-        metrics["kl"] = mean(kl_penalty(terms, options))
+        averaged["kl"] = kl_penalty(terms, options) if kl is None else kl
     if terms.entropy is not None:
-        metrics["entropy"] = mean(terms.entropy)
+        averaged["entropy"] = terms.entropy
+    if options.loss_type == "vespo":
+        averaged["vespo/phi_seq_mean"] = vespo_weights(terms, options)
+    if options.loss_type == "kl_cov":  # verl's name: kl_cov's mean |logp − old_logp|
+        averaged["ppo_kl_abs"] = terms.token_log_ratio.abs()
+    sums = _per_sequence_sums(averaged, terms.mask, terms.sequence_group)  # [k + 1, B]; low and high first
+    metrics = _masked_means(averaged, sums, terms.mask)
+    if options.loss_type in CLIPPED_SURROGATE_TYPES:  # TRL's per-sequence extremes of the clip fractions
+        low_min, high_max = _sequence_extremes(low, high, sums[:2], sums[-1], terms.mask)
+        metrics["clip_ratio/low_min"], metrics["clip_ratio/high_max"] = low_min, high_max
     if options.loss_type == "cispo":
         metrics["cispo_clip_ratio"] = metrics["clip_ratio/region_mean"]
-    if options.loss_type == "vespo":
-        metrics["vespo/phi_seq_mean"] = mean(vespo_weights(terms, options))
-    if options.loss_type == "clip_cov":  # verl's names: the fraction detached, kl_cov's mean |logp − old_logp|
+    if options.loss_type == "clip_cov":  # verl's name: the fraction detached
         metrics["pg_clipfrac"] = clip_cov_fraction(terms, options)
-    if options.loss_type == "kl_cov":
-        metrics["ppo_kl_abs"] = mean(terms.token_log_ratio.abs())
     return {name: value.detach() if value.requires_grad else value for name, value in metrics.items()}

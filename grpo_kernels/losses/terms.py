@@ -66,9 +66,10 @@ def build_terms(
     def at_padding(x: Tensor, fill) -> Tensor:  # per-token x gets `fill` where the mask is 0
         return torch.where(keep, x.to(dtype), fill) if x.shape == keep.shape else x.to(dtype)
 
-    old_logp = logp.detach() if old_logp is None else at_padding(old_logp, logp.detach())  # [B, T]
-    ref_logp = None if ref_logp is None else at_padding(ref_logp, logp.detach())  # [B, T]
-    sampling_logp = None if sampling_logp is None else at_padding(sampling_logp, logp.detach())  # [B, T]
+    detached = logp.detach()
+    old_logp = detached if old_logp is None else at_padding(old_logp, detached)  # [B, T]
+    ref_logp = None if ref_logp is None else at_padding(ref_logp, detached)  # [B, T]
+    sampling_logp = None if sampling_logp is None else at_padding(sampling_logp, detached)  # [B, T]
     advantages = at_padding(per_sequence_or_token(advantages), 0.0)  # [B, 1] or [B, T]
     is_ratio = None if is_ratio is None else at_padding(per_sequence_or_token(is_ratio), 1.0)  # [B, 1] or [B, T]
     weights = None
