@@ -174,7 +174,9 @@ def token_logprobs_bwd(
     q_buf = _scratch(logits) if grad_entropy is not None else None  # [C, V]
     slope_buf = _scratch(logits) if softcap is not None else None  # [C, V]: dz/dx
     slope = logit_scale / temperature  # dz/dx without soft-capping
-    for rows, z in _windows(logits, mask):
+    windows = list(_windows(logits, mask))
+    whole = len(windows) == 1 and windows[0][0] == slice(0, mask.numel())  # one window of every row
+    for rows, z in windows:
         log_q = z if in_place else log_q_buf[: z.shape[0]].copy_(z)  # [C, V], overwritten by the gradient
         if softcap is not None:  # y = s·x/c -> z = c/T·tanh y in log_q, dz/dx = s/T·sech² y in slope_buf
             y = torch.mul(log_q, logit_scale / softcap, out=slope_buf[: z.shape[0]])
@@ -197,9 +199,12 @@ def token_logprobs_bwd(
             grad.mul_(slope)
         elif temperature != 1.0:
             grad.div_(temperature)
+        if whole:  # its masked rows are zeroed here, in the window already in cache
+            grad.masked_fill_(~mask.reshape(-1, 1), 0.0)
         if not in_place:  # a window never crosses a sequence unless the logits flatten
             T = mask.shape[1]
             line, start = divmod(rows.start, T)
             window = out_flat[rows] if out_flat is not None else out[line, start : start + rows.stop - rows.start]
             window.copy_(grad)
-    out.index_put_((~mask).nonzero(as_tuple=True), out.new_zeros(()))  # only the masked rows are written
+    if not whole:
+        out.index_put_((~mask).nonzero(as_tuple=True), out.new_zeros(()))  # only the masked rows are written
