@@ -14,9 +14,7 @@ running it. The recorded arguments go through the JIT's own binder for the targe
 constexpr, ints divisible by 16 and 16-byte aligned pointers get `tt.divisibility=16`, and `num_warps`,
 `enable_fp_fusion` and the grid are whatever the launcher chose. Every `*_kernel` JIT function under grpo_kernels
 must be reached by some case (`uncovered_kernels`). Each case is launched with 64 and with 16,384 rows, so a launcher
-that picks a different grid or kernel for few rows (split-V) is seen with both. The launches are recorded first and
-keyed by what they compile to (`compile_key`: triton's source and option hashes), so a kernel that several cases or
-row counts launch alike is compiled, and measured, once per architecture.
+that picks a different grid or kernel for few rows (split-V) is seen with both.
 
 **Instructions per KB** (benchmarks/sass.py). In the SASS, a loop is a backward branch (`BRA` to a lower address); the
 main loop is the innermost one whose body holds the most global loads (LDG), i.e. the logits stream (the longest on a

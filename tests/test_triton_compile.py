@@ -14,8 +14,7 @@ full matrix (all cases × 3 dtypes × 2 vocabularies × 2 archs) into benchmarks
 Every launch of the `ci` subset is also compiled for sm_90a against each older triton of
 `benchmarks.older_triton.OLDER_TRITONS` (3.6.0: torch 2.10/2.11's pin), in a subprocess with that triton first on
 PYTHONPATH; .ci/run installs it with `pip install --no-deps --target`, and where it is absent those tests skip saying
-so. Both compiles start together (`compiles`), so that one's serial parts (imports, recording the launches) overlap
-the other's; each compiles a kernel that several cases launch alike only once per architecture.
+so.
 On triton 3.6 the soft-capped kernels once failed here (`tl.math.fdiv(..., approx=True)`: the keyword is 3.9's).
 
 `SHORTFALLS` lists what the kernels miss, each with its measured number, as strict xfails: the day a kernel meets its
