@@ -32,27 +32,25 @@ def older_triton_path(version: str) -> Path:
     return Path(root) / version
 
 
-def compile_error(job: static_report.Job) -> dict:
-    """Compile one launch for its arch: {"error": the compiler's error, or None when it compiled}."""
-    arch, case, dtype, vocab, index = job
-    try:
-        static_report.compile_launch(static_report.launches_of(case, dtype, vocab)[index], static_report.ARCHS[arch])
-        return {"error": None}
-    except Exception as error:  # noqa: BLE001 - recorded: the report names it and the test fails on it
-        root = error
-        while root.__cause__ is not None:  # a CompilationError per jit function it went through
-            root = root.__cause__
-        return {"error": f"{type(root).__name__}: {root}"[-2000:]}
+def compile_launches(arch: str, case: str, dtype: str, vocab: str) -> list[dict]:
+    """One row per launch of the case, compiled for `arch`, with the compiler's error (None when it compiled)."""
+    rows = []
+    for launch in static_report.launches_of(case, dtype, vocab):
+        row = {"arch": arch, "kernel": launch.kernel.__name__, "case": case, "dtype": dtype, "vocab": vocab}
+        try:
+            static_report.compile_launch(launch, static_report.ARCHS[arch])
+            row["error"] = None
+        except Exception as error:  # noqa: BLE001 - recorded: the report names it and the test fails on it
+            root = error
+            while root.__cause__ is not None:  # a CompilationError per jit function it went through
+                root = root.__cause__
+            row["error"] = f"{type(root).__name__}: {root}"[-2000:]
+        rows.append(row)
+    return rows
 
 
-def launch_rows(item: tuple[str, str, str, str], launches: list, keys: list[str], compiled: dict) -> list[dict]:
-    """One row per launch of the item's case, with the error of the kernel it compiles to (`compiled`: compile key ->
-    `compile_error`)."""
-    arch, case, dtype, vocab = item
-    return [
-        {"arch": arch, "kernel": launch.kernel.__name__, "case": case, "dtype": dtype, "vocab": vocab, **compiled[key]}
-        for launch, key in zip(launches, keys, strict=True)
-    ]
+def _worker(item: tuple[str, str, str, str]) -> list[dict]:
+    return compile_launches(*item)
 
 
 def report(jobs: int) -> dict:
@@ -62,7 +60,7 @@ def report(jobs: int) -> dict:
         "triton": triton.__version__,
         "triton_path": str(Path(triton.__file__).parent),
         "command": "python -m benchmarks.older_triton",
-        "launches": static_report.run("ci", jobs, ARCHS, compile_error, launch_rows),
+        "launches": static_report.run("ci", jobs, ARCHS, worker=_worker),
     }
 
 

@@ -247,9 +247,10 @@ def uncovered_kernels() -> list[str]:
     return sorted(set(jit_kernels()) - reached)
 
 
-def _bind(launch: Launch, capability: int):
-    """What `triton.compile` gets for a recorded launch on a GPU of `capability`, bound by the JIT's own binder as
-    JITFunction.run binds it: (source, target, options, constexprs)."""
+def compile_launch(launch: Launch, capability: int):
+    """Compile a recorded launch for `capability` as JITFunction.run would on such a GPU: (kernel, ptxas log,
+    constexprs)."""
+    import triton
     from triton import knobs
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -266,63 +267,34 @@ def _bind(launch: Launch, capability: int):
     binder = create_function_from_signature(fn.signature, fn.params, backend)
     bound, specialization, options = binder(*launch.args, **kwargs)
     options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
-    return ASTSource(fn, signature, constexprs, attrs), target, options.__dict__, constexprs
-
-
-def compile_key(launch: Launch, capability: int) -> str:
-    """The same for two launches exactly when they compile to the same kernel (source, specialisation, options):
-    the source and option hashes of triton's own cache key, without compiling."""
-    from triton.compiler.compiler import make_backend
-
-    source, target, options, _ = _bind(launch, capability)
-    return f"{source.hash()}-{make_backend(target).parse_options(dict(options)).hash()}"
-
-
-def compile_launch(launch: Launch, capability: int):
-    """Compile a recorded launch for `capability` as JITFunction.run would on such a GPU: (kernel, ptxas log,
-    constexprs)."""
-    import triton
-    from triton import knobs
-
-    source, target, options, constexprs = _bind(launch, capability)
     log = io.StringIO()
-    knobs.nvidia.dump_ptxas_log = True  # the cache is fresh (_init_worker), so ptxas runs and prints its -v report
+    knobs.nvidia.dump_ptxas_log = True  # the cache is fresh (main), so ptxas runs and prints its -v report
     with contextlib.redirect_stdout(log):
-        kernel = triton.compile(source, target=target, options=options)
+        kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
     return kernel, log.getvalue(), constexprs
 
 
-Job = tuple[str, str, str, str, int]  # (arch, case, dtype, vocab, index of the launch in launches_of)
+_MEASURED: dict[str, dict] = {}  # kernel hash -> its ptxas and SASS numbers (benchmarks.sass), in this process
 
 
-def _measured(job: Job) -> dict:
-    """Compile one launch: what its rows take from the compiled kernel (benchmarks.sass's numbers among them)."""
-    arch, case, dtype, vocab, index = job
-    launch = launches_of(case, dtype, vocab)[index]
-    kernel, log, constexprs = compile_launch(launch, ARCHS[arch])
-    reads_logits = "logits_ptr" in launch.kernel.arg_names
-    return {
-        "num_warps": kernel.metadata.num_warps,
-        "enable_fp_fusion": kernel.metadata.enable_fp_fusion,
-        "constexprs": {launch.kernel.arg_names[path[0]]: _plain(v) for path, v in constexprs.items()},
-        "reads_logits": reads_logits,
-        **sass.measure(kernel, log, reads_logits),
-    }
-
-
-def _inspected(item: tuple[str, str, str, str], launches: list[Launch], keys: list[str], compiled: dict) -> list[dict]:
-    """One row per distinct kernel the item's case launches (`compiled`: compile key -> `_measured`)."""
-    arch, case, dtype, vocab = item
+def inspect(arch: str, case: str, dtype: str, vocab: str) -> list[dict]:
+    """One row per distinct kernel the case launches, compiled for `arch`."""
     rows, seen = [], set()
-    for launch, key in zip(launches, keys, strict=True):
-        if key in seen:
+    for launch in launches_of(case, dtype, vocab):
+        kernel, log, constexprs = compile_launch(launch, ARCHS[arch])
+        if kernel.hash in seen:
             continue
-        seen.add(key)
-        name, measured = launch.kernel.__name__, compiled[key]
+        seen.add(kernel.hash)
+        name = launch.kernel.__name__
+        reads_logits = "logits_ptr" in launch.kernel.arg_names
+        if kernel.hash not in _MEASURED:  # else a cache hit, which ran no ptxas
+            _MEASURED[kernel.hash] = sass.measure(kernel, log, reads_logits)
         row = {"arch": arch, "kernel": name, "case": case, "dtype": dtype, "V": VOCABS[vocab], "vocab": vocab}
         row["grid"] = list(launch.grid) if isinstance(launch.grid, tuple) else str(launch.grid)
-        row |= measured
-        if measured["reads_logits"]:
+        row |= {"num_warps": kernel.metadata.num_warps, "enable_fp_fusion": kernel.metadata.enable_fp_fusion}
+        row["constexprs"] = {launch.kernel.arg_names[path[0]]: _plain(v) for path, v in constexprs.items()}
+        row |= {"reads_logits": reads_logits, **_MEASURED[kernel.hash]}
+        if reads_logits:
             row["budget"] = BUDGETS.get(budget_key(name, case))
         rows.append(row)
     return rows
@@ -335,37 +307,25 @@ def _plain(value):
 # --- running the matrix ---------------------------------------------------------------------------------------------
 
 
+def _worker(job: tuple[str, str, str, str]) -> list[dict]:
+    return inspect(*job)
+
+
 def _init_worker(cache_root: str) -> None:
     # before triton is imported in this process: its own fresh cache, so that ptxas runs (and reports) on first sight
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(dir=cache_root)
 
 
-def run(
-    subset: str,
-    jobs: int,
-    archs: tuple[str, ...] = tuple(ARCHS),
-    compile_one: Callable[[Job], dict] = _measured,
-    rows: Callable[..., list[dict]] = _inspected,
-) -> list[dict]:
-    """`rows(item, launches, keys, compiled)` for each (arch, case, dtype, vocab) of the subset on `archs`, where
-    `compiled` maps each launch's `compile_key` to `compile_one(job)`. The launches are recorded here; each distinct
-    kernel is compiled once per architecture, however many cases and row counts launch it, in `jobs` fresh
-    processes."""
+def run(subset: str, jobs: int, archs: tuple[str, ...] = tuple(ARCHS), worker: Callable = _worker) -> list[dict]:
+    """`worker(arch, case, dtype, vocab)` rows for each item of the subset on `archs`, in `jobs` fresh processes."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("unset TRITON_INTERPRET: the interpreter replaces the JIT functions that are compiled here")
     items = [item for item in matrix(subset) if item[0] in archs]
-    launches = {item: launches_of(*item[1:]) for item in items}
-    keys = {item: [compile_key(launch, ARCHS[item[0]]) for launch in launches[item]] for item in items}
-    todo: dict[str, Job] = {}  # compile key (which names the arch) -> the first launch with it
-    for item in items:
-        for index, key in enumerate(keys[item]):
-            todo.setdefault(key, (*item, index))
     with tempfile.TemporaryDirectory(prefix="triton-static-") as cache:
         spawn = multiprocessing.get_context("spawn")  # each worker imports triton after _init_worker
         with ProcessPoolExecutor(jobs, mp_context=spawn, initializer=_init_worker, initargs=(cache,)) as pool:
-            compiled = dict(zip(todo, pool.map(compile_one, todo.values()), strict=True))
-    out = [row for item in items for row in rows(item, launches[item], keys[item], compiled)]
-    return sorted(out, key=lambda r: (r["arch"], r["kernel"], r["case"], r["dtype"], r["vocab"]))
+            rows = [row for part in pool.map(worker, items) for row in part]
+    return sorted(rows, key=lambda r: (r["arch"], r["kernel"], r["case"], r["dtype"], r["vocab"]))
 
 
 def report(subset: str, jobs: int) -> dict:

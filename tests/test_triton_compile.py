@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -53,69 +52,20 @@ def _params(check: str) -> list:
     return out
 
 
-class _Compile:
-    """A compile subprocess writing a JSON report, started by `compiles` and awaited by the fixture that reads it."""
-
-    def __init__(self, command: list[str], out: Path, first_on_path: Path | None = None):
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        if first_on_path is not None:
-            env["PYTHONPATH"] = os.pathsep.join([str(first_on_path), str(ROOT), env.get("PYTHONPATH", "")])
-        self.command, self.out, self.log = [*command, "--out", str(out)], out, out.with_suffix(".log")
-        with self.log.open("w") as log:  # its own session: the finalizer of `compiles` stops it with its workers
-            self.process = subprocess.Popen(
-                self.command, cwd=ROOT, env=env, stdout=log, stderr=log, start_new_session=True
-            )
-
-    def result(self, timeout: float, what: str) -> dict:
-        try:
-            returncode = self.process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            returncode = f"none after {timeout} s"
-        assert returncode == 0, f"{' '.join(self.command)}{what} failed ({returncode}):\n{self.log.read_text()[-6000:]}"
-        return json.loads(self.out.read_text())
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
-
-
 @pytest.fixture(scope="module")
-def compiles(request, tmp_path_factory) -> dict[str, _Compile | str]:
-    """The compiles this run's tests read, all started at once so that they share the cores: the inspection with the
-    installed triton under "report", and each installed older triton's under its version; a skip reason instead of a
-    compile where one cannot run."""
-    wanted = {name for item in request.session.items if item.path == request.path for name in item.fixturenames}
-    folder, started = tmp_path_factory.mktemp("compiles"), {}
-    if "report" in wanted:
-        try:
-            missing = static_report.missing_tools()
-        except ImportError as error:
-            started["report"] = f"triton is not importable: {error}"
-        else:
-            bundled = "(bundled with the triton wheel under triton/backends/nvidia/bin/)"
-            command = [sys.executable, "-m", "benchmarks.static_report", "--subset", "ci"]
-            missing_tools = f"{', '.join(missing)} not found {bundled}"
-            started["report"] = missing_tools if missing else _Compile(command, folder / "static.json")
-    for version in older_triton.OLDER_TRITONS if "older_report" in wanted else ():
-        path = older_triton.older_triton_path(version)
-        if not (path / "triton" / "__init__.py").exists():
-            install = f"pip install --no-deps --target {path} triton=={version}"
-            started[version] = f"triton {version} is not installed under {path}: {install}"
-        else:
-            command = [sys.executable, "-m", "benchmarks.older_triton", "--jobs", "2"]
-            started[version] = _Compile(command, folder / f"{version}.json", first_on_path=path)
-    yield started
-    for compile in started.values():
-        if isinstance(compile, _Compile):
-            compile.stop()
-
-
-@pytest.fixture(scope="module")
-def report(compiles) -> dict:
-    if isinstance(compiles["report"], str):
-        pytest.skip(compiles["report"])
-    return compiles["report"].result(900, "")
+def report(tmp_path_factory) -> dict:
+    try:
+        missing = static_report.missing_tools()
+    except ImportError as error:
+        pytest.skip(f"triton is not importable: {error}")
+    if missing:
+        pytest.skip(f"{', '.join(missing)} not found (bundled with the triton wheel under triton/backends/nvidia/bin/)")
+    out = tmp_path_factory.mktemp("static") / "static.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    command = [sys.executable, "-m", "benchmarks.static_report", "--subset", "ci", "--out", str(out)]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, f"{' '.join(command)} failed:\n{done.stderr[-6000:]}"
+    return json.loads(out.read_text())
 
 
 def _kernels(report: dict, item: tuple[str, str, str, str]) -> list[dict]:
@@ -178,11 +128,18 @@ def test_main_loop_instructions_per_kb(report, item):
 
 
 @pytest.fixture(scope="module", params=older_triton.OLDER_TRITONS)
-def older_report(request, compiles) -> dict:
-    version = request.param
-    if isinstance(compiles[version], str):
-        pytest.skip(compiles[version])
-    result = compiles[version].result(900, f" with triton {version}")
+def older_report(request, tmp_path_factory) -> dict:
+    version, path = request.param, older_triton.older_triton_path(request.param)
+    if not (path / "triton" / "__init__.py").exists():
+        install = f"pip install --no-deps --target {path} triton=={version}"
+        pytest.skip(f"triton {version} is not installed under {path}: {install}")
+    out = tmp_path_factory.mktemp("older") / f"{version}.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(path), str(ROOT), env.get("PYTHONPATH", "")])
+    command = [sys.executable, "-m", "benchmarks.older_triton", "--jobs", "2", "--out", str(out)]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"{' '.join(command)} with triton {version} failed:\n{done.stderr[-6000:]}"
+    result = json.loads(out.read_text())
     imported = f"triton {result['triton']} from {result['triton_path']}"
     assert result["triton"] == version, f"the subprocess imported {imported}"
     return result
