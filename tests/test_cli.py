@@ -123,14 +123,15 @@ def _seconds(cmd: list[str]) -> float:
 def _answers_fast(cmd: list[str], runs: int = 3) -> bool:
     """Whether the fastest of `runs` runs of `cmd` takes < max(2.0 s, the fastest of `runs` runs of
     `import grpo_kernels` + 1.0 s): the machine is shared, the minimum is a command's own cost, and what a loaded
-    machine adds it adds to the import too. A run under 2.0 s settles it, so an unloaded machine runs `cmd` once."""
-    times = []
+    machine adds it adds to the import too (each import runs right after a run of `cmd`). A run under 2.0 s settles
+    it, so on an unloaded machine `cmd` runs once."""
+    times, floor = [], []
     for _ in range(runs):
         times.append(_seconds(cmd))
         if times[-1] < 2.0:
             return True
-    floor = min(_seconds([sys.executable, "-c", "import grpo_kernels"]) for _ in range(runs))
-    return min(times) < floor + 1.0
+        floor.append(_seconds([sys.executable, "-c", "import grpo_kernels"]))
+    return min(times) < min(floor) + 1.0
 
 
 def test_help_is_fast_it_imports_nothing_heavy():
