@@ -59,8 +59,8 @@ def _rank(rank: int, port: int, queue) -> None:
     for index, options in enumerate(OPTIONS):
         grad = _weight_grad(rows, options, _normalisers(_batch()[3][rows]))
         dist.all_reduce(grad)  # what DDP does: the average over ranks
-        if rank == 0:
-            queue.put((index, grad / 2))
+        if rank == 0:  # by value: a tensor's shared memory would vanish with this process, before the test reads it
+            queue.put((index, (grad / 2).numpy()))
     dist.destroy_process_group()
 
 
@@ -79,7 +79,7 @@ def averaged_on_two_ranks() -> dict[int, torch.Tensor]:
     procs = [ctx.Process(target=_rank, args=(r, port, queue)) for r in range(2)]
     for p in procs:
         p.start()
-    averaged = dict(queue.get(timeout=120) for _ in OPTIONS)
+    averaged = {index: torch.from_numpy(grad) for index, grad in (queue.get(timeout=120) for _ in OPTIONS)}
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
