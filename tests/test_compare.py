@@ -1,5 +1,8 @@
-"""`python -m grpo_kernels.compare`: a tiny comparison end to end (2 presets x 2 steps, in subprocesses as a user runs
-it), its table from hand-made metrics, and its user errors (one line, exit status 2, before any run)."""
+"""`python -m grpo_kernels.compare`: a tiny comparison end to end (2 presets x 2 steps, each run in its own process as
+compare starts it), its table from hand-made metrics, and its user errors (one line, exit status 2, before any run).
+
+The command's `main(argv)` runs in this process (no interpreter start-up per test); one user error runs as a real
+`python -m grpo_kernels.compare` subprocess, proving what needs a process: the line on stderr, the exit status 2."""
 
 import json
 import os
@@ -11,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from grpo_kernels.compare import CompareConfig, summarize
+from grpo_kernels.compare.__main__ import main
 from grpo_kernels.compare.report import failed, markdown_table
 from grpo_kernels.compare.runs import prepare_output, run_configs
 
@@ -23,11 +27,11 @@ def run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run(COMPARE + args, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=600)
 
 
-def test_two_presets_two_steps_write_table_json_plot_and_one_run_directory_each(tmp_path):
+def test_two_presets_two_steps_write_table_json_plot_and_one_run_directory_each(tmp_path, monkeypatch, capsys):
     out = tmp_path / "cmp"
-    result = run(["--presets", "grpo,rloo", "--steps", "2", "--output-dir", str(out), "--window", "1"], tmp_path)
-    assert result.returncode == 0, result.stderr
-    progress = [line for line in result.stdout.splitlines() if line.startswith("[")]
+    monkeypatch.chdir(tmp_path)
+    main(["--presets", "grpo,rloo", "--steps", "2", "--output-dir", str(out), "--window", "1"])
+    progress = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
     assert [line.split(":")[0] for line in progress] == ["[1/2] grpo", "[2/2] rloo"]
     assert sorted(p.name for p in out.iterdir()) == sorted(
         ["compare.md", "compare.json", "compare.svg", "grpo", "grpo.log", "rloo", "rloo.log"]
@@ -49,20 +53,33 @@ def test_two_presets_two_steps_write_table_json_plot_and_one_run_directory_each(
     assert len(svg.findall("{http://www.w3.org/2000/svg}polyline")) == 2
 
 
-@pytest.mark.parametrize(
-    ("args", "message"),
-    [
-        (["--stepz", "3"], "unrecognized arguments: --stepz 3"),
-        (["--preset", "dapo"], "--preset: set by compare for each run"),
-        (["--presets", "grpo,nope"], "unknown preset 'nope'"),
-    ],
-)
-def test_a_bad_flag_is_one_error_line_and_exit_status_2(args, message, tmp_path):
+BAD_FLAGS = [
+    (["--stepz", "3"], "unrecognized arguments: --stepz 3"),
+    (["--preset", "dapo"], "--preset: set by compare for each run"),
+    (["--presets", "grpo,nope"], "unknown preset 'nope'"),
+]
+
+
+@pytest.mark.parametrize(("args", "message"), BAD_FLAGS)
+def test_a_bad_flag_is_one_error_line_and_exit_status_2(args, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main([*args, "--output-dir", str(tmp_path / "cmp")])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert message in err
+    assert not (tmp_path / "cmp").exists()  # refused before any run
+
+
+def test_a_bad_flag_in_a_process_is_one_stderr_line_and_exit_status_2(tmp_path):
+    """`python -m grpo_kernels.compare` itself (its entry point, the process's exit status), on the error raised
+    inside the command."""
+    args, message = BAD_FLAGS[2]
     result = run([*args, "--output-dir", str(tmp_path / "cmp")], tmp_path)
     assert result.returncode == 2
     assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, result.stderr
     assert message in result.stderr
-    assert not (tmp_path / "cmp").exists()  # refused before any run
+    assert not (tmp_path / "cmp").exists()
 
 
 def test_run_configs_share_seed_and_budget_and_refuse_compares_own_flags(tmp_path):

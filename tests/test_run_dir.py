@@ -6,8 +6,6 @@ never runs code, an unreadable latest checkpoint falls back to the previous one,
 import dataclasses
 import errno
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,13 +14,13 @@ import yaml
 
 from grpo_kernels.trainer import TrainConfig, train
 from grpo_kernels.trainer import checkpoint as checkpoint_module
+from grpo_kernels.trainer.__main__ import main
 from grpo_kernels.trainer.checkpoint import checkpoint_dir, latest
 from grpo_kernels.trainer.config import apply_preset
 from grpo_kernels.trainer.logging import read_metrics
 from grpo_kernels.trainer.run_dir import CheckpointWarning
 from grpo_kernels.trainer.train import GRPOTrainer
 
-REPO = Path(__file__).resolve().parents[1]
 TINY = dict(prompts_per_step=4, num_generations=4, eval_every=0, checkpoint_every=1, progress=False, plot=False)
 TINY_FLAGS = ["--prompts-per-step", "4", "--num-generations", "4", "--eval-every", "0", "--checkpoint-every", "1"]
 TIMING = ("step_time",)
@@ -44,11 +42,17 @@ def saved_seeds(output_dir: Path) -> set[int]:
     return {state["config"]["seed"] for state in states}
 
 
-def command(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run(
-        [sys.executable, "-m", "grpo_kernels.train", *args], cwd=cwd, env=env, capture_output=True, text=True
-    )
+def command(*args: str, capsys) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of `python -m grpo_kernels.train ARGS`, run as its `main` in this process (the
+    command as a process: tests/test_cli.py)."""
+    capsys.readouterr()
+    try:
+        main(list(args))
+        status = 0
+    except SystemExit as stop:
+        status = stop.code
+    out, err = capsys.readouterr()
+    return status, out, err
 
 
 def test_a_new_run_refuses_a_non_empty_output_dir_unless_overwrite(tmp_path):
@@ -67,12 +71,13 @@ def test_a_new_run_refuses_a_non_empty_output_dir_unless_overwrite(tmp_path):
         GRPOTrainer(tiny(tmp_path / "file", steps=1))
 
 
-def test_resume_continues_with_the_runs_own_config_end_to_end(tmp_path):
+def test_resume_continues_with_the_runs_own_config_end_to_end(tmp_path, monkeypatch, capsys):
     """The README's `--preset dapo --steps 2`, then `--resume --steps 3` without the preset: the run goes on as
     dapo (β = 0, no reference model) and makes the same steps as one uninterrupted 3-step dapo run; any option
     outside the resumable ones that differs is a one-line error naming it."""
     budget = ["--max-completion-length", "1"]  # a lone digit: right 1 time in 16, so DAPO's filter keeps groups
-    first = command(
+    monkeypatch.chdir(tmp_path)
+    status, _, err = command(
         "--preset",
         "dapo",
         "--paper-settings",
@@ -83,12 +88,12 @@ def test_resume_continues_with_the_runs_own_config_end_to_end(tmp_path):
         *TINY_FLAGS,
         *budget,
         "--no-plot",
-        cwd=tmp_path,
+        capsys=capsys,
     )
-    assert first.returncode == 0, first.stderr
-    resumed = command("--resume", "--steps", "3", "--output-dir", "d", "--no-plot", cwd=tmp_path)
-    assert resumed.returncode == 0, resumed.stderr
-    assert resumed.stdout.startswith("GRPO run 'd', resuming from d/checkpoints/step_000002 (step 2) to step 3")
+    assert status == 0, err
+    status, out, err = command("--resume", "--steps", "3", "--output-dir", "d", "--no-plot", capsys=capsys)
+    assert status == 0, err
+    assert out.startswith("GRPO run 'd', resuming from d/checkpoints/step_000002 (step 2) to step 3")
     saved = yaml.safe_load((tmp_path / "d" / "config.yaml").read_text(encoding="utf-8"))
     assert (saved["preset"], saved["loss"]["loss_type"], saved["loss"]["beta"], saved["steps"]) == (
         "dapo",
@@ -101,9 +106,11 @@ def test_resume_continues_with_the_runs_own_config_end_to_end(tmp_path):
     straight = train(dataclasses.replace(apply_preset(tiny(tmp_path / "straight", steps=3), "dapo"), **flags))
     assert without_timing(read_metrics(tmp_path / "d"), False) == without_timing(straight, False)
 
-    other = command("--resume", "--steps", "4", "--output-dir", "d", "--seed", "1", "--beta", "0.1", cwd=tmp_path)
-    assert other.returncode == 2 and other.stdout == ""
-    (line,) = other.stderr.splitlines()
+    status, out, err = command(
+        "--resume", "--steps", "4", "--output-dir", "d", "--seed", "1", "--beta", "0.1", capsys=capsys
+    )
+    assert status == 2 and out == ""
+    (line,) = err.splitlines()
     assert line.startswith("error: --resume: the run in 'd' (config.yaml) was made with other options: ")
     assert "seed: 0 -> 1" in line and "beta: 0.0 -> 0.1" in line
 

@@ -31,6 +31,7 @@ LOSSES = {  # one per normaliser kind of grpo_kernels.distributed.micro_batch_sc
     "token_sum": dict(loss_type="dapo", loss_agg_mode="token-sum"),  # batch-independent
     "seq_mean": dict(loss_type="grpo", loss_agg_mode="seq-mean-token-mean"),  # num_sequences_in_batch
 }
+MODES = ("ddp", "fsdp")
 
 
 def _model() -> torch.nn.Module:
@@ -68,24 +69,26 @@ def _update(
     return stats["loss"], [p.clone() for p in params]
 
 
-def _rank(rank: int, port: int, mode: str, results) -> None:
+def _rank(rank: int, port: int, results) -> None:
+    """Every mode and loss on 2 ranks, in one launch (starting the processes is the slow part)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    state = ParallelState(rank, 2, torch.device("cpu"), mode)
     rows = slice(rank * B // 2, (rank + 1) * B // 2)
     half = UpdateBatch(**{k: None if v is None else v[rows] for k, v in vars(_batch()).items()})
-    for name, loss in LOSSES.items():
-        value, params = _update(half, state, loss, accumulation=2)
-        total = torch.tensor(value, dtype=torch.float64)
-        dist.all_reduce(total)
-        if rank == 0:
-            results[name] = (total.item() / 2, params)
-        value, params = _update(half, state, loss, accumulation=1, max_tokens=3 * (P + T))  # 4 rows: 3 + 1
-        total = torch.tensor(value, dtype=torch.float64)
-        dist.all_reduce(total)
-        if rank == 0:
-            results[name, "tokens"] = (total.item() / 2, params)
+    for mode in MODES:
+        state = ParallelState(rank, 2, torch.device("cpu"), mode)
+        for name, loss in LOSSES.items():
+            value, params = _update(half, state, loss, accumulation=2)
+            total = torch.tensor(value, dtype=torch.float64)
+            dist.all_reduce(total)
+            if rank == 0:
+                results[mode, name] = (total.item() / 2, params)
+            value, params = _update(half, state, loss, accumulation=1, max_tokens=3 * (P + T))  # 4 rows: 3 + 1
+            total = torch.tensor(value, dtype=torch.float64)
+            dist.all_reduce(total)
+            if rank == 0:
+                results[mode, name, "tokens"] = (total.item() / 2, params)
     dist.destroy_process_group()
 
 
@@ -95,26 +98,38 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
-def test_two_ranks_with_accumulation_equal_one_process(mode):
+@pytest.fixture(scope="module")
+def two_rank_updates() -> dict:
+    """(mode, loss[, "tokens"]) -> (the step's loss, the parameters after it), from one launch of 2 processes."""
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_rank, args=(_free_port(), mode, results), nprocs=2, join=True)
-        results = dict(results)
+        mp.spawn(_rank, args=(_free_port(), results), nprocs=2, join=True)
+        return dict(results)
+
+
+@pytest.fixture(scope="module")
+def one_process_updates() -> dict:
+    """loss -> (the step's loss, the parameters after it) of 1 process on the whole batch."""
     single = ParallelState(0, 1, torch.device("cpu"), "none")
+    return {name: _update(_batch(), single, loss, accumulation=1) for name, loss in LOSSES.items()}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_two_ranks_with_accumulation_equal_one_process(mode, two_rank_updates, one_process_updates):
+    results = two_rank_updates
     initial = [p.detach() for p in _model().parameters()]
-    for name, loss in LOSSES.items():
-        want_loss, want = _update(_batch(), single, loss, accumulation=1)
+    for name in LOSSES:
+        want_loss, want = one_process_updates[name]
         moved = max((w - p0).abs().max().item() for w, p0 in zip(want, initial, strict=True))
         assert moved > 1e-4, f"{name}: the step did not move the parameters, the comparison would be empty"
-        for key in (name, (name, "tokens")):  # row micro-batches; padding-free token-budget ones (uneven)
+        for key in ((mode, name), (mode, name, "tokens")):  # row micro-batches; padding-free token-budget ones
             got_loss, got = results[key]
             assert got_loss == pytest.approx(want_loss, rel=1e-5, abs=1e-7), key
             for g, w in zip(got, want, strict=True):
                 torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6, msg=lambda m, key=key: f"{key}: {m}")
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+@pytest.mark.parametrize("mode", MODES)
 def test_torchrun_trains_logs_and_checkpoints(tmp_path, mode):
     """`torchrun --nproc_per_node=2 -m grpo_kernels.train` on the demo: one metrics log (rank 0), checkpoints
     that load into a plain model."""

@@ -3,25 +3,24 @@ hand-made tensors, then every shipped preset on the tiny demo (trains 2 steps, o
 
 import dataclasses
 import math
-import os
 import socket
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 import yaml
 
 from grpo_kernels import presets
 from grpo_kernels.regularizers import LambdaGRPOWeights, tr_grpo_weights
 from grpo_kernels.trainer import TrainConfig
-from grpo_kernels.trainer.components import PresetComponents, StepSamples, correctness, gather_inputs, local_part
+from grpo_kernels.trainer.components import PresetComponents, StepSamples, correctness
 from grpo_kernels.trainer.config import advantage_function, apply_preset
 from grpo_kernels.trainer.parallel import ParallelState
 from grpo_kernels.trainer.rollout import RolloutBatch
 from grpo_kernels.trainer.samplers import DynamicSampling, GPGResampling, Round, XRPOAllocation
 from grpo_kernels.trainer.tasks import AdditionTask, Prompt, RewardBatch
 from grpo_kernels.trainer.train import GRPOTrainer
+from tests.gather_ranks import gather_rank
 
 ONE_PROCESS = ParallelState(0, 1, torch.device("cpu"), "none")
 TRAINS = [
@@ -166,31 +165,13 @@ def test_estimators_get_the_inputs_their_signature_names():
         advantage_function(dataclasses.replace(TrainConfig(), advantage="stratified"))
 
 
-def _gather_rank(rank: int, port: int, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    state = ParallelState(rank, 2, torch.device("cpu"), "ddp")
-    length = 2 + rank  # the ranks' completions differ in length
-    inputs = {
-        "rewards": torch.tensor([1.0, 2.0]) + 10 * rank,
-        "group_ids": torch.tensor([0, 0]),
-        "mask": torch.ones(2, length, dtype=torch.bool),
-        "entropy": torch.full((2, length), float(rank)),
-    }
-    gathered = gather_inputs(inputs, state)
-    if rank == 0:
-        results.update({k: v.clone() for k, v in gathered.items()})
-    results[f"local{rank}"] = local_part(gathered["entropy"] + 1, 2, length, state).clone()
-    dist.destroy_process_group()
-
-
 def test_gather_inputs_pads_per_token_inputs_to_a_common_length():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_gather_rank, args=(port, results), nprocs=2, join=True)
+        mp.spawn(gather_rank, args=(port, results), nprocs=2, join=True)
         results = dict(results)
     assert results["rewards"].tolist() == [1.0, 2.0, 11.0, 12.0] and results["group_ids"].tolist() == [0, 0, 2, 2]
     assert (

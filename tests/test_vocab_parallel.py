@@ -1,7 +1,8 @@
 """Vocabulary-parallel passes and sequences split across ranks (gloo, CPU) against one process on the whole thing.
 
 Each spawned run batches every check (spawning is the slow part): its ranks compute the sharded or split result and
-the 1-process result on the whole weight / batch themselves, and report the first mismatch.
+compare it with the 1-process result on the whole weight / batch (computed once in the test process for the
+rank-independent checks, by the ranks themselves for the others), and report the first mismatch.
 """
 
 import os
@@ -61,28 +62,41 @@ def _grads(out, leaves, seed: int = 1):
     return torch.autograd.grad(objective, leaves)
 
 
-def _check_logprobs(world, rank, backend):
-    cols, x = _shard(world, rank), _inputs(False)
+def _logprobs_reference(backend) -> dict:
+    """One process on the whole logits / weight: token_logprobs' and fused_linear_token_logprobs' outputs and
+    gradients (they do not depend on the ranks: computed once, in the test process)."""
+    x = _inputs(False)
     logits = (x["hidden"] @ x["weight"].T).requires_grad_()
     kw = dict(with_entropy=True, temperature=0.7, final_logit_softcapping=3.0, mask=x["mask"], backend=backend)
     full = gk.token_logprobs(logits, x["targets"], inplace=False, **kw)
     (d_full,) = _grads(full, [logits])
-    part = logits.detach()[..., cols].clone().requires_grad_()
+    h, w, b = (x[k].clone().requires_grad_() for k in ("hidden", "weight", "bias"))
+    kw = dict(bias=b, with_entropy=True, mask=x["mask"], backend=backend, chunk_size=4)
+    fused = gk.fused_linear_token_logprobs(h, w, x["targets"], **kw)
+    d_fused = _grads(fused, [h, w, b])
+    return {"token": [t.detach() for t in (*full, d_full)], "fused": [t.detach() for t in (*fused, *d_fused)]}
+
+
+def _check_logprobs(world, rank, backend, reference):
+    cols, x = _shard(world, rank), _inputs(False)
+    logits = x["hidden"] @ x["weight"].T
+    kw = dict(with_entropy=True, temperature=0.7, final_logit_softcapping=3.0, mask=x["mask"], backend=backend)
+    logp, entropy, d_full = reference["token"]
+    part = logits[..., cols].clone().requires_grad_()
     ours = gk.token_logprobs(part, x["targets"], process_group=dist.group.WORLD, inplace=False, **kw)
     (d_ours,) = _grads(ours, [part])
-    pairs = (("logp", ours[0], full[0]), ("entropy", ours[1], full[1]), ("dlogits", d_ours, d_full[..., cols]))
+    pairs = (("logp", ours[0], logp), ("entropy", ours[1], entropy), ("dlogits", d_ours, d_full[..., cols]))
     for name, a, b in pairs:
         assert_close(a, b, F32, f"token_logprobs {backend} {name}")
 
-    h, w, b = (x[k].clone().requires_grad_() for k in ("hidden", "weight", "bias"))
-    kw = dict(bias=b, with_entropy=True, mask=x["mask"], backend=backend, chunk_size=4)
-    full = gk.fused_linear_token_logprobs(h, w, x["targets"], **kw)
-    d_full = _grads(full, [h, w, b])
+    h = x["hidden"].clone().requires_grad_()
+    kw = dict(with_entropy=True, mask=x["mask"], backend=backend, chunk_size=4)
+    logp, entropy, d_h, d_w, d_b = reference["fused"]
     ws, bs = x["weight"][cols].clone().requires_grad_(), x["bias"][cols].clone().requires_grad_()
-    ours = gk.fused_linear_token_logprobs(h, ws, x["targets"], process_group=dist.group.WORLD, **dict(kw, bias=bs))
+    ours = gk.fused_linear_token_logprobs(h, ws, x["targets"], process_group=dist.group.WORLD, bias=bs, **kw)
     d_ours = _grads(ours, [h, ws, bs])
-    pairs = (("logp", ours[0], full[0]), ("entropy", ours[1], full[1]), ("dH", d_ours[0], d_full[0]))
-    pairs += (("dW shard", d_ours[1], d_full[1][cols]), ("db shard", d_ours[2], d_full[2][cols]))
+    pairs = (("logp", ours[0], logp), ("entropy", ours[1], entropy), ("dH", d_ours[0], d_h))
+    pairs += (("dW shard", d_ours[1], d_w[cols]), ("db shard", d_ours[2], d_b[cols]))
     for name, a, b in pairs:
         assert_close(a, b, F32, f"fused_linear_token_logprobs {backend} {name}")
     padded = torch.zeros(max(SHARDS[world]), H)  # gloo gathers equal sizes
@@ -90,7 +104,7 @@ def _check_logprobs(world, rank, backend):
     parts = [torch.empty_like(padded) for _ in range(world)]
     dist.all_gather(parts, padded)
     dw = torch.cat([part[:n] for part, n in zip(parts, SHARDS[world], strict=True)])
-    assert_close(dw, d_full[1], F32, "dW shards concatenated")
+    assert_close(dw, d_w, F32, "dW shards concatenated")
 
 
 def _check_hard_cases(world, rank, backend):
@@ -118,40 +132,61 @@ def _check_hard_cases(world, rank, backend):
         assert_close(d_ours.float(), d_full[..., cols].float(), dtype, f"hard {backend} {dtype} dlogits")
 
 
-def _check_losses(world, rank, backend):
-    cols = _shard(world, rank)
+def _side(x: dict) -> dict:
+    return {k: x[k] for k in ("advantages", "old_logp", "ref_logp", "mask")} | {"cu_seqlens": x["cu_seqlens"]}
+
+
+def _losses_reference(backend) -> dict:
+    """(packed, loss name) -> one process on the whole logits / weight: grpo_loss's loss, metrics and dlogits, and
+    fused_linear_grpo_loss's loss, metrics, dH and dW (they do not depend on the ranks: computed once)."""
+    reference = {}
     for packed in (False, True):
         x = _inputs(packed)
-        side = {k: x[k] for k in ("advantages", "old_logp", "ref_logp", "mask")} | {"cu_seqlens": x["cu_seqlens"]}
+        side = _side(x)
         for name, options in LOSSES.items():
-            where = f"{backend} {name} packed={packed}"
             logits = (x["hidden"] @ x["weight"].T).requires_grad_()
             full = gk.grpo_loss(logits, x["targets"], inplace=False, backend=backend, **side, **options)
             (d_full,) = torch.autograd.grad(full.loss, [logits])
-            part = logits.detach()[..., cols].clone().requires_grad_()
+            h, w = x["hidden"].clone().requires_grad_(), x["weight"].clone().requires_grad_()
+            fused = gk.fused_linear_grpo_loss(h, w, x["targets"], backend=backend, **side, **options)
+            d_fused = torch.autograd.grad(fused.loss, [h, w])
+            reference[packed, name] = {
+                "logits": (full.loss.detach(), {k: v.detach() for k, v in full.metrics.items()}, d_full),
+                "fused": (fused.loss.detach(), {k: v.detach() for k, v in fused.metrics.items()}, *d_fused),
+            }
+    return reference
+
+
+def _check_losses(world, rank, backend, reference):
+    cols = _shard(world, rank)
+    for packed in (False, True):
+        x = _inputs(packed)
+        side = _side(x)
+        for name, options in LOSSES.items():
+            where = f"{backend} {name} packed={packed}"
+            loss, metrics, d_full = reference[packed, name]["logits"]
+            part = (x["hidden"] @ x["weight"].T)[..., cols].clone().requires_grad_()
             ours = gk.grpo_loss(
                 part, x["targets"], inplace=False, backend=backend, process_group=dist.group.WORLD, **side, **options
             )
             (d_ours,) = torch.autograd.grad(ours.loss, [part])
-            assert_close(ours.loss, full.loss, F32, f"grpo_loss {where} loss")
-            assert ours.metrics.keys() == full.metrics.keys()
-            for metric in full.metrics:
-                assert_close(ours.metrics[metric], full.metrics[metric], F32, f"grpo_loss {where} {metric}")
+            assert_close(ours.loss, loss, F32, f"grpo_loss {where} loss")
+            assert ours.metrics.keys() == metrics.keys()
+            for metric in metrics:
+                assert_close(ours.metrics[metric], metrics[metric], F32, f"grpo_loss {where} {metric}")
             assert_close(d_ours, d_full[..., cols], F32, f"grpo_loss {where} dlogits")
 
-            h, w = x["hidden"].clone().requires_grad_(), x["weight"].clone().requires_grad_()
-            full = gk.fused_linear_grpo_loss(h, w, x["targets"], backend=backend, **side, **options)
-            d_full = torch.autograd.grad(full.loss, [h, w])
-            ws = x["weight"][cols].clone().requires_grad_()
+            loss, metrics, d_h, d_w = reference[packed, name]["fused"]
+            h, ws = x["hidden"].clone().requires_grad_(), x["weight"][cols].clone().requires_grad_()
             ours = gk.fused_linear_grpo_loss(
                 h, ws, x["targets"], backend=backend, process_group=dist.group.WORLD, **side, **options
             )
             d_ours = torch.autograd.grad(ours.loss, [h, ws])
-            assert_close(ours.loss, full.loss, F32, f"fused_linear_grpo_loss {where} loss")
-            for metric in full.metrics:
-                assert_close(ours.metrics[metric], full.metrics[metric], F32, f"fused_linear {where} {metric}")
-            assert_close(d_ours[0], d_full[0], F32, f"fused_linear_grpo_loss {where} dH")
-            assert_close(d_ours[1], d_full[1][cols], F32, f"fused_linear_grpo_loss {where} dW shard")
+            assert_close(ours.loss, loss, F32, f"fused_linear_grpo_loss {where} loss")
+            for metric in metrics:
+                assert_close(ours.metrics[metric], metrics[metric], F32, f"fused_linear {where} {metric}")
+            assert_close(d_ours[0], d_h, F32, f"fused_linear_grpo_loss {where} dH")
+            assert_close(d_ours[1], d_w[cols], F32, f"fused_linear_grpo_loss {where} dW shard")
 
 
 def _check_verl(world, rank):
@@ -252,7 +287,7 @@ def _check_sequence_split(world, rank):
         assert_close(d_weight, d_full[1], F32, f"{name} split fused dW summed")
 
 
-def _worker(rank: int, world: int, port: int, checks: tuple[str, ...], queue) -> None:
+def _worker(rank: int, world: int, port: int, checks: tuple[str, ...], references: dict, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     sent: list[int] = []
@@ -264,11 +299,11 @@ def _worker(rank: int, world: int, port: int, checks: tuple[str, ...], queue) ->
                 _check_verl(world, rank)
             elif check == "split":
                 _check_sequence_split(world, rank)
+            elif check.startswith("hard:"):
+                _check_hard_cases(world, rank, check.split(":")[1])
             else:
                 kind, backend = check.split(":")
-                {"logprobs": _check_logprobs, "hard": _check_hard_cases, "losses": _check_losses}[kind](
-                    world, rank, backend
-                )
+                {"logprobs": _check_logprobs, "losses": _check_losses}[kind](world, rank, backend, references[check])
         queue.put((rank, None))
     except BaseException:  # noqa: BLE001  reported to the test, which fails with it
         queue.put((rank, traceback.format_exc()))
@@ -301,10 +336,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn(world: int, checks: tuple[str, ...]) -> None:
+def _spawn(world: int, checks: tuple[str, ...], references: dict) -> None:
     ctx = mp.get_context("spawn")
     queue, port = ctx.Queue(), _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, checks, queue)) for r in range(world)]
+    procs = [ctx.Process(target=_worker, args=(r, world, port, checks, references, queue)) for r in range(world)]
     for p in procs:
         p.start()
     reports = [queue.get(timeout=600) for _ in procs]
@@ -315,14 +350,22 @@ def _spawn(world: int, checks: tuple[str, ...]) -> None:
     assert all(p.exitcode == 0 for p in procs)
 
 
-def test_two_ranks():
+@pytest.fixture(scope="module")
+def references() -> dict:
+    """ "logprobs:<backend>" / "losses:<backend>" -> the 1-process results every rank compares with, computed once
+    here rather than on every rank of every launch (the Triton interpreter makes them the slow part)."""
+    found = {f"logprobs:{b}": _logprobs_reference(b) for b in ("torch", "triton")}
+    return found | {f"losses:{b}": _losses_reference(b) for b in ("torch", "triton")}
+
+
+def test_two_ranks(references):
     """2 ranks: both backends, both loss kinds with and without cu_seqlens, verl's drop-in, the bytes, the split."""
     checks = ("logprobs:torch", "logprobs:triton", "hard:torch", "hard:triton", "losses:torch", "losses:triton")
-    _spawn(2, (*checks, "verl", "bytes", "split"))
+    _spawn(2, (*checks, "verl", "bytes", "split"), references)
 
 
-def test_four_ranks():
-    _spawn(4, ("logprobs:torch", "logprobs:triton", "losses:torch", "losses:triton", "bytes"))
+def test_four_ranks(references):
+    _spawn(4, ("logprobs:torch", "logprobs:triton", "losses:torch", "losses:triton", "bytes"), references)
 
 
 def test_shard_layout_errors(monkeypatch):
