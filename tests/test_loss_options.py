@@ -71,8 +71,9 @@ def _weights(shape, seed: int, requires_grad: bool) -> torch.Tensor:
     return w.to(DEVICE, torch.float32).requires_grad_(requires_grad)
 
 
-def run_both(inputs: dict, backend: str, weights_grad: bool = True, **options):
-    """Our grpo_loss and the oracle on the same inputs: loss, metrics, sequence losses and every gradient."""
+def run_both(inputs: dict, backend: str, weights_grad: bool = True, sequence_losses: bool = True, **options):
+    """Our grpo_loss and the oracle on the same inputs: loss, metrics, sequence losses (from a second, two-phase
+    call; None without `sequence_losses`) and every gradient."""
     B, T = inputs["mask"].shape
     weights = {}
     if options.pop("token_weights", False):
@@ -85,9 +86,11 @@ def run_both(inputs: dict, backend: str, weights_grad: bool = True, **options):
     args = {k: inputs[k] for k in ("targets", "advantages", "old_logp", "ref_logp", "mask")}
     ref_logits = oracle_logits(inputs["logits"])
     ref_weights = {k: v.detach().double().cpu().requires_grad_(k != "sampling_logp") for k, v in weights.items()}
-    seq = gk.grpo_loss(
-        inputs["logits"], **args, **weights, backend=backend, inplace=False, return_sequence_losses=True, **options
-    )[1]  # the two-phase path: it has the shares
+    seq = None
+    if sequence_losses:
+        seq = gk.grpo_loss(
+            inputs["logits"], **args, **weights, backend=backend, inplace=False, return_sequence_losses=True, **options
+        )[1]  # the two-phase path: it has the shares
     logits = inputs["logits"].detach().requires_grad_()
     out = gk.grpo_loss(logits, **args, **weights, backend=backend, with_entropy=True, **options)  # fused if it can
     out.loss.backward()
@@ -106,11 +109,18 @@ def run_both(inputs: dict, backend: str, weights_grad: bool = True, **options):
 def test_option_matches_reference(backend, dtype, loss_type, option_set, launches):
     options = cell_options(loss_type, option_set)
     expect_fused = fused(backend, options)
+    # The per-sequence losses come from a second call, always two-phase: on an interpreted Triton cell whose loss the
+    # kernel forms that call is a two-phase cell again (Triton's plain pass, then the backend-independent algebra
+    # the torch cell checks), which the two-phase cells of TRITON_CELLS cover
+    sequence_losses = not (backend == "triton" and TRITON_INTERPRETED and expect_fused)
     inputs = loss_inputs(CASE, dtype, DEVICE, seed=5)
-    (out, seq), (ref_loss, ref_metrics, ref_seq), grads = run_both(inputs, backend, **options)
+    (out, seq), (ref_loss, ref_metrics, ref_seq), grads = run_both(
+        inputs, backend, sequence_losses=sequence_losses, **options
+    )
     assert launches["fused_epilogue"] == int(expect_fused), "the route is not the one the cells were chosen by"
     assert_close(out.loss, ref_loss, dtype, "loss")
-    assert_close(seq, ref_seq, dtype, "sequence losses")
+    if sequence_losses:
+        assert_close(seq, ref_seq, dtype, "sequence losses")
     for name, (ours, expected) in grads.items():
         assert ours is not None, f"no gradient for {name}"
         assert_close(ours, expected, dtype, f"grad {name}")
