@@ -36,7 +36,7 @@ def kernel_forms_loss(backend: str, **options) -> bool:
     return caps.epilogue_module is not None and is_token_level(opts) and fits_kernel_epilogue(opts, caps.epilogue_kl)
 
 
-def first_of_each(cells: list[tuple[str, str]]) -> list[tuple[str, str]]:
+def first_of_each(cells: list[tuple]) -> list[tuple]:
     """The (a, b) cells that bring a new a or a new b, in order: each loss type and each variant at least once."""
     kept, seen_a, seen_b = [], set(), set()
     for a, b in cells:
@@ -47,7 +47,7 @@ def first_of_each(cells: list[tuple[str, str]]) -> list[tuple[str, str]]:
     return kept
 
 
-def interpreted_cells(cells: list[tuple[str, str]], fused: Callable[[str, str], bool]) -> list[tuple[str, str]]:
+def interpreted_cells(cells: list[tuple], fused: Callable[..., bool]) -> list[tuple]:
     """Of a matrix's (loss type, variant) cells, those Triton runs under its interpreter: every cell whose loss the
     Triton kernel forms itself (`fused`), and of the two-phase cells the first of each loss type and the first of each
     variant no kept cell has yet. A two-phase cell runs Triton's plain vocabulary pass and then the PyTorch loss
