@@ -13,7 +13,7 @@ from grpo_kernels.kernels import token_logprobs_triton
 from tests import test_grpo_loss, test_token_logprobs, test_token_stats
 from tests.cases import CASE_IDS, CASES, make_inputs
 from tests.conftest import DEVICE, DTYPES, assert_close
-from tests.helpers import oracle_logits
+from tests.helpers import loss_inputs, oracle_logits, ours_and_oracle
 
 
 @pytest.fixture
@@ -58,7 +58,13 @@ def test_split_stats_match_formulas(split, dtype, case, transform, launches):
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
 def test_split_fused_loss_matches_oracle(split, dtype, case, launches):
-    test_grpo_loss.test_hard_cases("triton", dtype, case)
+    """A token-level loss formed in the split pass's epilogue (partial statistics merged, then the loss per token)."""
+    inputs = loss_inputs(case, dtype, DEVICE, seed=11)
+    assert_split(inputs["logits"])
+    options = dict(loss_type="dapo", beta=0.04, epsilon_high=0.28)
+    ours, oracle = ours_and_oracle(inputs, "triton", temperature=case.temperature, **options)
+    test_grpo_loss.assert_matches(ours, oracle, dtype, expect_kl=True)
+    assert launches == {"triton": 2, "fused_epilogue": 1}
 
 
 def _sliced(V: int, dtype: torch.dtype, offset: int, pad: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
