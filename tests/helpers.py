@@ -2,11 +2,67 @@
 
 from __future__ import annotations
 
+import os
+import warnings
+from collections.abc import Callable
+
 import torch
 
 import grpo_kernels as gk
 from grpo_kernels import reference
+from grpo_kernels.kernels.backend import CAPABILITIES
+from grpo_kernels.losses.epilogue import fits_kernel_epilogue, is_token_level
+from grpo_kernels.options import LossOptions
 from tests.cases import Case, make_inputs
+
+# Triton under its CPU interpreter (~1 s a launch): the matrix tests run a representative subset of their Triton
+# cells there (each test names its rule), and every cell where Triton compiles.
+TRITON_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def quiet_options(**options) -> LossOptions:
+    """LossOptions without its warnings: cells are chosen at collection, and each cell's own call warns where due."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return LossOptions(**options)
+
+
+def kernel_forms_loss(backend: str, **options) -> bool:
+    """Whether grpo_loss forms this loss in `backend`'s forward-kernel epilogue: engine/plan.py's `choose_route` for
+    padded logits, no per-sequence losses asked and no weight taking a gradient (the callers' checks of the
+    launch counter keep this in step with the engine)."""
+    caps = CAPABILITIES[backend]
+    opts = quiet_options(**options)
+    return caps.epilogue_module is not None and is_token_level(opts) and fits_kernel_epilogue(opts, caps.epilogue_kl)
+
+
+def first_of_each(cells: list[tuple]) -> list[tuple]:
+    """The (a, b) cells that bring a new a or a new b, in order: each loss type and each variant at least once."""
+    kept, seen_a, seen_b = [], set(), set()
+    for a, b in cells:
+        if a not in seen_a or b not in seen_b:
+            kept.append((a, b))
+            seen_a.add(a)
+            seen_b.add(b)
+    return kept
+
+
+def interpreted_cells(cells: list[tuple], fused: Callable[..., bool]) -> list[tuple]:
+    """Of a matrix's (loss type, variant) cells, those Triton runs under its interpreter: every cell whose loss the
+    Triton kernel forms itself (`fused`), and of the two-phase cells the first of each loss type and the first of each
+    variant no kept cell has yet. A two-phase cell runs Triton's plain vocabulary pass and then the PyTorch loss
+    algebra, which is backend-independent and checked on every cell by the torch backend: the rest would only repeat
+    the same pass."""
+    covered = {variant for loss_type, variant in cells if fused(loss_type, variant)}
+    kept, types = [], set()
+    for loss_type, variant in cells:
+        if fused(loss_type, variant):
+            kept.append((loss_type, variant))
+        elif loss_type not in types or variant not in covered:
+            kept.append((loss_type, variant))
+            types.add(loss_type)
+            covered.add(variant)
+    return kept
 
 
 def oracle_logits(logits: torch.Tensor) -> torch.Tensor:

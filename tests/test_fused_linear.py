@@ -1,13 +1,16 @@
 """fused_linear_* against the float64 oracle on logits = hidden @ W.T + b: loss, metrics and the gradients of
-hidden, weight and bias, for every loss type and the options, both layouts, both backends, fp32 and bf16."""
+hidden, weight and bias, for every loss type and the options, both layouts, both backends, fp32 and bf16 (Triton
+under its interpreter: the loss-type cells `triton_cells` names)."""
 
 import pytest
 import torch
 
 import grpo_kernels as gk
 from grpo_kernels import reference
-from grpo_kernels.options import TOKEN_LEVEL_ONLY_TYPES
+from grpo_kernels.losses.epilogue import is_token_level
+from grpo_kernels.options import TOKEN_LEVEL_ONLY_TYPES, LossOptions
 from tests.conftest import BACKENDS, DEVICE, assert_close
+from tests.helpers import TRITON_INTERPRETED, first_of_each, quiet_options
 
 B, T, H, V = 3, 5, 16, 37
 CHUNK = 3  # kept rows per chunk: not a divisor of the kept-token count
@@ -89,11 +92,7 @@ TYPE_LEVELS = [
 ]
 
 
-@pytest.mark.parametrize("loss_type,level", TYPE_LEVELS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_loss_types(backend, dtype, loss_type, level, launches):
-    inputs = make(dtype)
+def type_level_options(loss_type: str, level: str) -> dict:
     options = dict(loss_type=loss_type, importance_sampling_level=level, beta=0.04, epsilon_high=0.28)
     if loss_type == "dr_grpo":
         options["max_completion_length"] = T + 2
@@ -101,6 +100,42 @@ def test_loss_types(backend, dtype, loss_type, level, launches):
         options["dro_beta"] = 0.3
     if loss_type == "clip_cov":  # cut every candidate, so the three calls below draw no differing random tokens
         options.update(clip_cov_ratio=1.0, clip_cov_lb=0.0)
+    return options
+
+
+def token_level(loss_type: str, level: str) -> bool:
+    """Whether the fused lm_head forms this loss's gradients in its forward (`losses/epilogue.py`'s rule)."""
+    return is_token_level(quiet_options(**type_level_options(loss_type, level)))
+
+
+def triton_cells() -> list[tuple]:
+    """The (dtype, loss type, IS level) cells Triton runs under its interpreter. The lm_head's loss is PyTorch on
+    every route (the chunk loss or the two-phase algebra, checked on every cell by the torch backend); the Triton
+    kernels see only a chunk's logits and dL/dlogp, dL/dentropy. So: each loss type and each IS level once, the dtypes
+    taken in turn, and each route (gradients formed in the forward, or two-phase) in each dtype."""
+    cells = [(DTYPES[i % len(DTYPES)], *cell) for i, cell in enumerate(first_of_each(TYPE_LEVELS))]
+    for dtype in DTYPES:
+        for route in (True, False):
+            if not any(d == dtype and token_level(t, lv) == route for d, t, lv in cells):
+                cells.append(next((dtype, t, lv) for t, lv in TYPE_LEVELS if token_level(t, lv) == route))
+    return cells
+
+
+LOSS_TYPE_CELLS = [
+    (backend, *cell)
+    for backend in BACKENDS
+    for cell in (
+        triton_cells()
+        if backend == "triton" and TRITON_INTERPRETED
+        else [(dtype, t, lv) for dtype in DTYPES for t, lv in TYPE_LEVELS]
+    )
+]
+
+
+@pytest.mark.parametrize("backend,dtype,loss_type,level", LOSS_TYPE_CELLS, ids=lambda x: str(x).removeprefix("torch."))
+def test_loss_types(backend, dtype, loss_type, level, launches):
+    inputs = make(dtype)
+    options = type_level_options(loss_type, level)
     p = leaves(inputs, double=False)
     args = [inputs[k] for k in ("targets", "advantages", "old_logp", "ref_logp", "mask")]
     out = gk.fused_linear_grpo_loss(
@@ -108,7 +143,7 @@ def test_loss_types(backend, dtype, loss_type, level, launches):
     )
     out.loss.backward()
     check(out.loss, out.metrics, p, inputs, dtype, **options)
-    token_level = level == "token" and gk.POLICY_LOSSES[loss_type].epilogue is not None
+    token_level = is_token_level(LossOptions(**options))
     assert launches["fused_linear_token_loss"] == int(token_level)  # gradients formed in the forward: 3 GEMMs
     chunks = -(-int(inputs["mask"].sum()) // CHUNK)
     assert launches[backend] == 2 * chunks  # forward and backward of each chunk of kept rows

@@ -1,4 +1,5 @@
-"""grpo_loss against the float64 oracle: every loss type x IS level x backend x dtype, every option, every case."""
+"""grpo_loss against the float64 oracle: every loss type x IS level x backend x dtype, every option, every case (Triton
+under its interpreter: the cells `triton_type_cells` names)."""
 
 import pytest
 import torch
@@ -7,7 +8,7 @@ import grpo_kernels as gk
 from grpo_kernels.options import TOKEN_LEVEL_ONLY_TYPES
 from tests.cases import CASE_IDS, CASES, Case
 from tests.conftest import BACKENDS, DEVICE, DTYPES, assert_close
-from tests.helpers import loss_inputs, ours_and_oracle
+from tests.helpers import TRITON_INTERPRETED, interpreted_cells, kernel_forms_loss, loss_inputs, ours_and_oracle
 
 REQUIRED_METRICS = {"clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "ratio/mean", "entropy"}
 
@@ -43,23 +44,50 @@ TYPE_LEVELS = [
 ]
 
 
-@pytest.mark.parametrize("loss_type,level", TYPE_LEVELS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_loss_types(backend, dtype, loss_type, level, launches):
-    case = Case("ragged_vocab")
-    inputs = loss_inputs(case, dtype, DEVICE)
-    ours, oracle = ours_and_oracle(
-        inputs,
-        backend,
+def type_level_options(loss_type: str, level: str) -> dict:
+    return dict(
         loss_type=loss_type,
         importance_sampling_level=level,
         beta=0.04,
         epsilon_high=0.28,
-        **type_options(loss_type, case.T),
+        **type_options(loss_type, Case("ragged_vocab").T),
     )
+
+
+def triton_type_cells() -> list[tuple]:
+    """The (dtype, loss type, IS level) cells Triton runs under its interpreter: `interpreted_cells` of the type x
+    level matrix, a fused-epilogue cell in every dtype, a two-phase one in one dtype (taken in turn)."""
+    cells, two_phase = [], 0
+    for loss_type, level in interpreted_cells(
+        TYPE_LEVELS, lambda t, lv: kernel_forms_loss("triton", **type_level_options(t, lv))
+    ):
+        if kernel_forms_loss("triton", **type_level_options(loss_type, level)):
+            cells += [(dtype, loss_type, level) for dtype in DTYPES]
+        else:
+            cells.append((DTYPES[two_phase % len(DTYPES)], loss_type, level))
+            two_phase += 1
+    return cells
+
+
+TYPE_CELLS = [
+    (backend, *cell)
+    for backend in BACKENDS
+    for cell in (
+        triton_type_cells()
+        if backend == "triton" and TRITON_INTERPRETED
+        else [(dtype, t, lv) for dtype in DTYPES for t, lv in TYPE_LEVELS]
+    )
+]
+
+
+@pytest.mark.parametrize("backend,dtype,loss_type,level", TYPE_CELLS, ids=lambda x: str(x).removeprefix("torch."))
+def test_loss_types(backend, dtype, loss_type, level, launches):
+    options = type_level_options(loss_type, level)
+    inputs = loss_inputs(Case("ragged_vocab"), dtype, DEVICE)
+    ours, oracle = ours_and_oracle(inputs, backend, **options)
     assert_matches(ours, oracle, dtype, expect_kl=True)
     fused = backend in ("triton", "cuda") and level == "token" and gk.POLICY_LOSSES[loss_type].epilogue is not None
+    assert fused == kernel_forms_loss(backend, **options)
     assert launches == ({backend: 2, "fused_epilogue": 1} if fused else {backend: 2})
 
 
@@ -88,9 +116,28 @@ TYPE_OPTIONS = [
 ] + [("gmpo", o) for o in ("is_ratio_per_token", "is_ratio_per_sequence")]  # verl geo_mean's geometric mean
 
 
-@pytest.mark.parametrize("loss_type,option_set", TYPE_OPTIONS)
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_options(backend, loss_type, option_set):
+INPUT_OPTIONS = ("old_logp", "per_token_advantages", "is_ratio")  # the inputs an option set changes
+
+
+def option_set_fused(loss_type: str, option_set: str) -> bool:
+    options = {k: v for k, v in OPTION_SETS[option_set].items() if k not in INPUT_OPTIONS}
+    return kernel_forms_loss("triton", **{"beta": 0.04, **options, "loss_type": loss_type})
+
+
+# Under the interpreter Triton runs `interpreted_cells`: the fused-epilogue cells, each loss type and option set once
+OPTION_CELLS = [
+    (backend, *cell)
+    for backend in BACKENDS
+    for cell in (
+        interpreted_cells(TYPE_OPTIONS, option_set_fused)
+        if backend == "triton" and TRITON_INTERPRETED
+        else TYPE_OPTIONS
+    )
+]
+
+
+@pytest.mark.parametrize("backend,loss_type,option_set", OPTION_CELLS)
+def test_options(backend, loss_type, option_set, launches):
     options = dict(OPTION_SETS[option_set])
     case = Case("ragged_vocab")
     inputs = loss_inputs(
@@ -105,6 +152,8 @@ def test_options(backend, loss_type, option_set):
     options.setdefault("beta", 0.04)
     ours, oracle = ours_and_oracle(inputs, backend, temperature=temperature, loss_type=loss_type, **options)
     assert_matches(ours, oracle, torch.float32, expect_kl=True)
+    if backend == "triton":
+        assert launches["fused_epilogue"] == int(option_set_fused(loss_type, option_set)), "not the route expected"
 
 
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)

@@ -10,7 +10,14 @@ from grpo_kernels import reference
 from grpo_kernels.kernels import token_logprobs_torch
 from tests.cases import CASE_IDS, CASES, Case, make_inputs
 from tests.conftest import BACKENDS, DEVICE, DTYPES, assert_close
-from tests.helpers import loss_inputs, oracle_logits, ours_and_oracle
+from tests.helpers import (
+    TRITON_INTERPRETED,
+    interpreted_cells,
+    kernel_forms_loss,
+    loss_inputs,
+    oracle_logits,
+    ours_and_oracle,
+)
 
 # name -> (logit_scale, final_logit_softcapping); the cases' logits are ~N(0, 2²), so a cap of 3 bends them
 TRANSFORMS = {
@@ -174,10 +181,34 @@ LOSS_OPTIONS = {  # token-level (the fused epilogue on triton / cuda, 3 GEMMs fu
 }
 
 
-@pytest.mark.parametrize("loss", LOSS_OPTIONS)
-@pytest.mark.parametrize("case", [Case("ragged_vocab"), Case("neg_inf_logits"), Case("extreme_logits", scale=1e4)])
-@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
-@pytest.mark.parametrize("backend", BACKENDS)
+LOSS_CASES = [Case("ragged_vocab"), Case("neg_inf_logits"), Case("extreme_logits", scale=1e4)]
+LOSS_CELLS = [
+    (loss, (dtype, case)) for dtype in (torch.float32, torch.bfloat16) for case in LOSS_CASES for loss in LOSS_OPTIONS
+]
+
+
+def loss_fused(loss: str) -> bool:
+    return kernel_forms_loss("triton", **LOSS_OPTIONS[loss], **TRANSFORMS["scaled_softcapped"])
+
+
+# Under the interpreter Triton runs `interpreted_cells`: the fused-epilogue losses on every dtype x case, the
+# two-phase ones once (the soft-capped pass itself, with entropy gradients, is test_matches_reference's)
+SOFTCAP_LOSS_CELLS = [
+    (backend, dtype, case, loss)
+    for backend in BACKENDS
+    for loss, (dtype, case) in (
+        interpreted_cells(LOSS_CELLS, lambda loss, _: loss_fused(loss))
+        if backend == "triton" and TRITON_INTERPRETED
+        else LOSS_CELLS
+    )
+]
+
+
+@pytest.mark.parametrize(
+    "backend,dtype,case,loss",
+    SOFTCAP_LOSS_CELLS,
+    ids=lambda x: x.name if isinstance(x, Case) else str(x).removeprefix("torch."),
+)
 def test_grpo_loss_with_softcap_matches_reference(backend, dtype, case, loss, launches):
     options = LOSS_OPTIONS[loss] | TRANSFORMS["scaled_softcapped"]
     ours, oracle = ours_and_oracle(loss_inputs(case, dtype, DEVICE), backend, temperature=0.9, **options)
@@ -186,6 +217,7 @@ def test_grpo_loss_with_softcap_matches_reference(backend, dtype, case, loss, la
     for name, value in ours[1].items():
         assert_close(value, oracle[1][name], dtype, name)
     fused = backend in ("triton", "cuda") and loss in ("dapo_k3", "cispo")
+    assert fused == (backend != "torch" and loss_fused(loss))
     assert launches["fused_epilogue"] == int(fused)
 
 

@@ -1,6 +1,7 @@
 """The options beyond TRL against the float64 oracle: KL estimators, dual-clip, two-sided CISPO, entropy bonus,
 verl's aggregation modes, token/sequence weights (and their gradients), per-sequence losses, packed input, and
-extreme log-ratios. Every backend × dtype; loss, metrics and every gradient."""
+extreme log-ratios. Every backend × dtype; loss, metrics and every gradient (Triton under its interpreter: the cells
+`TRITON_CELLS` names)."""
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from grpo_kernels import reference
 from grpo_kernels.options import CLIPPED_SURROGATE_TYPES, DPPO_TYPES, LOSS_AGG_MODES
 from tests.cases import Case
 from tests.conftest import BACKENDS, DEVICE, assert_close
-from tests.helpers import loss_inputs, oracle_logits
+from tests.helpers import TRITON_INTERPRETED, interpreted_cells, kernel_forms_loss, loss_inputs, oracle_logits
 
 DTYPES = (torch.float32, torch.bfloat16)
 CASE = Case("ragged_vocab")
@@ -41,6 +42,28 @@ TYPE_OPTIONS = [(t, o) for t in TYPES for o in OPTION_SETS if t in ONLY_FOR.get(
 OPTION_SETS["dppo_truncation"] = dict(clip_ratio_c=1.1, epsilon=0.005, epsilon_high=0.0075)  # masks and caps
 OPTION_SETS["dro_seq_mean"] = dict(dro_beta=0.3, loss_agg_mode="seq-mean-token-mean")
 TYPE_OPTIONS += [(t, "dppo_truncation") for t in DPPO_TYPES] + [("dro", "dro_seq_mean")]
+WEIGHT_FLAGS = ("token_weights", "sequence_weights", "sampling_logp")  # run_both's inputs, not LossOptions
+
+
+def cell_options(loss_type: str, option_set: str) -> dict:
+    return dict(OPTION_SETS[option_set], loss_type=loss_type, beta=0.04, **TYPE_DEFAULTS.get(loss_type, {}))
+
+
+def fused(backend: str, options: dict) -> bool:
+    """Whether run_both's second call forms the loss in the backend's kernel epilogue (its weights take gradients:
+    never)."""
+    if options.get("token_weights") or options.get("sequence_weights"):
+        return False
+    return kernel_forms_loss(backend, **{k: v for k, v in options.items() if k not in WEIGHT_FLAGS})
+
+
+# Under the interpreter Triton runs `interpreted_cells`: the fused-epilogue cells, each loss type and option set once
+TRITON_CELLS = interpreted_cells(TYPE_OPTIONS, lambda t, o: fused("triton", cell_options(t, o)))
+CELLS = [
+    (backend, loss_type, option_set)
+    for backend in BACKENDS
+    for loss_type, option_set in (TRITON_CELLS if backend == "triton" and TRITON_INTERPRETED else TYPE_OPTIONS)
+]
 
 
 def _weights(shape, seed: int, requires_grad: bool) -> torch.Tensor:
@@ -48,8 +71,9 @@ def _weights(shape, seed: int, requires_grad: bool) -> torch.Tensor:
     return w.to(DEVICE, torch.float32).requires_grad_(requires_grad)
 
 
-def run_both(inputs: dict, backend: str, weights_grad: bool = True, **options):
-    """Our grpo_loss and the oracle on the same inputs: loss, metrics, sequence losses and every gradient."""
+def run_both(inputs: dict, backend: str, weights_grad: bool = True, sequence_losses: bool = True, **options):
+    """Our grpo_loss and the oracle on the same inputs: loss, metrics, sequence losses (from a second, two-phase
+    call; None without `sequence_losses`) and every gradient."""
     B, T = inputs["mask"].shape
     weights = {}
     if options.pop("token_weights", False):
@@ -62,9 +86,11 @@ def run_both(inputs: dict, backend: str, weights_grad: bool = True, **options):
     args = {k: inputs[k] for k in ("targets", "advantages", "old_logp", "ref_logp", "mask")}
     ref_logits = oracle_logits(inputs["logits"])
     ref_weights = {k: v.detach().double().cpu().requires_grad_(k != "sampling_logp") for k, v in weights.items()}
-    seq = gk.grpo_loss(
-        inputs["logits"], **args, **weights, backend=backend, inplace=False, return_sequence_losses=True, **options
-    )[1]  # the two-phase path: it has the shares
+    seq = None
+    if sequence_losses:
+        seq = gk.grpo_loss(
+            inputs["logits"], **args, **weights, backend=backend, inplace=False, return_sequence_losses=True, **options
+        )[1]  # the two-phase path: it has the shares
     logits = inputs["logits"].detach().requires_grad_()
     out = gk.grpo_loss(logits, **args, **weights, backend=backend, with_entropy=True, **options)  # fused if it can
     out.loss.backward()
@@ -78,15 +104,23 @@ def run_both(inputs: dict, backend: str, weights_grad: bool = True, **options):
     return (out, seq), (ref_loss, ref_metrics, ref_seq), grads
 
 
-@pytest.mark.parametrize("loss_type,option_set", TYPE_OPTIONS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_option_matches_reference(backend, dtype, loss_type, option_set):
-    options = dict(OPTION_SETS[option_set], loss_type=loss_type, beta=0.04, **TYPE_DEFAULTS.get(loss_type, {}))
+@pytest.mark.parametrize("backend,loss_type,option_set", CELLS)
+def test_option_matches_reference(backend, dtype, loss_type, option_set, launches):
+    options = cell_options(loss_type, option_set)
+    expect_fused = fused(backend, options)
+    # The per-sequence losses come from a second call, always two-phase: on an interpreted Triton cell whose loss the
+    # kernel forms that call is a two-phase cell again (Triton's plain pass, then the backend-independent algebra
+    # the torch cell checks), which the two-phase cells of TRITON_CELLS cover
+    sequence_losses = not (backend == "triton" and TRITON_INTERPRETED and expect_fused)
     inputs = loss_inputs(CASE, dtype, DEVICE, seed=5)
-    (out, seq), (ref_loss, ref_metrics, ref_seq), grads = run_both(inputs, backend, **options)
+    (out, seq), (ref_loss, ref_metrics, ref_seq), grads = run_both(
+        inputs, backend, sequence_losses=sequence_losses, **options
+    )
+    assert launches["fused_epilogue"] == int(expect_fused), "the route is not the one the cells were chosen by"
     assert_close(out.loss, ref_loss, dtype, "loss")
-    assert_close(seq, ref_seq, dtype, "sequence losses")
+    if sequence_losses:
+        assert_close(seq, ref_seq, dtype, "sequence losses")
     for name, (ours, expected) in grads.items():
         assert ours is not None, f"no gradient for {name}"
         assert_close(ours, expected, dtype, f"grad {name}")

@@ -13,7 +13,7 @@ from grpo_kernels.kernels import token_logprobs_triton
 from tests import test_grpo_loss, test_token_logprobs, test_token_stats
 from tests.cases import CASE_IDS, CASES, make_inputs
 from tests.conftest import DEVICE, DTYPES, assert_close
-from tests.helpers import oracle_logits
+from tests.helpers import loss_inputs, oracle_logits, ours_and_oracle
 
 
 @pytest.fixture
@@ -58,7 +58,13 @@ def test_split_stats_match_formulas(split, dtype, case, transform, launches):
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
 def test_split_fused_loss_matches_oracle(split, dtype, case, launches):
-    test_grpo_loss.test_hard_cases("triton", dtype, case)
+    """A token-level loss formed in the split pass's epilogue (partial statistics merged, then the loss per token)."""
+    inputs = loss_inputs(case, dtype, DEVICE, seed=11)
+    assert_split(inputs["logits"])
+    options = dict(loss_type="dapo", beta=0.04, epsilon_high=0.28)
+    ours, oracle = ours_and_oracle(inputs, "triton", temperature=case.temperature, **options)
+    test_grpo_loss.assert_matches(ours, oracle, dtype, expect_kl=True)
+    assert launches == {"triton": 2, "fused_epilogue": 1}
 
 
 def _sliced(V: int, dtype: torch.dtype, offset: int, pad: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -79,18 +85,27 @@ def _sliced(V: int, dtype: torch.dtype, offset: int, pad: int, seed: int = 0) ->
     return logits.to(DEVICE), targets.to(DEVICE), mask.to(DEVICE)
 
 
+UNALIGNED_SPLIT_COLUMNS = 8
+# "split" only where it cuts: v_splits leaves a row narrower than 2 · MIN_SPLIT_COLUMNS whole, the "one" cell's pass
+UNALIGNED_SPLITS = [
+    (V, splits)
+    for V in (1, 7, 45, 300)
+    for splits in ("one", "split")
+    if splits == "one" or V >= 2 * UNALIGNED_SPLIT_COLUMNS
+]
+
+
 @pytest.mark.parametrize("inplace", (True, False))
-@pytest.mark.parametrize("splits", ("one", "split"))
 @pytest.mark.parametrize("layout", ((1, 3), (3, 5), (0, 1), (7, 9)), ids=lambda x: f"offset{x[0]}_pad{x[1]}")
-@pytest.mark.parametrize("V", (1, 7, 45, 300))
+@pytest.mark.parametrize("V,splits", UNALIGNED_SPLITS)
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32), ids=str)
-def test_unaligned_rows(dtype, V, layout, splits, inplace, monkeypatch):
+def test_unaligned_rows(dtype, V, splits, layout, inplace, monkeypatch):
     """Head (before the first 16-byte boundary), whole aligned tiles and tail of every row, in each V-block; the
     backward's stores in place (the logits' alignment) and into a new contiguous buffer (another alignment)."""
     if splits == "split":
-        monkeypatch.setattr(token_logprobs_triton, "MIN_SPLIT_COLUMNS", 8)
+        monkeypatch.setattr(token_logprobs_triton, "MIN_SPLIT_COLUMNS", UNALIGNED_SPLIT_COLUMNS)
     logits, targets, mask = _sliced(V, dtype, *layout)
-    if splits == "split" and V >= 16:
+    if splits == "split":
         assert_split(logits)
     ref_logits = oracle_logits(logits)
     logits = logits.detach().requires_grad_()
