@@ -20,6 +20,16 @@ from tests.cases import Case, make_inputs
 TRITON_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def backend_cells(backends: tuple[str, ...], full: list[tuple], interpreted: Callable[[], list[tuple]]) -> list[tuple]:
+    """(backend, *cell) for each backend: every cell of `full`, but Triton under its interpreter runs `interpreted()`
+    (the test's representative subset)."""
+    return [
+        (backend, *cell)
+        for backend in backends
+        for cell in (interpreted() if backend == "triton" and TRITON_INTERPRETED else full)
+    ]
+
+
 def quiet_options(**options) -> LossOptions:
     """LossOptions without its warnings: cells are chosen at collection, and each cell's own call warns where due."""
     with warnings.catch_warnings():

@@ -10,7 +10,7 @@ from grpo_kernels import reference
 from grpo_kernels.losses.epilogue import is_token_level
 from grpo_kernels.options import TOKEN_LEVEL_ONLY_TYPES, LossOptions
 from tests.conftest import BACKENDS, DEVICE, assert_close
-from tests.helpers import TRITON_INTERPRETED, first_of_each, quiet_options
+from tests.helpers import backend_cells, first_of_each, quiet_options
 
 B, T, H, V = 3, 5, 16, 37
 CHUNK = 3  # kept rows per chunk: not a divisor of the kept-token count
@@ -121,15 +121,7 @@ def triton_cells() -> list[tuple]:
     return cells
 
 
-LOSS_TYPE_CELLS = [
-    (backend, *cell)
-    for backend in BACKENDS
-    for cell in (
-        triton_cells()
-        if backend == "triton" and TRITON_INTERPRETED
-        else [(dtype, t, lv) for dtype in DTYPES for t, lv in TYPE_LEVELS]
-    )
-]
+LOSS_TYPE_CELLS = backend_cells(BACKENDS, [(dtype, t, lv) for dtype in DTYPES for t, lv in TYPE_LEVELS], triton_cells)
 
 
 @pytest.mark.parametrize("backend,dtype,loss_type,level", LOSS_TYPE_CELLS, ids=lambda x: str(x).removeprefix("torch."))

@@ -8,7 +8,7 @@ import grpo_kernels as gk
 from grpo_kernels.options import TOKEN_LEVEL_ONLY_TYPES
 from tests.cases import CASE_IDS, CASES, Case
 from tests.conftest import BACKENDS, DEVICE, DTYPES, assert_close
-from tests.helpers import TRITON_INTERPRETED, interpreted_cells, kernel_forms_loss, loss_inputs, ours_and_oracle
+from tests.helpers import backend_cells, interpreted_cells, kernel_forms_loss, loss_inputs, ours_and_oracle
 
 REQUIRED_METRICS = {"clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "ratio/mean", "entropy"}
 
@@ -69,15 +69,7 @@ def triton_type_cells() -> list[tuple]:
     return cells
 
 
-TYPE_CELLS = [
-    (backend, *cell)
-    for backend in BACKENDS
-    for cell in (
-        triton_type_cells()
-        if backend == "triton" and TRITON_INTERPRETED
-        else [(dtype, t, lv) for dtype in DTYPES for t, lv in TYPE_LEVELS]
-    )
-]
+TYPE_CELLS = backend_cells(BACKENDS, [(dtype, t, lv) for dtype in DTYPES for t, lv in TYPE_LEVELS], triton_type_cells)
 
 
 @pytest.mark.parametrize("backend,dtype,loss_type,level", TYPE_CELLS, ids=lambda x: str(x).removeprefix("torch."))
@@ -125,15 +117,7 @@ def option_set_fused(loss_type: str, option_set: str) -> bool:
 
 
 # Under the interpreter Triton runs `interpreted_cells`: the fused-epilogue cells, each loss type and option set once
-OPTION_CELLS = [
-    (backend, *cell)
-    for backend in BACKENDS
-    for cell in (
-        interpreted_cells(TYPE_OPTIONS, option_set_fused)
-        if backend == "triton" and TRITON_INTERPRETED
-        else TYPE_OPTIONS
-    )
-]
+OPTION_CELLS = backend_cells(BACKENDS, TYPE_OPTIONS, lambda: interpreted_cells(TYPE_OPTIONS, option_set_fused))
 
 
 @pytest.mark.parametrize("backend,loss_type,option_set", OPTION_CELLS)
