@@ -11,7 +11,14 @@ from grpo_kernels import reference
 from grpo_kernels.options import CLIPPED_SURROGATE_TYPES, DPPO_TYPES, LOSS_AGG_MODES
 from tests.cases import Case
 from tests.conftest import BACKENDS, DEVICE, assert_close
-from tests.helpers import TRITON_INTERPRETED, interpreted_cells, kernel_forms_loss, loss_inputs, oracle_logits
+from tests.helpers import (
+    TRITON_INTERPRETED,
+    backend_cells,
+    interpreted_cells,
+    kernel_forms_loss,
+    loss_inputs,
+    oracle_logits,
+)
 
 DTYPES = (torch.float32, torch.bfloat16)
 CASE = Case("ragged_vocab")
@@ -59,11 +66,7 @@ def fused(backend: str, options: dict) -> bool:
 
 # Under the interpreter Triton runs `interpreted_cells`: the fused-epilogue cells, each loss type and option set once
 TRITON_CELLS = interpreted_cells(TYPE_OPTIONS, lambda t, o: fused("triton", cell_options(t, o)))
-CELLS = [
-    (backend, loss_type, option_set)
-    for backend in BACKENDS
-    for loss_type, option_set in (TRITON_CELLS if backend == "triton" and TRITON_INTERPRETED else TYPE_OPTIONS)
-]
+CELLS = backend_cells(BACKENDS, TYPE_OPTIONS, lambda: TRITON_CELLS)
 
 
 def _weights(shape, seed: int, requires_grad: bool) -> torch.Tensor:
