@@ -11,7 +11,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -114,36 +113,25 @@ def test_help_names_every_option_with_a_sentence_and_its_choices():
         assert choice in text, choice
 
 
-def _seconds(cmd: list[str]) -> float:
-    tic = time.perf_counter()
-    subprocess.run(cmd, env=ENV, capture_output=True, check=True, timeout=120)
-    return time.perf_counter() - tic
+HEAVY = ("transformers", "grpo_kernels.trainer.train", "grpo_kernels.trainer.tasks", "torch._dynamo")
 
 
-def _fastest(cmd: list[str], runs: int = 3) -> float:
-    """The fastest of `runs` runs of `cmd` (the machine is shared: the minimum is the command's own cost)."""
-    return min(_seconds(cmd) for _ in range(runs))
-
-
-def test_help_is_fast_it_imports_nothing_heavy():
-    """`--help` loads grpo_kernels (hence torch) and none of the trainer's heavy dependencies: on the 2-core CI
-    machine it answers in 1.3-1.5 s, where `import grpo_kernels` alone takes 1.3-1.4 s (4.3 s before). A command
-    answers within max(2.0 s, the import + 1.0 s): a first run under 2.0 s settles it; else the import is timed, then
-    the command again (what a loaded machine adds, it adds to the import as well)."""
+@pytest.mark.parametrize(
+    "module, heavy", [("grpo_kernels.train", (*HEAVY, "safetensors")), ("grpo_kernels.evaluate", HEAVY)]
+)
+def test_help_imports_nothing_heavy(module, heavy):
+    """`python -m <command> --help` loads grpo_kernels (hence torch) and none of the trainer's heavy dependencies,
+    which made it slow (4.3 s where the import alone takes 1.3 s on the 2-core CI machine; evaluate reads
+    checkpoints, so it may load safetensors). Checked by what is loaded, not by the clock (timings belong to the
+    benchmarks): the command runs as `python -m` runs it."""
     probe = (
-        "import sys\nfrom grpo_kernels.trainer.__main__ import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n"
-        "    pass\nprint(sorted(m for m in ('transformers', 'safetensors', 'grpo_kernels.trainer.train', "
-        "'grpo_kernels.trainer.tasks', 'torch._dynamo') if m in sys.modules))"
+        f"import runpy, sys\nsys.argv = [{module!r}, '--help']\ntry:\n"
+        f"    runpy.run_module({module!r}, run_name='__main__', alter_sys=True)\nexcept SystemExit:\n    pass\n"
+        f"print(sorted(m for m in {heavy!r} if m in sys.modules))"
     )
     loaded = subprocess.run([sys.executable, "-c", probe], env=ENV, capture_output=True, text=True, check=True)
-    assert loaded.stdout.splitlines()[-1] == "[]"
-    floor: list[float] = []  # the import's fastest run, timed once when a command needs it
-    for command in (TRAIN + ["--help"], EVALUATE + ["--help"]):
-        seconds = _seconds(command)
-        if seconds >= 2.0:
-            floor = floor or [_fastest([sys.executable, "-c", "import grpo_kernels"])]
-            seconds = min(seconds, _fastest(command))
-        assert seconds < max(2.0, (floor or [0.0])[0] + 1.0), (command, seconds, floor)
+    assert "usage:" in loaded.stdout
+    assert loaded.stdout.splitlines()[-1] == "[]", loaded.stdout.splitlines()[-1]
 
 
 @pytest.mark.parametrize(
