@@ -12,6 +12,9 @@ if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
 
 import pytest  # noqa: E402
 
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `-n N` workers share the cores: each takes its share of intra-op threads
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+
 from grpo_kernels.kernels import backend as backends  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
