@@ -47,7 +47,13 @@ def any_nonfinite_at_kept(
         x = x if x.dim() == mask.dim() else x[:, None]
         total = x if total is None else total + x
     if total is not None:
-        check_value(nonfinite(torch.where(mask, total, 0.0).sum()), blame)
+        check_value(nonfinite_sum(total, mask), blame)
+
+
+def nonfinite_sum(x: Tensor, kept: Tensor | None) -> Tensor:
+    """0-dim bool: the sum of x where `kept` (None: everywhere) is not finite, i.e. one of those values is not (or
+    the sum overflowed: the caller's exact test then finds nothing). A cheap first test for a whole tensor."""
+    return nonfinite((x if kept is None else torch.where(kept, x, 0.0)).sum())
 
 
 def nonfinite(x: Tensor) -> Tensor:
@@ -102,8 +108,7 @@ def check_row_stats(lse: Tensor, logp: Tensor, kept: Tensor | None, rows: RowChe
     `rows.zero_prob_ok`). lse, logp: the pass's O(N) statistics, any shape; kept: bool of that shape (None: all).
     One host sync; a handful of ops while every row is good (their sum is finite), the exact test after."""
     ok_logp = logp.nan_to_num(nan=math.nan, posinf=math.inf, neginf=0.0) if rows.zero_prob_ok else logp
-    total = lse + ok_logp if kept is None else torch.where(kept, lse + ok_logp, 0.0)
-    if not bool(nonfinite(total.sum())):
+    if not bool(nonfinite_sum(lse + ok_logp, kept)):
         return
     if rows.zero_prob_ok:
         bad = nonfinite(lse) | torch.isnan(logp)

@@ -59,6 +59,11 @@ def _windows(logits: Tensor, mask: Tensor):
         yield slice(line * S + start, line * S + stop), lines[line, start:stop]
 
 
+def _one_window(windows: list[tuple[slice, Tensor]], rows: int) -> bool:
+    """Whether `_windows` gave one window of every row: a small call, whose window results are the outputs."""
+    return len(windows) == 1 and windows[0][0] == slice(0, rows)
+
+
 def _kept_targets(targets: Tensor, vocab: int) -> Tensor:
     """targets [B, T] as [B·T, 1] ids inside [0, V): windows read the masked rows too, and padding ids there (-100,
     or ≥ V) may be anything; kept ids are inside already (checked, or made safe by the engine)."""
@@ -127,7 +132,7 @@ def token_logprobs_fwd(
         return found
 
     windows = list(_windows(logits, mask))
-    if len(windows) == 1 and windows[0][0] == slice(0, flat_mask.shape[0]):  # one window of every row
+    if _one_window(windows, flat_mask.shape[0]):
         out = {name: x.view(mask.shape) for name, x in window_stats(*windows[0]).items()}
     else:
         out = {
@@ -175,7 +180,7 @@ def token_logprobs_bwd(
     slope_buf = _scratch(logits) if softcap is not None else None  # [C, V]: dz/dx
     slope = logit_scale / temperature  # dz/dx without soft-capping
     windows = list(_windows(logits, mask))
-    whole = len(windows) == 1 and windows[0][0] == slice(0, mask.numel())  # one window of every row
+    whole = _one_window(windows, mask.numel())
     for rows, z in windows:
         log_q = z if in_place else log_q_buf[: z.shape[0]].copy_(z)  # [C, V], overwritten by the gradient
         if softcap is not None:  # y = s·x/c -> z = c/T·tanh y in log_q, dz/dx = s/T·sech² y in slope_buf
