@@ -142,6 +142,11 @@ def poisoned(loss: Tensor, bad: Tensor) -> Tensor:
     return torch.where(bad.any(), torch.full_like(loss, float("nan")), loss)
 
 
+def not_finite_to_nan(loss: Tensor, total: Tensor) -> Tensor:
+    """`loss`, or NaN when `total` is not finite (total − total is 0 or NaN); no host sync."""
+    return loss + (total - total)
+
+
 def nonfinite_rows(lse: Tensor, logp: Tensor, *per_row: Tensor | None) -> Tensor:
     """Rows with a non-finite lse, a NaN logp or a non-finite value in any of `per_row` (dL/dlogp, dL/dH, the
     loss's inputs; None passes), each of lse's shape or broadcast to it."""
@@ -182,8 +187,10 @@ class _FusedTokenLossFunction(torch.autograd.Function):
         ctx.save_for_backward(logits, targets, mask, lse, dlogp)
         ctx.opts = opts
         ctx.consumed = False
-        # the epilogue's min/max drop NaN: a kept row with a non-finite input or dL/dlogits makes the loss NaN (as
-        # the PyTorch algebra does), never a finite loss over NaN gradients
+        # a kept row with a non-finite input or dL/dlogits makes the loss NaN (as the PyTorch algebra does), never
+        # a finite loss over NaN gradients (a kernel's min/max may drop NaN)
+        if opts.row_check is not None:  # the inputs and the rows were checked: only dL/dlogp can still overflow
+            return not_finite_to_nan(loss.sum(), dlogp.sum()), logp, entropy  # dlogp is 0 at masked rows
         bad = nonfinite_rows(lse, logp, dlogp, weights, advantages, old_logp, ref_logp, is_ratio) & mask
         return poisoned(loss.sum(), bad), logp, entropy
 

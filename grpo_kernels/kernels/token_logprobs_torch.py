@@ -38,16 +38,16 @@ def _flat(x: Tensor) -> Tensor | None:
 
 
 def _windows(logits: Tensor, mask: Tensor):
-    """Yield (rows, z) per window of consecutive rows that holds a kept row: `rows` selects the window in the
-    flattened [B·T] statistics and `z` [C, V] is a view of its logits. Never a gather (CPU index_select runs at a
-    fraction of copy bandwidth): the masked rows inside a window are computed, and the callers zero them."""
+    """Yield (rows, z) per window of consecutive rows that holds a kept row (a call of one window: that window):
+    `rows` selects the window in the flattened [B·T] statistics and `z` [C, V] is a view of its logits. Never a
+    gather (CPU index_select runs at a fraction of copy bandwidth): the masked rows inside a window are computed,
+    and the callers zero them."""
     step = _chunk_rows(logits)
     flat = _flat(logits)
     lines = flat[None] if flat is not None else logits  # [L, S, V]: windows never cross a line
     L, S = lines.shape[:2]
-    if L == 1 and S <= step:  # one window of every row
-        if bool(mask.any()):
-            yield slice(0, S), lines[0]
+    if L == 1 and S <= step:  # one window of every row: no test of the mask (a host read) for a small call
+        yield slice(0, S), lines[0]
         return
     if S <= step:  # one window per line
         kept = mask.reshape(L, S).any(-1, keepdim=True)  # [L, 1]
