@@ -44,11 +44,11 @@ def _windows(logits: Tensor, mask: Tensor):
     and the callers zero them."""
     step = _chunk_rows(logits)
     flat = _flat(logits)
+    if flat is not None and flat.shape[0] <= step:  # one window of every row: no test of the mask (a host read)
+        yield slice(0, flat.shape[0]), flat
+        return
     lines = flat[None] if flat is not None else logits  # [L, S, V]: windows never cross a line
     L, S = lines.shape[:2]
-    if L == 1 and S <= step:  # one window of every row: no test of the mask (a host read) for a small call
-        yield slice(0, S), lines[0]
-        return
     if S <= step:  # one window per line
         kept = mask.reshape(L, S).any(-1, keepdim=True)  # [L, 1]
     else:
@@ -57,6 +57,16 @@ def _windows(logits: Tensor, mask: Tensor):
         start = window * step
         stop = min(start + step, S)
         yield slice(line * S + start, line * S + stop), lines[line, start:stop]
+
+
+def _rows(x: Tensor, rows: slice) -> Tensor:
+    """x[rows] (x itself for a slice of all its rows: at small shapes even a view op counts)."""
+    return x if rows.start == 0 and rows.stop == x.shape[0] else x[rows]
+
+
+def _head(buffer: Tensor, z: Tensor) -> Tensor:
+    """The rows of a scratch buffer that the window z [C, V] fills (all of it for a call of one window)."""
+    return _rows(buffer, slice(0, z.shape[0]))
 
 
 def _one_window(windows: list[tuple[slice, Tensor]], rows: int) -> bool:
@@ -112,12 +122,12 @@ def token_logprobs_fwd(
 
     def window_stats(rows: slice, z: Tensor) -> dict[str, Tensor]:  # each name's values at the window's rows, [C]
         if transformed:  # [C, V]; the caller's logits are read only
-            z = transform_(z_buf[: z.shape[0]].copy_(z), temperature, logit_scale, softcap)
-        target = flat_targets[rows]  # [C, 1]
-        log_q = torch.log_softmax(z, dim=-1, out=log_q_buf[: z.shape[0]])  # [C, V]: one fused pass
+            z = transform_(_head(z_buf, z).copy_(z), temperature, logit_scale, softcap)
+        target = _rows(flat_targets, rows)  # [C, 1]
+        log_q = torch.log_softmax(z, dim=-1, out=_head(log_q_buf, z))  # [C, V]: one fused pass
         found = {"logp": log_q.gather(1, target).squeeze(1)}  # [C]
         found["lse"] = z.gather(1, target).squeeze(1) - found["logp"]  # [C]: lse = z_target − log q_target, as
-        unlikely = ~(found["logp"] > -LSE_FROM_TARGET) & flat_mask[rows]  # exact as lse itself while log q_target
+        unlikely = ~(found["logp"] > -LSE_FROM_TARGET) & _rows(flat_mask, rows)  # exact as lse itself while log q_target
         if bool(unlikely.any()):  # is small: recompute the others
             found["lse"][unlikely] = torch.logsumexp(z[unlikely], dim=-1)
         if "mean_logits" in stats:
@@ -125,10 +135,10 @@ def token_logprobs_fwd(
         if "is_top1" in stats:  # argmax gives the first maximum: a tie with an earlier token is not a top-1
             found["is_top1"] = z.argmax(-1) == target.squeeze(1)
         if with_entropy:  # H = −Σ q log q, with 0 · log 0 = 0 for -inf logits (the NaN of 0 · −inf)
-            q_log_q = torch.exp(log_q, out=z_buf[: z.shape[0]]).mul_(log_q).nan_to_num_(nan=0.0)  # [C, V]
+            q_log_q = torch.exp(log_q, out=_head(z_buf, z)).mul_(log_q).nan_to_num_(nan=0.0)  # [C, V]
             found["entropy"] = -q_log_q.sum(-1)
         if "log_sum_sq_probs" in stats:  # log Σ q²: Σ q² ≥ 1/V, so squaring in the compute dtype loses nothing
-            found["log_sum_sq_probs"] = torch.exp(log_q, out=z_buf[: z.shape[0]]).square_().sum(-1).log_()
+            found["log_sum_sq_probs"] = torch.exp(log_q, out=_head(z_buf, z)).square_().sum(-1).log_()
         return found
 
     windows = list(_windows(logits, mask))
@@ -182,24 +192,24 @@ def token_logprobs_bwd(
     windows = list(_windows(logits, mask))
     whole = _one_window(windows, mask.numel())
     for rows, z in windows:
-        log_q = z if in_place else log_q_buf[: z.shape[0]].copy_(z)  # [C, V], overwritten by the gradient
+        log_q = z if in_place else _head(log_q_buf, z).copy_(z)  # [C, V], overwritten by the gradient
         if softcap is not None:  # y = s·x/c -> z = c/T·tanh y in log_q, dz/dx = s/T·sech² y in slope_buf
-            y = torch.mul(log_q, logit_scale / softcap, out=slope_buf[: z.shape[0]])
+            y = torch.mul(log_q, logit_scale / softcap, out=_head(slope_buf, z))
             torch.tanh(y, out=log_q).mul_(softcap / temperature)
             y.cosh_().square_().reciprocal_().mul_(slope)  # sech² = 1/cosh², not 1 − tanh² (cancels near ±1)
         elif slope != 1.0:
             transform_(log_q, temperature, logit_scale, None)
-        log_q.sub_(lse[rows])
-        g = g_all[rows]  # [C, 1]
+        log_q.sub_(_rows(lse, rows))
+        g = _rows(g_all, rows)  # [C, 1]
         if grad_entropy is None:
             grad = log_q.exp_().mul_(-g)  # [C, V], in the same buffer
         else:
-            q = torch.exp(log_q, out=q_buf[: log_q.shape[0]])  # [C, V]
-            log_q.add_(entropy[rows]).mul_(q).masked_fill_(q == 0, 0.0)  # q·(log q + H)
-            grad = log_q.mul_(-grad_entropy[rows]).sub_(q.mul_(g))
-        grad.scatter_add_(1, flat_targets[rows], g)
+            q = torch.exp(log_q, out=_head(q_buf, z))  # [C, V]
+            log_q.add_(_rows(entropy, rows)).mul_(q).masked_fill_(q == 0, 0.0)  # q·(log q + H)
+            grad = log_q.mul_(-_rows(grad_entropy, rows)).sub_(q.mul_(g))
+        grad.scatter_add_(1, _rows(flat_targets, rows), g)
         if softcap is not None:
-            grad.mul_(slope_buf[: z.shape[0]])
+            grad.mul_(_head(slope_buf, z))
         elif logit_scale != 1.0:
             grad.mul_(slope)
         elif temperature != 1.0:

@@ -3,6 +3,7 @@ entropy bonus and the metrics. TRL's order of operations; every step a few lines
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -94,7 +95,7 @@ def _masked_means(named: dict[str, Tensor], sums: Tensor, mask: Tensor) -> dict[
     per-sequence [B, 1] one (TRL's rule; at T = 1 TRL's shape test would also average padding, so there a [B, 1]
     tensor is taken per token)."""
     totals = sums.sum(-1)  # [k + 1]
-    means = dict(zip(named, (totals[:-1] / totals[-1].clamp(min=1.0)).unbind(), strict=True))
+    means = dict(zip(named, (totals / totals[-1].clamp(min=1.0)).unbind(), strict=False))  # the count's own last
     if mask.shape[-1] > 1:
         for name, x in named.items():
             if x.shape[-1] == 1:
@@ -116,13 +117,11 @@ def _sequence_extremes(
     if mask.shape[0] == 0:
         return mask.new_zeros(()), mask.new_zeros(())
     if low.shape[-1] == 1 and mask.shape[-1] > 1:
-        signed, skipped = torch.stack([low[:, 0], high[:, 0]]).to(mask.dtype), None  # [2, B]
+        signed = torch.stack([low[:, 0], high[:, 0]]).to(mask.dtype)  # [2, B]
     else:
-        signed, skipped = flag_sums / counts.clamp(min=1.0), counts == 0  # [2, B], [B]
+        signed = flag_sums / counts  # [2, B]: 0 / 0 = NaN where a sequence has no kept token
     signed[1].neg_()  # min of the low fractions, -max of the high ones (a fresh tensor: no host-built constant)
-    if skipped is not None:  # +inf: skipped; all of them skipped, the extreme is 0
-        signed = signed.masked_fill(skipped, float("inf"))
-    extremes = signed.amin(-1).nan_to_num(posinf=0.0)  # [2]
+    extremes = signed.nan_to_num(nan=math.inf).amin(-1).nan_to_num(posinf=0.0)  # [2]; skipped: +inf; all: 0
     low_min, minus_high_max = extremes.unbind()
     return low_min, -minus_high_max
 
