@@ -21,7 +21,7 @@ from pathlib import Path
 
 from benchmarks import static_report
 
-OLDER_TRITONS = ("3.6.0",)  # torch 2.10 / 2.11's pin; the oldest `grpo_kernels.kernels.backend` accepts
+OLDER_TRITONS = ("3.6.0", "3.7.1")  # torch 2.10 / 2.11's pin (the oldest the backend accepts), 2.12 / 2.13's
 ARCHS = ("sm_90a",)
 
 

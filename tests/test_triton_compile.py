@@ -12,9 +12,9 @@ and KL estimator) at bf16 and V = 151,936; about a minute on two cores. `python 
 full matrix (all cases × 3 dtypes × 2 vocabularies × 2 archs) into benchmarks/results/static/<triton version>.json.
 
 Every launch of the `ci` subset is also compiled for sm_90a against each older triton of
-`benchmarks.older_triton.OLDER_TRITONS` (3.6.0: torch 2.10/2.11's pin), in a subprocess with that triton first on
-PYTHONPATH; .ci/run installs it with `pip install --no-deps --target`, and where it is absent those tests skip saying
-so.
+`benchmarks.older_triton.OLDER_TRITONS` (3.6.0 and 3.7.1: torch 2.10/2.11's and 2.12/2.13's pins), in a subprocess
+with that triton first on PYTHONPATH; .ci/run installs them with `pip install --no-deps --target`, and where one is
+absent its test skips saying so.
 On triton 3.6 the soft-capped kernels once failed here (`tl.math.fdiv(..., approx=True)`: the keyword is 3.9's).
 
 `SHORTFALLS` lists what the kernels miss, each with its measured number, as strict xfails: the day a kernel meets its
