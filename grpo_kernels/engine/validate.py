@@ -110,7 +110,7 @@ def check_targets(targets: Tensor, mask: Tensor, vocab: int, device) -> None:
     _check_like("targets", targets, ((B, T),), ("[B, T]",), device)
     if targets.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"targets must be int64 or int32 token ids, got {targets.dtype}")
-    outside = ((targets < 0) | (targets >= vocab)) & mask  # [B, T]
+    outside = (targets.clamp(0, vocab - 1) != targets) & mask  # [B, T]
 
     def fail() -> None:
         kept = targets[mask]

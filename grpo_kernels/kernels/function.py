@@ -36,7 +36,7 @@ class _TokenLogprobsFunction(torch.autograd.Function):
         logp, lse, entropy, stats = kernels.token_logprobs_fwd(
             logits, targets, mask, opts.temperature, opts.with_entropy, **opts.transform(), stats=opts.stats
         )
-        logp = checked_rows(opts.row_check, lse, logp, mask)
+        logp = checked_rows(opts.row_check, lse, logp, None)  # masked rows are 0 (`protocol.VocabPass`)
         stats = [stats[name] for name in opts.stats]
         if entropy is None:
             entropy = logp.new_empty(0)
@@ -181,7 +181,7 @@ class _FusedTokenLossFunction(torch.autograd.Function):
             opts.with_entropy,
             **opts.transform(),
         )
-        logp = checked_rows(opts.row_check, lse, logp, mask)
+        logp = checked_rows(opts.row_check, lse, logp, None)  # masked rows are 0 (`protocol.Epilogue`)
         entropy = logp.new_empty(0) if entropy is None else entropy
         ctx.mark_non_differentiable(logp, entropy)
         ctx.save_for_backward(logits, targets, mask, lse, dlogp)

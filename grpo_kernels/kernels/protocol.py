@@ -38,6 +38,6 @@ class Epilogue(Protocol):
                       old_logp: Tensor | None, ref_logp: Tensor | None, is_ratio: Tensor | None, epilogue,
                       temperature: float, with_entropy: bool, *, logit_scale: float = 1.0, softcap: float | None = None,
                       ) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor]:  # fmt: skip
-        """logp, lse, entropy|None, each token's weighted loss and weighted dL/dlogp, [B, T] float32. `epilogue`
-        is the loss's plain record (`losses.epilogue.TokenEpilogue`: kind, clip widths, KL estimator among
-        `Capabilities.epilogue_kl`, ...)."""
+        """logp, lse, entropy|None, each token's weighted loss and weighted dL/dlogp, [B, T] float32, 0 at masked
+        rows. `epilogue` is the loss's plain record (`losses.epilogue.TokenEpilogue`: kind, clip widths, KL
+        estimator among `Capabilities.epilogue_kl`, ...)."""

@@ -113,32 +113,33 @@ def token_logprobs_fwd(
     Masked rows get 0 (False).
     """
     dtype = compute_dtype(logits.dtype)
-    flat_targets, flat_mask = _kept_targets(targets, logits.shape[-1]), mask.reshape(-1)  # [B·T, 1], [B·T]
+    flat_targets, flat_mask = _kept_targets(targets, logits.shape[-1]), mask.reshape(-1, 1)  # [B·T, 1] each
     identity = temperature == 1.0 and logit_scale == 1.0 and softcap is None
     transformed = logits.dtype != dtype or not identity
     log_q_buf = _scratch(logits)  # [C, V] each; z_buf only for a transformed copy or q · log q
     z_buf = _scratch(logits) if transformed or with_entropy or "log_sum_sq_probs" in stats else None
     names = ("logp", "lse", *(("entropy",) if with_entropy else ()), *stats)
 
-    def window_stats(rows: slice, z: Tensor) -> dict[str, Tensor]:  # each name's values at the window's rows, [C]
+    def window_stats(rows: slice, z: Tensor) -> dict[str, Tensor]:  # each name's values at the window's rows, [C, 1]
         if transformed:  # [C, V]; the caller's logits are read only
             z = transform_(_head(z_buf, z).copy_(z), temperature, logit_scale, softcap)
         target = _rows(flat_targets, rows)  # [C, 1]
         log_q = torch.log_softmax(z, dim=-1, out=_head(log_q_buf, z))  # [C, V]: one fused pass
-        found = {"logp": log_q.gather(1, target).squeeze(1)}  # [C]
-        found["lse"] = z.gather(1, target).squeeze(1) - found["logp"]  # [C]: lse = z_target − log q_target, as
-        unlikely = ~(found["logp"] > -LSE_FROM_TARGET) & _rows(flat_mask, rows)  # exact as lse itself while log q_target
-        if bool(unlikely.any()):  # is small: recompute the others
-            found["lse"][unlikely] = torch.logsumexp(z[unlikely], dim=-1)
+        found = {"logp": log_q.gather(1, target)}  # [C, 1]
+        # lse = z_target − log q_target, as exact as lse itself while log q_target is small: recompute the others
+        found["lse"] = z.gather(1, target) - found["logp"]  # [C, 1]
+        unlikely = ~(found["logp"] > -LSE_FROM_TARGET) & _rows(flat_mask, rows)
+        if bool(unlikely.any()):
+            found["lse"][unlikely] = torch.logsumexp(z[unlikely[:, 0]], dim=-1)
         if "mean_logits" in stats:
-            found["mean_logits"] = z.sum(-1) / z.shape[-1]
+            found["mean_logits"] = z.sum(-1, keepdim=True) / z.shape[-1]
         if "is_top1" in stats:  # argmax gives the first maximum: a tie with an earlier token is not a top-1
-            found["is_top1"] = z.argmax(-1) == target.squeeze(1)
+            found["is_top1"] = z.argmax(-1, keepdim=True) == target
         if with_entropy:  # H = −Σ q log q, with 0 · log 0 = 0 for -inf logits (the NaN of 0 · −inf)
             q_log_q = torch.exp(log_q, out=_head(z_buf, z)).mul_(log_q).nan_to_num_(nan=0.0)  # [C, V]
-            found["entropy"] = -q_log_q.sum(-1)
+            found["entropy"] = -q_log_q.sum(-1, keepdim=True)
         if "log_sum_sq_probs" in stats:  # log Σ q²: Σ q² ≥ 1/V, so squaring in the compute dtype loses nothing
-            found["log_sum_sq_probs"] = torch.exp(log_q, out=_head(z_buf, z)).square_().sum(-1).log_()
+            found["log_sum_sq_probs"] = torch.exp(log_q, out=_head(z_buf, z)).square_().sum(-1, keepdim=True).log_()
         return found
 
     windows = list(_windows(logits, mask))
@@ -151,7 +152,7 @@ def token_logprobs_fwd(
         }  # [B, T] each
         for rows, z in windows:
             for name, x in window_stats(rows, z).items():
-                out[name].view(-1)[rows] = x
+                out[name].view(-1, 1)[rows] = x
     dropped = ~mask
     for stat in out.values():
         stat.masked_fill_(dropped, 0)  # the masked rows computed inside windows
