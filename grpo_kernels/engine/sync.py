@@ -60,8 +60,7 @@ def _read_once(xs: list[Tensor]) -> list[int]:
     for i, x in enumerate(xs):
         by_device.setdefault(x.device, []).append(i)
     for indices in by_device.values():  # stack promotes bool flags and integer counts to one dtype
-        values = torch.stack([xs[i] if xs[i].dim() == 0 else xs[i].reshape(()) for i in indices])
-        values = values.to(torch.int64).tolist()
+        values = torch.stack([xs[i] if xs[i].dim() == 0 else xs[i].reshape(()) for i in indices]).tolist()
         for i, value in zip(indices, values, strict=True):
             out[i] = value
     return out

@@ -113,7 +113,7 @@ def token_logprobs_fwd(
     Masked rows get 0 (False).
     """
     dtype = compute_dtype(logits.dtype)
-    flat_targets, flat_mask = _kept_targets(targets, logits.shape[-1]), mask.reshape(-1, 1)  # [B·T, 1] each
+    flat_targets, dropped = _kept_targets(targets, logits.shape[-1]), ~mask.reshape(-1, 1)  # [B·T, 1] each
     identity = temperature == 1.0 and logit_scale == 1.0 and softcap is None
     transformed = logits.dtype != dtype or not identity
     log_q_buf = _scratch(logits)  # [C, V] each; z_buf only for a transformed copy or q · log q
@@ -121,29 +121,34 @@ def token_logprobs_fwd(
     names = ("logp", "lse", *(("entropy",) if with_entropy else ()), *stats)
 
     def window_stats(rows: slice, z: Tensor) -> dict[str, Tensor]:  # each name's values at the window's rows, [C, 1]
+        """Masked rows get 0: they are computed (a window is never a gather) and may hold anything."""
         if transformed:  # [C, V]; the caller's logits are read only
             z = transform_(_head(z_buf, z).copy_(z), temperature, logit_scale, softcap)
         target = _rows(flat_targets, rows)  # [C, 1]
         log_q = torch.log_softmax(z, dim=-1, out=_head(log_q_buf, z))  # [C, V]: one fused pass
-        found = {"logp": log_q.gather(1, target)}  # [C, 1]
-        # lse = z_target − log q_target, as exact as lse itself while log q_target is small: recompute the others
-        found["lse"] = z.gather(1, target) - found["logp"]  # [C, 1]
-        unlikely = ~(found["logp"] > -LSE_FROM_TARGET) & _rows(flat_mask, rows)
-        if bool(unlikely.any()):
-            found["lse"][unlikely] = torch.logsumexp(z[unlikely[:, 0]], dim=-1)
+        dropped_rows = _rows(dropped, rows)
+        logp = log_q.gather(1, target).masked_fill_(dropped_rows, 0)  # [C, 1]
+        found = {"logp": logp, "lse": (z.gather(1, target) - logp).masked_fill_(dropped_rows, 0)}  # [C, 1]
+        # lse = z_target − log q_target is as exact as lse itself while log q_target is small: recompute the others
+        if not bool((logp > -LSE_FROM_TARGET).all()):  # NaN too; masked rows are 0
+            unlikely = ~(logp > -LSE_FROM_TARGET)[:, 0]
+            found["lse"][unlikely] = torch.logsumexp(z[unlikely], dim=-1, keepdim=True)
+        more = {}  # the other statistics
         if "mean_logits" in stats:
-            found["mean_logits"] = z.sum(-1, keepdim=True) / z.shape[-1]
+            more["mean_logits"] = z.sum(-1, keepdim=True) / z.shape[-1]
         if "is_top1" in stats:  # argmax gives the first maximum: a tie with an earlier token is not a top-1
-            found["is_top1"] = z.argmax(-1, keepdim=True) == target
+            more["is_top1"] = z.argmax(-1, keepdim=True) == target
         if with_entropy:  # H = −Σ q log q, with 0 · log 0 = 0 for -inf logits (the NaN of 0 · −inf)
             q_log_q = torch.exp(log_q, out=_head(z_buf, z)).mul_(log_q).nan_to_num_(nan=0.0)  # [C, V]
-            found["entropy"] = -q_log_q.sum(-1, keepdim=True)
+            more["entropy"] = -q_log_q.sum(-1, keepdim=True)
         if "log_sum_sq_probs" in stats:  # log Σ q²: Σ q² ≥ 1/V, so squaring in the compute dtype loses nothing
-            found["log_sum_sq_probs"] = torch.exp(log_q, out=_head(z_buf, z)).square_().sum(-1, keepdim=True).log_()
-        return found
+            more["log_sum_sq_probs"] = torch.exp(log_q, out=_head(z_buf, z)).square_().sum(-1, keepdim=True).log_()
+        for x in more.values():
+            x.masked_fill_(dropped_rows, 0)
+        return found | more
 
     windows = list(_windows(logits, mask))
-    if _one_window(windows, flat_mask.shape[0]):
+    if _one_window(windows, dropped.shape[0]):
         out = {name: x.view(mask.shape) for name, x in window_stats(*windows[0]).items()}
     else:
         out = {
@@ -153,9 +158,6 @@ def token_logprobs_fwd(
         for rows, z in windows:
             for name, x in window_stats(rows, z).items():
                 out[name].view(-1, 1)[rows] = x
-    dropped = ~mask
-    for stat in out.values():
-        stat.masked_fill_(dropped, 0)  # the masked rows computed inside windows
     return out.pop("logp"), out.pop("lse"), out.pop("entropy", None), out
 
 
