@@ -1,10 +1,11 @@
 """`torch.compile` (inductor, CPU) over a small model and `fused_linear_grpo_loss`: the same loss and gradients as
 eager, and the graph breaks counted.
 
-Measured with torch 2.13 (check_finite=False, the capture-friendly mode; memory="auto"): 11 graph breaks, 29 graphs.
-Where: `LossOptions` built from a dataclass (2), a `ContextVar.get` (4), `os.sysconf` asking the free memory for
-memory="auto" (4), and the `nonzero` of the kept rows (1, a data-dependent shape). Each is a graph boundary, not a
-wrong result. Inductor compiles every graph with the host C++ compiler, so the test costs about a minute of CPU on
+Measured with torch 2.13 (check_finite=False, the capture-friendly mode; memory="auto"): 12 graph breaks. Where:
+`LossOptions` built from a dataclass (2), `ContextVar.set` / `get` (4), builtins dynamo skips (3: `os.sysconf` asking
+the free memory for memory="auto", a backend module's first import), and the torch pass's test of whether every
+row's target log-prob is above −32 before it trusts lse = z_target − log q_target (3: a host read per pass, as in
+eager). Each is a graph boundary, not a wrong result. Inductor compiles every graph with the host C++ compiler, so the test costs about a minute of CPU on
 two cores, whatever the model's size; the model here is the smallest that has an embedding, a layer and a head.
 """
 
@@ -13,7 +14,7 @@ import torch
 
 import grpo_kernels as gk
 
-GRAPH_BREAKS = 11  # the measured count above: a new break fails the test; one fewer, update the number and list
+GRAPH_BREAKS = 12  # the measured count above: a new break fails the test; one fewer, update the number and list
 B, T, V, H = 2, 4, 32, 16
 
 

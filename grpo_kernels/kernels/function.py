@@ -29,15 +29,8 @@ class _TokenLogprobsFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: Tensor, targets: Tensor, mask: Tensor, opts: PassOptions):
-        check_not_overwritten(logits)
         logits = contiguous_vocab(logits, opts.backend)
-        kernels = backend_kernels(opts.backend)
-        backends.launches[opts.backend] += 1
-        logp, lse, entropy, stats = kernels.token_logprobs_fwd(
-            logits, targets, mask, opts.temperature, opts.with_entropy, **opts.transform(), stats=opts.stats
-        )
-        logp = checked_rows(opts.row_check, lse, logp, None)  # masked rows are 0 (`protocol.VocabPass`)
-        stats = [stats[name] for name in opts.stats]
+        logp, lse, entropy, stats = _pass_forward(logits, targets, mask, opts)
         if entropy is None:
             entropy = logp.new_empty(0)
         ctx.mark_non_differentiable(*stats, *([] if opts.with_entropy else [entropy]))  # one call: each replaces
@@ -64,10 +57,24 @@ class _TokenLogprobsFunction(torch.autograd.Function):
         return out, None, None, None
 
 
+def _pass_forward(logits: Tensor, targets: Tensor, mask: Tensor, opts: PassOptions):
+    """The backend's forward pass, its rows checked: logp, lse, entropy or None, [the asked statistics]."""
+    check_not_overwritten(logits)
+    backends.launches[opts.backend] += 1
+    logp, lse, entropy, stats = backend_kernels(opts.backend).token_logprobs_fwd(
+        logits, targets, mask, opts.temperature, opts.with_entropy, **opts.transform(), stats=opts.stats
+    )
+    logp = checked_rows(opts.row_check, lse, logp, None)  # masked rows are 0 (`protocol.VocabPass`)
+    return logp, lse, entropy, [stats[name] for name in opts.stats]
+
+
 def vocab_pass(logits: Tensor, targets: Tensor, mask: Tensor, opts: PassOptions) -> dict[str, Tensor]:
     """Run the pass on checked [B, T, V] logits: {"logp", "entropy" (if asked), each of `opts.stats`}, all [B, T];
-    the statistics (see `token_logprobs`) carry no gradient."""
-    logp, entropy, *stats = _TokenLogprobsFunction.apply(logits, targets, mask, opts)
+    the statistics (see `token_logprobs`) carry no gradient. Without a gradient to take, no autograd Function."""
+    if torch.is_grad_enabled() and logits.requires_grad:
+        logp, entropy, *stats = _TokenLogprobsFunction.apply(logits, targets, mask, opts)
+    else:
+        logp, _, entropy, stats = _pass_forward(contiguous_vocab(logits, opts.backend), targets, mask, opts)
     out = {"logp": logp} | ({"entropy": entropy} if opts.with_entropy else {})
     return out | dict(zip(opts.stats, stats, strict=True))
 
