@@ -39,8 +39,8 @@ def quiet_options(**options) -> LossOptions:
 
 def kernel_forms_loss(backend: str, **options) -> bool:
     """Whether grpo_loss forms this loss in `backend`'s forward-kernel epilogue: engine/plan.py's `choose_route` for
-    padded logits, no per-sequence losses asked and no weight taking a gradient (the callers' checks of the
-    launch counter keep this in step with the engine)."""
+    padded logits taking a gradient, no per-sequence losses asked and no weight taking a gradient (the callers'
+    checks of the launch counter keep this in step with the engine)."""
     caps = CAPABILITIES[backend]
     opts = quiet_options(**options)
     return caps.epilogue_module is not None and is_token_level(opts) and fits_kernel_epilogue(opts, caps.epilogue_kl)

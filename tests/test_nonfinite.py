@@ -375,7 +375,8 @@ def test_a_second_call_on_consumed_logits_raises(path, backend):
     with torch.no_grad():  # new values in the buffer: a fresh forward
         logits.copy_(d["logits"])
     first = gk.grpo_loss(logits, *args, backend=backend, **PATHS[path])
-    kept = gk.grpo_loss(d["logits"].clone(), *args, backend=backend, inplace=False, **PATHS[path])
+    fresh = d["logits"].clone().requires_grad_()  # a gradient taken as above: the same route
+    kept = gk.grpo_loss(fresh, *args, backend=backend, inplace=False, **PATHS[path])
     assert torch.equal(first.loss, kept.loss)
 
 

@@ -5,8 +5,9 @@ Measured with torch 2.13 (check_finite=False, the capture-friendly mode; memory=
 `LossOptions` built from a dataclass (2), `ContextVar.set` / `get` (4), builtins dynamo skips (3: `os.sysconf` asking
 the free memory for memory="auto", a backend module's first import), and the torch pass's test of whether every
 row's target log-prob is above −32 before it trusts lse = z_target − log q_target (3: a host read per pass, as in
-eager). Each is a graph boundary, not a wrong result. Inductor compiles every graph with the host C++ compiler, so the test costs about a minute of CPU on
-two cores, whatever the model's size; the model here is the smallest that has an embedding, a layer and a head.
+eager). Each is a graph boundary, not a wrong result. Inductor compiles every graph with the host C++ compiler, so
+the test costs about a minute of CPU on two cores, whatever the model's size; the model here is the smallest that has
+an embedding, a layer and a head.
 """
 
 import pytest

@@ -12,6 +12,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from grpo_kernels import checks
@@ -183,7 +184,8 @@ def choose_route(
     """The one place a loss call's route is chosen. A token-level loss (`losses/epilogue.py`) whose weights take no
     gradient and whose statistics need no merging across ranks is formed inside the pass: in the fused lm_head's
     forward ("fast" memory), or in the forward kernel's epilogue where the backend has one that computes it
-    (padded logits). Everything else, and every call asking for the per-sequence losses, runs two-phase."""
+    (padded logits; on torch only when a gradient is taken). Everything else, and every call asking for the
+    per-sequence losses, runs two-phase."""
     weights = (inputs.token_weights, inputs.sequence_weights)
     if (
         request.return_sequence_losses
@@ -196,7 +198,13 @@ def choose_route(
     if source.weight is not None:
         return Route.LINEAR_TOKEN_LOSS if memory == "fast" else Route.TWO_PHASE
     caps = CAPABILITIES[backend]
-    if caps.epilogue_module and inputs.layout is None and epilogue.fits_kernel_epilogue(options, caps.epilogue_kl):
+    takes_grad = torch.is_grad_enabled() and source.x.requires_grad
+    if (
+        caps.epilogue_module
+        and (takes_grad or not caps.epilogue_needs_grad)
+        and inputs.layout is None
+        and epilogue.fits_kernel_epilogue(options, caps.epilogue_kl)
+    ):
         return Route.FUSED_EPILOGUE
     return Route.TWO_PHASE
 

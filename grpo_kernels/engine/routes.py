@@ -75,7 +75,7 @@ def fused_epilogue(plan: Plan) -> GRPOLossOutput:
         plan.rows,
         inputs.targets,
         inputs.mask,
-        weights=token_omega(inputs, options),
+        weights=token_omega(inputs, options, compute_dtype(plan.rows)),
         advantages=per_sequence_or_token(inputs.advantages),  # [B, 1] or [B, T]
         old_logp=inputs.old_logp,
         ref_logp=inputs.ref_logp,
@@ -107,7 +107,7 @@ def linear_token_loss(plan: Plan) -> GRPOLossOutput:
         plan.source.bias,
         kept.take(inputs.targets),
         opts=plan.pass_options,
-        chunk_loss=chunk_loss(inputs, kept.index, options, kept.row_mask),
+        chunk_loss=chunk_loss(inputs, kept.index, options, kept.row_mask, compute_dtype(plan.rows)),
         row_mask=kept.row_mask,
     )
     logp = nan_at_invalid(kept.scatter(logp, inputs.mask), plan.invalid)
@@ -116,20 +116,27 @@ def linear_token_loss(plan: Plan) -> GRPOLossOutput:
     return GRPOLossOutput(loss, loss_metrics(terms, options))
 
 
-def token_omega(inputs: LossInputs, options: LossOptions) -> Tensor:
-    """Each token's weight in the padded view: the normaliser's ω times any token / sequence weights, float32."""
-    omega = token_weights_for(inputs.padded_mask().float(), POLICY_LOSSES[options.loss_type].normaliser, options)
+def compute_dtype(rows: Tensor) -> torch.dtype:
+    """The dtype a pass over these logits or hidden states computes in: float32, float64 for float64 rows."""
+    return torch.promote_types(rows.dtype, torch.float32)
+
+
+def token_omega(inputs: LossInputs, options: LossOptions, dtype: torch.dtype) -> Tensor:
+    """Each token's weight in the padded view: the normaliser's ω times any token / sequence weights, in `dtype`."""
+    omega = token_weights_for(inputs.padded_mask().to(dtype), POLICY_LOSSES[options.loss_type].normaliser, options)
     if inputs.token_weights is not None:
-        omega = omega * inputs.padded(inputs.token_weights).float()  # [B, T]
+        omega = omega * inputs.padded(inputs.token_weights).to(dtype)  # [B, T]
     if inputs.sequence_weights is not None:
-        omega = omega * inputs.sequence_weights.float()[:, None]  # [B, T]
+        omega = omega * inputs.sequence_weights.to(dtype)[:, None]  # [B, T]
     return omega
 
 
-def chunk_loss(inputs: LossInputs, kept: tuple[Tensor, Tensor], options: LossOptions, row_mask: Tensor | None):
-    """A token-level loss as `(rows, logp, entropy) -> that chunk's share of the loss`, for the fused lm_head; the
-    rows `row_mask` drops (None: none) are padding to it."""
-    omega = inputs.from_padded(token_omega(inputs, options), kept)  # [M]
+def chunk_loss(
+    inputs: LossInputs, kept: tuple[Tensor, Tensor], options: LossOptions, row_mask: Tensor | None, dtype: torch.dtype
+):
+    """A token-level loss as `(rows, logp, entropy) -> that chunk's share of the loss`, for the fused lm_head, its
+    weights in `dtype`; the rows `row_mask` drops (None: none) are padding to it."""
+    omega = inputs.from_padded(token_omega(inputs, options, dtype), kept)  # [M]
     side = {
         name: inputs.per_kept_token(getattr(inputs, name), kept)
         for name in ("old_logp", "ref_logp", "advantages", "is_ratio")

@@ -63,6 +63,7 @@ class Capabilities:
     contiguous_vocab: bool = False  # reads logits with stride 1 along V (others are copied first)
     epilogue_module: str | None = None
     epilogue_kl: tuple[str, ...] = ()  # the KL estimators its epilogue implements
+    epilogue_needs_grad: bool = False  # its epilogue pays only when a gradient is taken (else the two-phase route)
     tile_module: str | None = None
     before_import: Callable[[], None] | None = None  # a check to run before its modules are imported
 
@@ -78,6 +79,9 @@ CAPABILITIES = {
         module="grpo_kernels.kernels.token_logprobs_torch",
         dtypes=(*HALF_AND_SINGLE, torch.float64),
         stats=True,
+        epilogue_module="grpo_kernels.kernels.grpo_loss_torch",
+        epilogue_kl=("k1", "k2", "k3", "low_var_kl"),
+        epilogue_needs_grad=True,  # ops, not kernels: dL/dlogp saves the algebra's autograd graph, nothing more
         tile_module="grpo_kernels.kernels.lean_torch",
     ),
     "triton": Capabilities(

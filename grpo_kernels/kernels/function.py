@@ -235,16 +235,17 @@ def fused_token_loss(
     KL estimator...), read by the backend's `grpo_loss_fwd`.
     """
     B, T = mask.shape
-    f32 = lambda x: None if x is None else x.to(torch.float32).contiguous()  # noqa: E731
-    expand = lambda x: None if x is None else x.to(torch.float32).expand(B, T)  # noqa: E731
+    dtype = torch.promote_types(logits.dtype, torch.float32)  # the pass's compute dtype (float64 on torch)
+    side = lambda x: None if x is None else x.to(dtype).contiguous()  # noqa: E731
+    expand = lambda x: None if x is None else x.to(dtype).expand(B, T)  # noqa: E731
     loss, logp, entropy = _FusedTokenLossFunction.apply(
         logits,
         targets,
         mask,
-        f32(weights),
+        side(weights),
         expand(advantages),
-        f32(old_logp),
-        f32(ref_logp),
+        side(old_logp),
+        side(ref_logp),
         expand(is_ratio),
         opts,
         epilogue,
