@@ -11,6 +11,10 @@ minimum over `--repeats` calls, each timed alone (the device synchronised after 
 backward overwrote are restored between calls, untimed), after `--warmup` calls; the median is in the JSON. torch
 runs one intra-op thread (`--threads`): at these sizes more only adds wake-ups, and on a shared CPU a call could
 wait tens of milliseconds for the pool's other thread.
+
+A second table counts the ops one call sends through torch's dispatcher (forward and, for fwd+bwd, the backward the
+autograd engine runs): at these shapes each costs a few microseconds of host time whatever the machine, so the
+count is a machine-independent proxy for the time, where the time itself drifts with the machine's load.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import grpo_kernels as gk
 
@@ -88,6 +93,28 @@ def time_call(call: Callable, restore: Callable, device: torch.device, repeats: 
     return times
 
 
+class _OpCount(TorchDispatchMode):
+    """Counts the ops that reach the dispatcher while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_ops(call: Callable, restore: Callable) -> int:
+    """The ops one call (after a first, uncounted one) sends through torch's dispatcher."""
+    restore()
+    call()
+    restore()
+    with _OpCount() as counted:
+        call()
+    return counted.ops
+
+
 def measure(device: torch.device, backend: str, repeats: int, warmup: int) -> list[dict]:
     x = _inputs(device)
     rows = []
@@ -98,17 +125,17 @@ def measure(device: torch.device, backend: str, repeats: int, warmup: int) -> li
                 times = time_call(call, restore, device, repeats, warmup)
                 rows.append(
                     dict(function=name, mode="fwd+bwd" if backward else "fwd", check_finite=check_finite,
-                         min_ms=min(times), median_ms=statistics.median(times))
+                         min_ms=min(times), median_ms=statistics.median(times), ops=count_ops(call, restore))
                 )  # fmt: skip
     return rows
 
 
-def table(rows: list[dict], header: str) -> str:
-    cell = {(r["function"], r["mode"], r["check_finite"]): r["min_ms"] for r in rows}
+def table(rows: list[dict], header: str, column: str = "min_ms", number: str = "{:.3f}") -> str:
+    cell = {(r["function"], r["mode"], r["check_finite"]): r[column] for r in rows}
     out = [header, "", "| function | fwd, checks on | fwd, checks off | fwd+bwd, checks on | fwd+bwd, checks off |"]
     out.append("|---|---|---|---|---|")
     for name in FUNCTIONS:
-        cells = [f"{cell[name, mode, check]:.3f}" for mode in ("fwd", "fwd+bwd") for check in (True, False)]
+        cells = [number.format(cell[name, mode, check]) for mode in ("fwd", "fwd+bwd") for check in (True, False)]
         out.append(f"| {name} | {' | '.join(cells)} |")
     return "\n".join(out)
 
@@ -138,6 +165,8 @@ def main(argv: list[str] | None = None) -> None:
         f"backend {args.backend}, {args.threads} thread(s); B {B} × T {T} × V {V} (fused: H {H})"
     )
     print(table(rows, header))
+    print()
+    print(table(rows, "Ops per call through torch's dispatcher (a machine-independent proxy)", "ops", "{}"))
     if args.json:
         meta = dict(device=where, torch=torch.__version__, backend=args.backend, threads=args.threads)
         meta["shape"] = dict(B=B, T=T, V=V, H=H)

@@ -140,8 +140,9 @@ def checked_rows(row_check: RowCheck | None, lse: Tensor, logp: Tensor, kept: Te
     if row_check is not None:
         row_check(lse, logp, kept)
         return logp
-    bad = ~torch.isfinite(lse) if kept is None else ~torch.isfinite(lse) & kept
-    return logp.masked_fill(bad, float("nan"))
+    if kept is None:  # lse − lse: 0 where lse is finite, NaN elsewhere (2 ops; at small shapes ops are the cost)
+        return logp + (lse - lse)
+    return logp.masked_fill(~torch.isfinite(lse) & kept, float("nan"))
 
 
 def poisoned(loss: Tensor, bad: Tensor) -> Tensor:
