@@ -18,6 +18,7 @@ from torch import Tensor
 from grpo_kernels.engine.layout import nan_at_invalid
 from grpo_kernels.kernels import function, parallel, parallel_linear
 from grpo_kernels.kernels.fused_linear import fused_linear_logprobs, fused_linear_token_loss
+from grpo_kernels.kernels.protocol import compute_dtype
 from grpo_kernels.losses.aggregate import token_weights_for
 from grpo_kernels.losses.epilogue import TokenEpilogue
 from grpo_kernels.losses.loss import GRPOLossOutput, compute_loss, loss_metrics, per_token_loss
@@ -75,7 +76,7 @@ def fused_epilogue(plan: Plan) -> GRPOLossOutput:
         plan.rows,
         inputs.targets,
         inputs.mask,
-        weights=token_omega(inputs, options, compute_dtype(plan.rows)),
+        weights=token_omega(inputs, options, compute_dtype(plan.rows.dtype)),
         advantages=per_sequence_or_token(inputs.advantages),  # [B, 1] or [B, T]
         old_logp=inputs.old_logp,
         ref_logp=inputs.ref_logp,
@@ -107,18 +108,13 @@ def linear_token_loss(plan: Plan) -> GRPOLossOutput:
         plan.source.bias,
         kept.take(inputs.targets),
         opts=plan.pass_options,
-        chunk_loss=chunk_loss(inputs, kept.index, options, kept.row_mask, compute_dtype(plan.rows)),
+        chunk_loss=chunk_loss(inputs, kept.index, options, kept.row_mask, compute_dtype(plan.rows.dtype)),
         row_mask=kept.row_mask,
     )
     logp = nan_at_invalid(kept.scatter(logp, inputs.mask), plan.invalid)
     terms = inputs.terms(logp, kept.scatter(entropy, inputs.mask), options)
     loss = loss if plan.invalid is None else function.poisoned(loss, plan.invalid)
     return GRPOLossOutput(loss, loss_metrics(terms, options))
-
-
-def compute_dtype(rows: Tensor) -> torch.dtype:
-    """The dtype a pass over these logits or hidden states computes in: float32, float64 for float64 rows."""
-    return torch.promote_types(rows.dtype, torch.float32)
 
 
 def token_omega(inputs: LossInputs, options: LossOptions, dtype: torch.dtype) -> Tensor:

@@ -7,6 +7,7 @@ from torch import Tensor
 
 from grpo_kernels.kernels import backend as backends
 from grpo_kernels.kernels.pass_options import PassOptions, RowCheck
+from grpo_kernels.kernels.protocol import compute_dtype
 
 TOKEN_STATS = ("log_sum_sq_probs", "mean_logits", "is_top1")  # optional outputs of the pass (TRL's names)
 
@@ -140,8 +141,8 @@ def checked_rows(row_check: RowCheck | None, lse: Tensor, logp: Tensor, kept: Te
     if row_check is not None:
         row_check(lse, logp, kept)
         return logp
-    if kept is None:  # lse − lse: 0 where lse is finite, NaN elsewhere (2 ops; at small shapes ops are the cost)
-        return logp + (lse - lse)
+    if kept is None:  # 2 ops: at small shapes ops are the cost
+        return not_finite_to_nan(logp, lse)
     return logp.masked_fill(~torch.isfinite(lse) & kept, float("nan"))
 
 
@@ -150,9 +151,10 @@ def poisoned(loss: Tensor, bad: Tensor) -> Tensor:
     return torch.where(bad.any(), torch.full_like(loss, float("nan")), loss)
 
 
-def not_finite_to_nan(loss: Tensor, total: Tensor) -> Tensor:
-    """`loss`, or NaN when `total` is not finite (total − total is 0 or NaN); no host sync."""
-    return loss + (total - total)
+def not_finite_to_nan(x: Tensor, total: Tensor) -> Tensor:
+    """`x`, NaN where `total` (of x's shape, or broadcast to it) is not finite: total − total is 0 or NaN; no host
+    sync."""
+    return x + (total - total)
 
 
 def nonfinite_rows(lse: Tensor, logp: Tensor, *per_row: Tensor | None) -> Tensor:
@@ -236,7 +238,7 @@ def fused_token_loss(
     KL estimator...), read by the backend's `grpo_loss_fwd`.
     """
     B, T = mask.shape
-    dtype = torch.promote_types(logits.dtype, torch.float32)  # the pass's compute dtype (float64 on torch)
+    dtype = compute_dtype(logits.dtype)  # float64 on torch for float64 logits
     side = lambda x: None if x is None else x.to(dtype).contiguous()  # noqa: E731
     expand = lambda x: None if x is None else x.to(dtype).expand(B, T)  # noqa: E731
     loss, logp, entropy = _FusedTokenLossFunction.apply(

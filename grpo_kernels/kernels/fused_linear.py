@@ -26,6 +26,7 @@ from grpo_kernels.kernels import backend as backends
 from grpo_kernels.kernels import head_precision
 from grpo_kernels.kernels.function import backend_kernels, checked_rows, nonfinite_rows, poisoned
 from grpo_kernels.kernels.pass_options import PassOptions
+from grpo_kernels.kernels.protocol import compute_dtype
 
 # CPU: each chunk's GEMMs stream all of W (and dW) once, so a chunk needs a few hundred rows to keep them
 # compute-bound. Measured on 2 cores, B·T = 2048, H = 896, fused-linear forward + backward: V = 151,936 took
@@ -129,7 +130,7 @@ class _GradientSink:
     float64 for float64 input; GEMMs as `gemm_mode` says for the device)."""
 
     def __init__(self, hidden: Tensor, weight: Tensor, bias: Tensor | None, needs: tuple[bool, bool, bool]):
-        acc = torch.promote_types(weight.dtype, torch.float32)
+        acc = compute_dtype(weight.dtype)
         self.mode = gemm_mode(weight.device)
         self.hidden = torch.empty_like(hidden) if needs[0] else None  # [M, H]
         self.weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if needs[1] else None  # [V, H]

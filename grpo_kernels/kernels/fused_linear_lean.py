@@ -23,6 +23,7 @@ from grpo_kernels.kernels import backend as backends
 from grpo_kernels.kernels import head_precision
 from grpo_kernels.kernels.function import checked_rows
 from grpo_kernels.kernels.fused_linear import accumulate, chunk_rows, gemm_mode
+from grpo_kernels.kernels.protocol import compute_dtype
 
 # Tile budget: the [rows, vocab] logits in the weight's dtype (plus their float32 copy where `gemm_mode` upcasts, and
 # the [vocab, H] float32 dW tile for bf16/fp16 when the rows take several tiles). CPU: 32 MiB (the CPU bar, extra
@@ -214,7 +215,7 @@ class _LeanLinearLogprobsFunction(torch.autograd.Function):
         if not opts.with_entropy:
             grad_entropy = None
         mode = gemm_mode(weight.device)
-        acc_dtype = torch.promote_types(weight.dtype, torch.float32)
+        acc_dtype = compute_dtype(weight.dtype)
         d_hidden = torch.zeros(M, H, dtype=acc_dtype, device=hidden.device) if needs_h else None  # [M, H]
         new = torch.zeros if M == 0 else torch.empty  # every dW row is written once when a row is kept
         d_weight = new(weight.shape, dtype=weight.dtype, device=weight.device) if needs_w else None  # [V, H]

@@ -19,6 +19,7 @@ from grpo_kernels.kernels.function import backend_kernels, checked_rows
 from grpo_kernels.kernels.fused_linear import accumulate, chunk_rows, gemm_mode
 from grpo_kernels.kernels.parallel import VocabShard, merge_stats, reduce_hidden_grad, remove_foreign_onehot
 from grpo_kernels.kernels.pass_options import PassOptions
+from grpo_kernels.kernels.protocol import compute_dtype
 
 
 def _chunk_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, buffer: Tensor, precision: str) -> Tensor:
@@ -74,7 +75,7 @@ class _ParallelFusedLinearFunction(torch.autograd.Function):
         if not opts.with_entropy:
             grad_entropy = None
         needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
-        acc = torch.promote_types(weight.dtype, torch.float32)
+        acc = compute_dtype(weight.dtype)
         mode = gemm_mode(weight.device)
         grad_hidden = torch.zeros_like(hidden) if needs_hidden else None  # [M, H]
         grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if needs_weight else None

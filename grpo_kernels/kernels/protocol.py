@@ -5,13 +5,22 @@ logits). `kernels/README.md` walks through adding a backend.
 
 from __future__ import annotations
 
+import functools
 from typing import Protocol
 
+import torch
 from torch import Tensor
 
 VOCAB_PASS = ("token_logprobs_fwd", "token_logprobs_bwd")  # `Capabilities.module`
 EPILOGUE = ("grpo_loss_fwd",)  # `Capabilities.epilogue_module`
 TILES = ("TileStats", "tile_grad_")  # `Capabilities.tile_module` (the lean fused lm_head)
+
+
+@functools.cache
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a pass over logits or hidden states of `dtype` computes in: float32 for bf16/fp16/fp32, float64 for
+    float64 (cached: it runs on every call)."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 class VocabPass(Protocol):

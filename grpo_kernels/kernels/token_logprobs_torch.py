@@ -9,19 +9,13 @@ faster still.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import Tensor
 
+from grpo_kernels.kernels.protocol import compute_dtype
+
 CHUNK_ELEMENTS = {"cpu": 1 << 20, "other": 1 << 22}  # logits per chunk: 4 MiB of float32 (cache-sized) on CPU
 LSE_FROM_TARGET = 32.0  # lse = z_t − log q_t for log q_t > −32 (rounding ≤ ulp(32)); logsumexp for the rest
-
-
-@functools.cache
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float32 for bf16/fp16/fp32 input, float64 for float64 input (cached: it runs on every call)."""
-    return torch.promote_types(dtype, torch.float32)
 
 
 def _chunk_rows(logits: Tensor) -> int:
