@@ -21,12 +21,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import grpo_kernels as gk
@@ -51,29 +56,43 @@ def _inputs(device: torch.device) -> dict:
     return {k: v.to(device) for k, v in x.items()}
 
 
+def _leaves(name: str, x: dict, backward: bool) -> tuple[list[Tensor], Callable]:
+    """The differentiable inputs of `name` (the logits, or hidden and weight), fresh copies, and `restore`: it puts
+    back what a call overwrote (the in-place backward writes dL/dlogits into the logits) and drops the gradients."""
+    masters = [x["hidden"], x["weight"]] if name.startswith("fused_linear") else [x["logits"]]
+    leaves = [m.clone().requires_grad_(backward) for m in masters]
+
+    def restore() -> None:
+        with torch.no_grad():
+            for leaf, master in zip(leaves, masters, strict=True):
+                leaf.copy_(master)
+                leaf.grad = None
+
+    return leaves, restore
+
+
+def _backward(out) -> None:
+    """Back-propagate a call's result: a loss (a 0-dim tensor or an output with `.loss`), or logp.sum() +
+    entropy.sum() for a (logp, entropy) pair."""
+    if isinstance(out, tuple) and not hasattr(out, "loss"):
+        (out[0].sum() + out[1].sum()).backward()
+    else:
+        getattr(out, "loss", out).backward()
+
+
 def make_call(name: str, x: dict, backward: bool, check_finite: bool, backend: str) -> tuple[Callable, Callable]:
     """(call, restore): one call of `name`; `restore` puts back what the call overwrote (untimed)."""
-    fused = name.startswith("fused_linear")
-    masters = [x["hidden"], x["weight"]] if fused else [x["logits"]]
-    leaves = [m.clone().requires_grad_(backward) for m in masters]
+    leaves, restore = _leaves(name, x, backward)
     kw = dict(backend=backend, check_finite=check_finite)
     policy = [x[k] for k in ("advantages", "old_logp", "ref_logp", "mask")]
 
     def call() -> None:
         if name.endswith("grpo_loss"):
             out = getattr(gk, name)(*leaves, x["targets"], *policy, **LOSS, **kw)
-            if backward:
-                out.loss.backward()
         else:
-            logp, entropy = getattr(gk, name)(*leaves, x["targets"], mask=x["mask"], with_entropy=True, **kw)
-            if backward:
-                (logp.sum() + entropy.sum()).backward()
-
-    def restore() -> None:
-        with torch.no_grad():
-            for leaf, master in zip(leaves, masters, strict=True):
-                leaf.copy_(master)  # the in-place backward wrote dL/dlogits into the logits
-                leaf.grad = None
+            out = getattr(gk, name)(*leaves, x["targets"], mask=x["mask"], with_entropy=True, **kw)
+        if backward:
+            _backward(out)
 
     return call, restore
 
@@ -115,18 +134,22 @@ def count_ops(call: Callable, restore: Callable) -> int:
     return counted.ops
 
 
+def _row(call: Callable, restore: Callable, device: torch.device, repeats: int, warmup: int, **key) -> dict:
+    times = time_call(call, restore, device, repeats, warmup)
+    ops = count_ops(call, restore)
+    return dict(key, min_ms=min(times), median_ms=statistics.median(times), ops=ops)
+
+
 def measure(device: torch.device, backend: str, repeats: int, warmup: int) -> list[dict]:
     x = _inputs(device)
     rows = []
     for name in FUNCTIONS:
         for backward in (False, True):
+            mode = "fwd+bwd" if backward else "fwd"
             for check_finite in (True, False):
                 call, restore = make_call(name, x, backward, check_finite, backend)
-                times = time_call(call, restore, device, repeats, warmup)
-                rows.append(
-                    dict(function=name, mode="fwd+bwd" if backward else "fwd", check_finite=check_finite,
-                         min_ms=min(times), median_ms=statistics.median(times), ops=count_ops(call, restore))
-                )  # fmt: skip
+                key = dict(function=name, mode=mode, check_finite=check_finite)
+                rows.append(_row(call, restore, device, repeats, warmup, **key))
     return rows
 
 
@@ -140,6 +163,95 @@ def table(rows: list[dict], header: str, column: str = "min_ms", number: str = "
     return "\n".join(out)
 
 
+def measure_peers(device: torch.device, repeats: int, warmup: int) -> list[dict]:
+    """The peers of `benchmarks.host_peers`, timed as the four functions are; a row with `why_not` for a peer that
+    cannot run here."""
+    from benchmarks.host_peers import peers
+
+    x = _inputs(device)
+    rows = []
+    for name, row in peers(LOSS, device).items():
+        for peer, fn, why_not in row:
+            if why_not is not None:
+                rows.append(dict(function=name, peer=peer, why_not=why_not))
+                continue
+            for backward in (False, True):
+                leaves, restore = _leaves(name, x, backward)
+
+                def call(fn=fn, leaves=leaves, backward=backward) -> None:
+                    out = fn(leaves, x)
+                    if backward:
+                        _backward(out)
+
+                mode = "fwd+bwd" if backward else "fwd"
+                rows.append(_row(call, restore, device, repeats, warmup, function=name, peer=peer, mode=mode))
+    return rows
+
+
+def peer_table(rows: list[dict], peer_rows: list[dict]) -> str:
+    """Each peer's ms per call, and ours (checks on) as a multiple of it."""
+    ours = {(r["function"], r["mode"]): r["min_ms"] for r in rows if r["check_finite"]}
+    out = ["Peers in the same run: ms per call, and ours (checks on) ÷ the peer's", ""]
+    out += ["| function | peer | fwd | ours ÷ peer | fwd+bwd | ours ÷ peer |", "|---|---|---|---|---|---|"]
+    timed = {(r["function"], r["peer"], r["mode"]): r["min_ms"] for r in peer_rows if "why_not" not in r}
+    for r in peer_rows:
+        if "why_not" in r:
+            out.append(f"| {r['function']} | {r['peer']}: {r['why_not']} | | | | |")
+        elif r["mode"] == "fwd":
+            theirs = [timed[r["function"], r["peer"], mode] for mode in ("fwd", "fwd+bwd")]
+            mine = [ours[r["function"], mode] for mode in ("fwd", "fwd+bwd")]
+            cells = [f"{t:.3f} | {m / t:.2f}×" for t, m in zip(theirs, mine, strict=True)]
+            out.append(f"| {r['function']} | {r['peer']} | {' | '.join(cells)} |")
+    return "\n".join(out)
+
+
+def run_checkout(tree: Path, args: argparse.Namespace) -> list[dict]:
+    """The rows of this script run in a fresh interpreter on the package of the checkout `tree`, no peers."""
+    flags = ["--device", args.device, "--backend", args.backend, "--repeats", str(args.repeats)]
+    flags += ["--warmup", str(args.warmup), "--threads", str(args.threads), "--no-peers"]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "rows.json"
+        command = [sys.executable, "-P", str(Path(__file__).resolve()), *flags, "--json", str(out)]
+        done = subprocess.run(command, env=dict(os.environ, PYTHONPATH=str(tree)), capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"error: the run on {tree} failed:\n{done.stderr.strip()}")
+        result = json.loads(out.read_text())
+    if Path(result["package"]).resolve() != (tree / "grpo_kernels").resolve():
+        raise SystemExit(f"error: the run on {tree} imported {result['package']}")
+    return result["rows"]
+
+
+def before_after(args: argparse.Namespace) -> tuple[str, dict]:
+    """`--against`: the checkout given and this one, run alternately `--rounds` times; each cell the lower of its
+    rounds. Returns the table and, for the JSON, both sides' rows."""
+    here = Path(__file__).resolve().parents[1]
+    sides: dict[str, list[list[dict]]] = {"before": [], "after": []}
+    for _ in range(args.rounds):
+        sides["before"].append(run_checkout(args.against, args))
+        sides["after"].append(run_checkout(here, args))
+    best = {
+        side: {
+            (r["function"], r["mode"], r["check_finite"]): min(run[i]["min_ms"] for run in runs)
+            for i, r in enumerate(runs[0])
+        }
+        for side, runs in sides.items()
+    }
+    out = [
+        f"Before ({args.against}) and after ({here}), ms per call, the lower of {args.rounds} alternating rounds",
+        "",
+        "| function | checks | fwd: before | after | after ÷ before | fwd+bwd: before | after | after ÷ before |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name in FUNCTIONS:
+        for check in (True, False):
+            cells = []
+            for mode in ("fwd", "fwd+bwd"):
+                old, new = best["before"][name, mode, check], best["after"][name, mode, check]
+                cells.append(f"{old:.3f} | {new:.3f} | {new / old:.2f}×")
+            out.append(f"| {name} | {'on' if check else 'off'} | {' | '.join(cells)} |")
+    return "\n".join(out), {side: runs for side, runs in sides.items()}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
@@ -148,30 +260,51 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     parser.add_argument("--json", type=Path, help="also write the rows and the machine here")
+    parser.add_argument("--no-peers", action="store_true", help="time the four functions alone")
+    parser.add_argument(
+        "--against", type=Path, metavar="CHECKOUT", help="before and after: time a checkout's package and this one"
+    )
+    parser.add_argument("--rounds", type=int, default=2, help="alternating rounds of --against (default 2)")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here")
     if args.repeats < 1 or args.warmup < 0 or args.threads < 1:
         parser.error("--repeats and --threads take a count >= 1, --warmup one >= 0")
+    if args.against is not None and not (args.against / "grpo_kernels" / "__init__.py").is_file():
+        parser.error(f"--against: {args.against} is not a checkout of grpo-kernels (no grpo_kernels/__init__.py)")
+    if args.rounds < 1:
+        parser.error("--rounds takes a count >= 1")
+    meta = dict(device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu", torch=torch.__version__)
+    meta.update(backend=args.backend, threads=args.threads, repeats=args.repeats, shape=dict(B=B, T=T, V=V, H=H))
+    if args.against is not None:
+        text, sides = before_after(args)
+        print(text)
+        _write(args.json, dict(meta, **sides))
+        return
     device, threads = torch.device(args.device), torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
         rows = measure(device, args.backend, args.repeats, args.warmup)
+        peer_rows = [] if args.no_peers else measure_peers(device, args.repeats, args.warmup)
     finally:
         torch.set_num_threads(threads)
-    where = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     header = (
-        f"Host time per call, ms (min of {args.repeats} calls), {where}, torch {torch.__version__}, "
+        f"Host time per call, ms (min of {args.repeats} calls), {meta['device']}, torch {torch.__version__}, "
         f"backend {args.backend}, {args.threads} thread(s); B {B} × T {T} × V {V} (fused: H {H})"
     )
     print(table(rows, header))
     print()
     print(table(rows, "Ops per call through torch's dispatcher (a machine-independent proxy)", "ops", "{}"))
-    if args.json:
-        meta = dict(device=where, torch=torch.__version__, backend=args.backend, threads=args.threads)
-        meta["shape"] = dict(B=B, T=T, V=V, H=H)
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(dict(meta, repeats=args.repeats, rows=rows), indent=1) + "\n")
+    if peer_rows:
+        print()
+        print(peer_table(rows, peer_rows))
+    _write(args.json, dict(meta, package=str(Path(gk.__file__).parent), rows=rows, peers=peer_rows))
+
+
+def _write(path: Path | None, result: dict) -> None:
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":

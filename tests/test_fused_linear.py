@@ -182,6 +182,31 @@ def test_options(backend, option_set):
     )
 
 
+@pytest.mark.parametrize("no_grad", ("torch.no_grad", "no leaf requires grad"))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_loss_without_a_gradient_runs_no_backward(backend, no_grad, launches):
+    """A token-level loss no gradient is asked of runs the forward pass alone (its backward half would be waste),
+    with the loss and metrics of the call that takes the gradient."""
+    inputs = make(torch.float32, seed=3)
+    options = dict(loss_type="dapo", beta=0.04, epsilon_high=0.28)
+    args = [inputs[k] for k in ("targets", "advantages", "old_logp", "ref_logp", "mask")]
+    p = leaves(inputs, double=False)
+    taken = gk.fused_linear_grpo_loss(p["hidden"], p["weight"], *args, bias=p["bias"], backend=backend, **options)
+    assert launches["fused_linear_token_loss"] == 1
+    launches.clear()
+    if no_grad == "torch.no_grad":
+        with torch.no_grad():
+            out = gk.fused_linear_grpo_loss(p["hidden"], p["weight"], *args, bias=p["bias"], backend=backend, **options)
+    else:
+        plain = [inputs[k] for k in ("hidden", "weight", "bias")]
+        out = gk.fused_linear_grpo_loss(*plain[:2], *args, bias=plain[2], backend=backend, **options)
+    assert launches["fused_linear_token_loss"] == 0 and launches[backend] == 1  # one chunk, forward only
+    assert not out.loss.requires_grad
+    assert_close(out.loss, taken.loss.detach(), torch.float32, "loss")
+    for name, value in out.metrics.items():
+        assert_close(value, taken.metrics[name], torch.float32, name)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_packed_equals_padded(backend):
     inputs = make(torch.float32, seed=5)

@@ -63,6 +63,12 @@ class Source:
         """V of these logits or this lm_head (this rank's shard of the vocabulary with a process group)."""
         return self.x.shape[-1] if self.weight is None else self.weight.shape[0]
 
+    @property
+    def takes_grad(self) -> bool:
+        """Whether autograd can ask the pass for a gradient: grad mode on and an input that requires one."""
+        inputs = (self.x, self.weight, self.bias)
+        return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
+
 
 @dataclass(frozen=True)
 class Request(NamedRecord):
@@ -183,9 +189,9 @@ def choose_route(
 ) -> Route:
     """The one place a loss call's route is chosen. A token-level loss (`losses/epilogue.py`) whose weights take no
     gradient and whose statistics need no merging across ranks is formed inside the pass: in the fused lm_head's
-    forward ("fast" memory), or in the forward kernel's epilogue where the backend has one that computes it
-    (padded logits; on torch only when a gradient is taken). Everything else, and every call asking for the
-    per-sequence losses, runs two-phase."""
+    forward ("fast" memory, when a gradient is taken: without one its backward half would be waste), or in the
+    forward kernel's epilogue where the backend has one that computes it (padded logits; on torch only when a
+    gradient is taken). Everything else, and every call asking for the per-sequence losses, runs two-phase."""
     weights = (inputs.token_weights, inputs.sequence_weights)
     if (
         request.return_sequence_losses
@@ -196,12 +202,11 @@ def choose_route(
     ):
         return Route.TWO_PHASE
     if source.weight is not None:
-        return Route.LINEAR_TOKEN_LOSS if memory == "fast" else Route.TWO_PHASE
+        return Route.LINEAR_TOKEN_LOSS if memory == "fast" and source.takes_grad else Route.TWO_PHASE
     caps = CAPABILITIES[backend]
-    takes_grad = torch.is_grad_enabled() and source.x.requires_grad
     if (
         caps.epilogue_module
-        and (takes_grad or not caps.epilogue_needs_grad)
+        and (source.takes_grad or not caps.epilogue_needs_grad)
         and inputs.layout is None
         and epilogue.fits_kernel_epilogue(options, caps.epilogue_kl)
     ):
