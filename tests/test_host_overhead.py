@@ -53,7 +53,7 @@ OPS = {
     ("grpo_loss", False, False): 83,
     ("grpo_loss", True, False): 160,
     ("fused_linear_grpo_loss", False, True): 111,
-    ("fused_linear_grpo_loss", True, True): 247,
+    ("fused_linear_grpo_loss", True, True): 191,
     ("token_logprobs", False, True): 36,
     ("token_logprobs", True, True): 69,
 }

@@ -16,11 +16,11 @@ import torch
 from torch import Tensor
 
 from grpo_kernels.engine.layout import nan_at_invalid
-from grpo_kernels.kernels import function, parallel, parallel_linear
-from grpo_kernels.kernels.fused_linear import fused_linear_logprobs, fused_linear_token_loss
+from grpo_kernels.kernels import function, grpo_loss_torch, parallel, parallel_linear
+from grpo_kernels.kernels.fused_linear import ChunkLoss, fused_linear_logprobs, fused_linear_token_loss
 from grpo_kernels.kernels.protocol import compute_dtype
 from grpo_kernels.losses.aggregate import token_weights_for
-from grpo_kernels.losses.epilogue import TokenEpilogue
+from grpo_kernels.losses.epilogue import TokenEpilogue, fits_kernel_epilogue
 from grpo_kernels.losses.loss import GRPOLossOutput, compute_loss, loss_metrics, per_token_loss
 from grpo_kernels.losses.policy import POLICY_LOSSES
 from grpo_kernels.losses.terms import build_terms, per_sequence_or_token
@@ -129,17 +129,43 @@ def token_omega(inputs: LossInputs, options: LossOptions, dtype: torch.dtype) ->
 
 def chunk_loss(
     inputs: LossInputs, kept: tuple[Tensor, Tensor], options: LossOptions, row_mask: Tensor | None, dtype: torch.dtype
-):
-    """A token-level loss as `(rows, logp, entropy) -> that chunk's share of the loss`, for the fused lm_head, its
-    weights in `dtype`; the rows `row_mask` drops (None: none) are padding to it."""
+) -> ChunkLoss:
+    """A token-level loss as `(rows, logp, entropy) -> (that chunk's share of the loss, dL/dlogp, dL/dentropy)` for
+    the fused lm_head, in `dtype`; the rows `row_mask` drops (None: none) are padding to it. In closed form
+    (`grpo_loss_torch.token_loss`) where it computes the loss whole, else by autograd through the algebra."""
     omega = inputs.from_padded(token_omega(inputs, options, dtype), kept)  # [M]
     side = {
         name: inputs.per_kept_token(getattr(inputs, name), kept)
         for name in ("old_logp", "ref_logp", "advantages", "is_ratio")
     }
-    num_kept = inputs.mask.sum().clamp(min=1)  # a tensor: no host sync
+    if fits_kernel_epilogue(options, grpo_loss_torch.KL_KINDS):
+        return _closed_form_share(omega, side, row_mask, TokenEpilogue.from_options(options), dtype)
+    return _autograd_share(omega, side, row_mask, options, inputs.mask.sum().clamp(min=1))
 
-    def share(rows: slice, logp: Tensor, entropy: Tensor | None) -> Tensor:
+
+def _closed_form_share(
+    omega: Tensor, side: dict[str, Tensor | None], row_mask: Tensor | None, epilogue: TokenEpilogue, dtype
+) -> ChunkLoss:
+    side = {name: None if x is None else x.to(dtype) for name, x in side.items()}  # [M] each
+
+    def share(rows: slice, logp: Tensor, entropy: Tensor | None) -> tuple[Tensor, Tensor, None]:
+        pick = lambda x: None if x is None else x[rows]  # noqa: E731  [c]
+        mask = None if row_mask is None else row_mask[rows]
+        loss, dlogp = grpo_loss_torch.token_loss(
+            logp, mask, omega[rows], *(pick(side[k]) for k in ("advantages", "old_logp", "ref_logp", "is_ratio")),
+            epilogue,
+        )  # fmt: skip
+        return loss.sum(), dlogp, None
+
+    return share
+
+
+def _autograd_share(
+    omega: Tensor, side: dict[str, Tensor | None], row_mask: Tensor | None, options: LossOptions, num_kept: Tensor
+) -> ChunkLoss:
+    """`num_kept`: the batch's kept-token count, a tensor (no host sync), the entropy bonus's denominator."""
+
+    def loss_of(rows: slice, logp: Tensor, entropy: Tensor | None) -> Tensor:
         pick = lambda x: None if x is None else x[rows][None]  # noqa: E731  [1, c]
         terms = build_terms(
             logp[None],
@@ -156,5 +182,12 @@ def chunk_loss(
         if options.entropy_coef != 0.0:
             loss = loss - options.entropy_coef * entropy.sum() / num_kept
         return loss
+
+    def share(rows: slice, logp: Tensor, entropy: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        with torch.enable_grad():  # on O(c) tensors
+            leaves = [x.detach().requires_grad_() for x in (logp, entropy) if x is not None]
+            loss = loss_of(rows, *leaves) if entropy is not None else loss_of(rows, leaves[0], None)
+            grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+        return loss.detach(), grads[0], grads[1] if entropy is not None else None
 
     return share

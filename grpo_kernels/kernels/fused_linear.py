@@ -24,7 +24,7 @@ from torch import Tensor
 
 from grpo_kernels.kernels import backend as backends
 from grpo_kernels.kernels import head_precision
-from grpo_kernels.kernels.function import backend_kernels, checked_rows, nonfinite_rows, poisoned
+from grpo_kernels.kernels.function import backend_kernels, checked_rows, nonfinite_rows, not_finite_to_nan, poisoned
 from grpo_kernels.kernels.pass_options import PassOptions
 from grpo_kernels.kernels.protocol import compute_dtype
 
@@ -239,13 +239,14 @@ class _FusedLinearLogprobsFunction(torch.autograd.Function):
         return (*sink.result(weight, bias), None, None, None)
 
 
-ChunkLoss = Callable[[slice, Tensor, Tensor | None], Tensor]
+ChunkLoss = Callable[[slice, Tensor, Tensor | None], tuple[Tensor, Tensor | None, Tensor | None]]
 
 
 class _FusedLinearTokenLossFunction(torch.autograd.Function):
     """(hidden, weight, bias, targets, row_mask) -> (loss, logp [M], entropy [M] or empty) for a token-level loss
-    given as `chunk_loss(rows, logp_rows, entropy_rows)` (its share of the loss, differentiable in logp and
-    entropy; it must give the rows `row_mask` drops no loss). row_mask as in `_FusedLinearLogprobsFunction`."""
+    given as `chunk_loss(rows, logp_rows, entropy_rows or None)` -> (its share of the loss, dL/dlogp, dL/dentropy
+    or None), [c] each; it must give the rows `row_mask` drops no loss and no gradient. row_mask as in
+    `_FusedLinearLogprobsFunction`."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, row_mask, opts: PassOptions, chunk_loss: ChunkLoss):
@@ -256,7 +257,11 @@ class _FusedLinearTokenLossFunction(torch.autograd.Function):
         masks = _row_masks(rows, row_mask, hidden.device)
         sink = _GradientSink(hidden, weight, bias, ctx.needs_input_grad[:3])
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        bad = torch.zeros((), dtype=torch.bool, device=hidden.device)  # a row with a non-finite dL/dlogits
+        # a kept row with a non-finite dL/dlogits makes the loss NaN; when the inputs were checked (and the rows are
+        # below) only the gradients can still overflow, and their sum is finite iff they are
+        checked = opts.row_check is not None
+        bad = torch.zeros((), dtype=torch.bool, device=hidden.device)  # unchecked: a flagged row
+        gradient_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)  # checked: Σ dL/dlogp + Σ dL/dentropy
         logps, lses, entropies = [], [], []
         buffer = w.new_empty(rows, V)  # [rows, V]
         backends.launches["fused_linear_token_loss"] += 1
@@ -267,15 +272,10 @@ class _FusedLinearTokenLossFunction(torch.autograd.Function):
             logp, lse, entropy, _ = kernels.token_logprobs_fwd(
                 z, targets[None, r], mask, opts.temperature, opts.with_entropy, **opts.transform()
             )
-            with torch.enable_grad():  # dL/dlogp (and dL/dH) of this chunk's share, on O(c) tensors
-                leaves = [logp[0].detach().requires_grad_()]
-                if opts.with_entropy:
-                    leaves.append(entropy[0].detach().requires_grad_())
-                share = chunk_loss(r, *leaves) if opts.with_entropy else chunk_loss(r, leaves[0], None)
-                grads = torch.autograd.grad(share, leaves, allow_unused=True)
-            loss += share.detach().float()
-            grad_logp = None if grads[0] is None else grads[0][None]  # [1, c]
-            grad_entropy = grads[1][None] if opts.with_entropy and grads[1] is not None else None  # [1, c]
+            share, grad_logp, grad_entropy = chunk_loss(r, logp[0], entropy[0] if opts.with_entropy else None)
+            loss += share.float()
+            grad_logp = None if grad_logp is None else grad_logp[None]  # [1, c]
+            grad_entropy = None if grad_entropy is None else grad_entropy[None]  # [1, c]
             kernels.token_logprobs_bwd(
                 z,
                 targets[None, r],
@@ -289,7 +289,11 @@ class _FusedLinearTokenLossFunction(torch.autograd.Function):
                 **opts.transform(),
             )
             sink.add(r, z[0], hidden[r], weight)
-            bad |= (nonfinite_rows(lse, logp, grad_logp, grad_entropy) & mask).any()
+            if checked:
+                for grad in (g for g in (grad_logp, grad_entropy) if g is not None):
+                    gradient_sum += grad.sum()
+            else:
+                bad |= (nonfinite_rows(lse, logp, grad_logp, grad_entropy) & mask).any()
             logps.append(logp[0])
             lses.append(lse[0])
             entropies.append(entropy[0] if opts.with_entropy else logp.new_empty(0))
@@ -297,7 +301,7 @@ class _FusedLinearTokenLossFunction(torch.autograd.Function):
         logp, entropy = _cat(logps, hidden), _cat(entropies, hidden)
         logp = checked_rows(opts.row_check, _cat(lses, hidden), logp, row_mask)
         ctx.mark_non_differentiable(logp, entropy)
-        return poisoned(loss, bad), logp, entropy
+        return not_finite_to_nan(loss, gradient_sum) if checked else poisoned(loss, bad), logp, entropy
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_logp, _grad_entropy):

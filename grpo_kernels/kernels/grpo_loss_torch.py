@@ -93,7 +93,7 @@ def _kl(logp: Tensor, ref_logp: Tensor, estimator: str) -> tuple[Tensor, Tensor]
 
 def token_loss(
     logp: Tensor,
-    mask: Tensor,
+    mask: Tensor | None,
     weights: Tensor,
     advantages: Tensor,
     old_logp: Tensor | None,
@@ -101,7 +101,8 @@ def token_loss(
     is_ratio: Tensor | None,
     epilogue,
 ) -> tuple[Tensor, Tensor]:
-    """Each token's weighted loss and weighted dL/dlogp, [B, T], 0 at masked tokens (whatever padding holds)."""
+    """Each token's weighted loss and weighted dL/dlogp, [B, T], 0 at masked tokens (whatever padding holds);
+    `mask` None: every token is kept."""
     ratio, d_ratio = _ratio(logp, old_logp)
     loss, dlogp = _policy(logp, ratio, d_ratio, advantages, epilogue)
     if is_ratio is not None:
@@ -111,8 +112,11 @@ def token_loss(
         if epilogue.bias_correction:  # KL·ρ, ρ not detached
             kl, d_kl = kl * ratio, d_kl * ratio + kl * d_ratio
         loss, dlogp = loss.add(kl, alpha=epilogue.beta), dlogp.add(d_kl, alpha=epilogue.beta)
+    loss, dlogp = loss * weights, dlogp * weights
+    if mask is None:
+        return loss, dlogp
     dropped = ~mask
-    return (loss * weights).masked_fill_(dropped, 0.0), (dlogp * weights).masked_fill_(dropped, 0.0)
+    return loss.masked_fill_(dropped, 0.0), dlogp.masked_fill_(dropped, 0.0)
 
 
 def grpo_loss_fwd(
