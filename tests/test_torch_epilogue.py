@@ -3,7 +3,8 @@ against the loss algebra of `losses/` it transcribes, run through the same engin
 call that asks for the per-sequence losses takes the two-phase route (the algebra, differentiated by autograd), the
 plain call the fused one. In float64 they agree to a few ulps of the largest term, on every policy kind,
 KL estimator and option the epilogue reads, with the hard rows: a -inf logit, NaN and inf at padding, log-ratios
-past the ±20 clamp, a KL past low_var_kl's ±10, ties of the clip's min.
+past the ±20 clamp, a KL past low_var_kl's ±10, ties of the clip's min. The fused lm_head's chunks use the same
+closed form, held to the algebra the same way (loss, dL/dhidden and dL/dweight).
 """
 
 from __future__ import annotations
@@ -109,3 +110,38 @@ def test_no_gradient_runs_two_phase(launches):
     torch.testing.assert_close(plain.loss, fused.loss.detach(), rtol=1e-12, atol=0)
     for name, value in fused.metrics.items():
         torch.testing.assert_close(plain.metrics[name], value, rtol=1e-12, atol=0, msg=name)
+
+
+H = 5
+
+
+def _linear_loss_and_grads(x: dict, head: tuple, options: dict, two_phase: bool) -> list[torch.Tensor]:
+    hidden, weight = (p.clone().requires_grad_() for p in head)
+    args = (hidden, weight, x["targets"], x["advantages"], x["old_logp"], x["ref_logp"], x["mask"])
+    out = gk.fused_linear_grpo_loss(
+        *args, is_ratio=x.get("is_ratio"), backend="torch", chunk_size=4, return_sequence_losses=two_phase, **options
+    )
+    loss = out[0].loss if two_phase else out.loss
+    loss.backward()
+    return [loss.detach(), hidden.grad, weight.grad]
+
+
+@pytest.mark.parametrize("beta,kl_estimator", KL, ids=[f"{b}-{k}" for b, k in KL])
+@pytest.mark.parametrize("name", OPTIONS)
+def test_fused_lm_head_chunk_matches_the_algebra(name, beta, kl_estimator, launches):
+    """The fused lm_head forms each chunk's dL/dlogp by the same closed form: in float64 its loss and dL/dhidden,
+    dL/dweight agree with the two-phase algebra's to a few ulps (chunks of 4 rows, padding holding NaN and inf)."""
+    options = dict(OPTIONS[name])
+    x = _inputs(options.pop("on_policy", False), options.pop("is_ratio", False))
+    g = torch.Generator().manual_seed(1)
+    head = (torch.randn(B, T, H, generator=g, dtype=F64), torch.randn(V, H, generator=g, dtype=F64))
+    options |= dict(beta=beta, kl_estimator=kl_estimator, max_completion_length=T)
+    fused = _linear_loss_and_grads(x, head, options, two_phase=False)
+    assert launches["fused_linear_token_loss"] == 1, "not the fused route"
+    algebra = _linear_loss_and_grads(x, head, options, two_phase=True)
+    assert launches["fused_linear_token_loss"] == 1, "not the two-phase route"
+    assert all(torch.isfinite(t).all() for t in fused)
+    for ours, spec, what in zip(fused, algebra, ("loss", "dL/dhidden", "dL/dweight"), strict=True):
+        scale = spec.abs().max().item()
+        message = lambda m, what=what: f"{name}, {what}: {m}"  # noqa: E731
+        torch.testing.assert_close(ours, spec, rtol=1e-12, atol=1e-13 * scale, msg=message)

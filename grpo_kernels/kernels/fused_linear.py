@@ -256,12 +256,12 @@ class _FusedLinearTokenLossFunction(torch.autograd.Function):
         rows = chunk_rows(M, V, weight.shape[1], hidden.device, opts.chunk_size, w.dtype)
         masks = _row_masks(rows, row_mask, hidden.device)
         sink = _GradientSink(hidden, weight, bias, ctx.needs_input_grad[:3])
-        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        loss = torch.zeros((), dtype=compute_dtype(w.dtype), device=hidden.device)  # float64 stays float64
         # a kept row with a non-finite dL/dlogits makes the loss NaN; when the inputs were checked (and the rows are
         # below) only the gradients can still overflow, and their sum is finite iff they are
         checked = opts.row_check is not None
         bad = torch.zeros((), dtype=torch.bool, device=hidden.device)  # unchecked: a flagged row
-        gradient_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)  # checked: Σ dL/dlogp + Σ dL/dentropy
+        gradient_sum = torch.zeros_like(loss)  # checked: Σ dL/dlogp + Σ dL/dentropy
         logps, lses, entropies = [], [], []
         buffer = w.new_empty(rows, V)  # [rows, V]
         backends.launches["fused_linear_token_loss"] += 1
@@ -273,7 +273,7 @@ class _FusedLinearTokenLossFunction(torch.autograd.Function):
                 z, targets[None, r], mask, opts.temperature, opts.with_entropy, **opts.transform()
             )
             share, grad_logp, grad_entropy = chunk_loss(r, logp[0], entropy[0] if opts.with_entropy else None)
-            loss += share.float()
+            loss += share
             grad_logp = None if grad_logp is None else grad_logp[None]  # [1, c]
             grad_entropy = None if grad_entropy is None else grad_entropy[None]  # [1, c]
             kernels.token_logprobs_bwd(
