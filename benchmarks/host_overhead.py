@@ -1,8 +1,9 @@
 """The host's time per call of the four public functions, at shapes so small that the kernels cost nothing: what the
 Python layers (checks, flattening, backend dispatch, autograd) add to every call.
 
-    python -m benchmarks.host_overhead                       # CPU, torch backend, the table on stdout
+    python -m benchmarks.host_overhead                       # CPU, torch backend, the tables on stdout
     python -m benchmarks.host_overhead --device cuda --backend triton --json FILE
+    python -m benchmarks.host_overhead --against OLD_CHECKOUT    # before and after, in one run
 
 Each function runs forward (inputs that need no gradient) and forward + backward (leaves that do; the log-prob
 passes back-propagate logp.sum() + entropy.sum()), with `check_finite` on and off. Shapes: B 4 × T 8 × V 16 for
@@ -15,6 +16,11 @@ wait tens of milliseconds for the pool's other thread.
 A second table counts the ops one call sends through torch's dispatcher (forward and, for fwd+bwd, the backward the
 autograd engine runs): at these shapes each costs a few microseconds of host time whatever the machine, so the
 count is a machine-independent proxy for the time, where the time itself drifts with the machine's load.
+
+A third table times the peers of `benchmarks.host_peers` (plain eager torch, TRL 1.16, Liger; none of them checks
+its inputs, and the eager ones log no metrics) on the same inputs, with ours as a multiple of each. `--against`
+instead times the package of another checkout and this one, each in a fresh interpreter, alternating for
+`--rounds`: the before and after of a change, measured in one run on one machine.
 """
 
 from __future__ import annotations
@@ -191,7 +197,7 @@ def measure_peers(device: torch.device, repeats: int, warmup: int) -> list[dict]
 def peer_table(rows: list[dict], peer_rows: list[dict]) -> str:
     """Each peer's ms per call, and ours (checks on) as a multiple of it."""
     ours = {(r["function"], r["mode"]): r["min_ms"] for r in rows if r["check_finite"]}
-    out = ["Peers in the same run: ms per call, and ours (checks on) ÷ the peer's", ""]
+    out = ["Peers in the same run (unchecked; eager: no metrics): ms per call, and ours (checks on) ÷ the peer's", ""]
     out += ["| function | peer | fwd | ours ÷ peer | fwd+bwd | ours ÷ peer |", "|---|---|---|---|---|---|"]
     timed = {(r["function"], r["peer"], r["mode"]): r["min_ms"] for r in peer_rows if "why_not" not in r}
     for r in peer_rows:
