@@ -161,6 +161,7 @@ def summary_markdown(outdir: Path) -> str:
     if parity.exists():
         out += ["## Parity (float64 oracle)", "", _nested(parity.read_text().split("\n## Every quantity")[0])]
     for title, path in (
+        ("Host time per call (tiny shapes)", outdir / "host" / "host.md"),
         ("Benchmarks against TRL (interleaved)", outdir / "bench" / "interleaved-trl.md"),
         ("Benchmark suites", outdir / "bench" / "benchmarks.md"),
     ):

@@ -17,10 +17,11 @@ A second table counts the ops one call sends through torch's dispatcher (forward
 autograd engine runs): at these shapes each costs a few microseconds of host time whatever the machine, so the
 count is a machine-independent proxy for the time, where the time itself drifts with the machine's load.
 
-A third table times the peers of `benchmarks.host_peers` (plain eager torch, TRL 1.16, Liger; none of them checks
-its inputs, and the eager ones log no metrics) on the same inputs, with ours as a multiple of each. `--against`
-instead times the package of another checkout and this one, each in a fresh interpreter, alternating for
-`--rounds`: the before and after of a change, measured in one run on one machine.
+On CUDA, a further table gives each call's device time (torch.profiler's kernels and copies, less the restore's):
+the wall time beyond it is what the host adds. Another times the peers of `benchmarks.host_peers` (plain eager
+torch, TRL 1.16, Liger; none of them checks its inputs, and the eager ones log no metrics) on the same inputs, with
+ours as a multiple of each. `--against` instead times the package of another checkout and this one, each in a fresh
+interpreter, alternating for `--rounds`: the before and after of a change, measured in one run on one machine.
 """
 
 from __future__ import annotations
@@ -140,10 +141,34 @@ def count_ops(call: Callable, restore: Callable) -> int:
     return counted.ops
 
 
+def device_time(call: Callable, restore: Callable, repeats: int) -> float:
+    """Milliseconds of device activity (kernels, copies) per call on CUDA, from torch.profiler's CUDA activity, less
+    what `restore` launches: set against the call's wall time, what the host adds."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    def per_call(body: Callable) -> float:
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(repeats):
+                body()
+            torch.cuda.synchronize()
+        device_us = sum(e.device_time_total for e in prof.events() if e.device_type == DeviceType.CUDA)
+        return device_us / 1e3 / repeats
+
+    def restore_and_call() -> None:
+        restore()
+        call()
+
+    return per_call(restore_and_call) - per_call(restore)
+
+
 def _row(call: Callable, restore: Callable, device: torch.device, repeats: int, warmup: int, **key) -> dict:
     times = time_call(call, restore, device, repeats, warmup)
-    ops = count_ops(call, restore)
-    return dict(key, min_ms=min(times), median_ms=statistics.median(times), ops=ops)
+    row = dict(key, min_ms=min(times), median_ms=statistics.median(times), ops=count_ops(call, restore))
+    if device.type == "cuda":
+        row["device_ms"] = device_time(call, restore, min(repeats, 20))
+    return row
 
 
 def measure(device: torch.device, backend: str, repeats: int, warmup: int) -> list[dict]:
@@ -285,7 +310,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.against is not None:
         text, sides = before_after(args)
         print(text)
-        _write(args.json, dict(meta, **sides))
+        _write(args.json, dict(meta, **sides), [text])
         return
     device, threads = torch.device(args.device), torch.get_num_threads()
     torch.set_num_threads(args.threads)
@@ -298,19 +323,23 @@ def main(argv: list[str] | None = None) -> None:
         f"Host time per call, ms (min of {args.repeats} calls), {meta['device']}, torch {torch.__version__}, "
         f"backend {args.backend}, {args.threads} thread(s); B {B} × T {T} × V {V} (fused: H {H})"
     )
-    print(table(rows, header))
-    print()
-    print(table(rows, "Ops per call through torch's dispatcher (a machine-independent proxy)", "ops", "{}"))
+    tables = [table(rows, header)]
+    if device.type == "cuda":
+        tables.append(table(rows, "Device time per call (torch.profiler: kernels and copies), ms", "device_ms"))
+    tables.append(table(rows, "Ops per call through torch's dispatcher (a machine-independent proxy)", "ops", "{}"))
     if peer_rows:
-        print()
-        print(peer_table(rows, peer_rows))
-    _write(args.json, dict(meta, package=str(Path(gk.__file__).parent), rows=rows, peers=peer_rows))
+        tables.append(peer_table(rows, peer_rows))
+    print("\n\n".join(tables))
+    _write(args.json, dict(meta, package=str(Path(gk.__file__).parent), rows=rows, peers=peer_rows), tables)
 
 
-def _write(path: Path | None, result: dict) -> None:
+def _write(path: Path | None, result: dict, tables: list[str] = ()) -> None:
+    """The JSON at `path`, and the tables beside it (the same name, .md)."""
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(result, indent=1) + "\n")
+        if tables:
+            path.with_suffix(".md").write_text("\n\n".join(tables) + "\n")
 
 
 if __name__ == "__main__":

@@ -9,8 +9,8 @@
 #
 # Plans: two calls that fit 15 minutes of GPU time with the machine's start-up. Each step has a timeout; the sum of a
 # plan's timeouts is its bound (--dry-run prints both plans' steps, timeouts and sums):
-#   first  (480 s)  env 20, build 45, tests 90 (-m cuda, opcheck), parity 150 (triton and cuda, bf16 and fp32),
-#                   headline 155, report 20
+#   first  (480 s)  env 20, build 45, tests 60 (-m cuda, opcheck), parity 150 (triton and cuda, bf16 and fp32),
+#                   headline 155, host 30, report 20
 #   second (240 s)  env 15, the three bench suites at --bench-size gpu-short (45 + 60 + 40), lean_memory 35,
 #                   packing 35, report 10
 # Without --plan: every step but alltests, at the full sizes, within --budget (default 1500 s): the full suites.
@@ -27,6 +27,9 @@
 #   headline     python -m benchmarks.headline: the fused lm_head step against the bare GEMMs, TRL, Liger and eager at
 #                N 8,192 and 16,384 (bf16, H 4,096, V 151,936), time and peak memory, the vocabulary kernels'
 #                bandwidth; OUTDIR/headline/headline.{json,md}
+#   host         python -m benchmarks.host_overhead --device cuda --backend triton: each public function's wall time
+#                per call at tiny shapes against its device time (torch.profiler), ops per call;
+#                OUTDIR/host/host.{json,md}
 #   bench_grpo_loss, bench_fused_linear, bench_token_logprobs  (the group "bench")
 #                pytest --bench-size gpu (plan second: gpu-short), one file each, OUTDIR/bench/<step>.json; -rs
 #                prints every skip reason (a peer that is not installed is skipped with a line saying so)
@@ -48,8 +51,9 @@
 #                named in OUTDIR/skipped.txt; the report's timeout stays reserved for it when it is selected
 #   --rebuild    compile the extension even when OUTDIR/build holds one for these sources and this torch
 #   --dry-run    print both plans and every command; run the CPU-checkable steps on the CPU at tiny sizes (env,
-#                parity at smoke size on the torch backend, headline at smoke size, the suites at --bench-size smoke
-#                --benchmark-disable, interleaved at smoke size for the fused lm_head, report); no GPU needed
+#                parity at smoke size on the torch backend, headline at smoke size, host on the CPU, the suites
+#                at --bench-size smoke --benchmark-disable, interleaved at smoke size for the fused lm_head, report);
+#                no GPU needed
 # Environment: PYTHON (default python3), WHEELS (a folder of wheels, e.g. trl and liger-kernel, installed with
 #   pip --no-index --no-deps into /tmp/grpo_gpu_site first), GPU_RUN_BENCH_K (a pytest -k expression for the
 #   suites), TORCH_CUDA_ARCH_LIST (default: this GPU's capability), MAX_JOBS (default: the CPU count).
@@ -57,8 +61,8 @@
 
 set -uo pipefail
 
-ALL_STEPS=(env build tests alltests parity headline bench_grpo_loss bench_fused_linear bench_token_logprobs interleaved
-    lean_memory packing vllm_train report)
+ALL_STEPS=(env build tests alltests parity headline host bench_grpo_loss bench_fused_linear bench_token_logprobs
+    interleaved lean_memory packing vllm_train report)
 declare -A TIMEOUT=([env]=120 [build]=900 [tests]=600 [alltests]=1500 [parity]=900 [headline]=600
     [bench_grpo_loss]=480 [bench_fused_linear]=600 [bench_token_logprobs]=480 [interleaved]=300 [report]=180)
 declare -A MINIMUM=([env]=10 [build]=30 [tests]=30 [alltests]=120 [parity]=90 [headline]=60 [bench_grpo_loss]=30
@@ -66,9 +70,10 @@ declare -A MINIMUM=([env]=10 [build]=30 [tests]=30 [alltests]=120 [parity]=90 [h
 TIMEOUT[vllm_train]=420 MINIMUM[vllm_train]=90
 TIMEOUT[lean_memory]=300 MINIMUM[lean_memory]=30
 TIMEOUT[packing]=600 MINIMUM[packing]=30
+TIMEOUT[host]=120 MINIMUM[host]=15
 # The plans: "step:timeout" in order. Measured on an H100 (2026-11-26): env ~10 s, build 19 s, pytest -m cuda 22 s,
 # gpu_parity triton bf16+fp32 35 s (the cuda backend and the plain implementation come on top), the fused step ~25 s.
-PLAN_FIRST="env:20 build:45 tests:90 parity:150 headline:155 report:20"
+PLAN_FIRST="env:20 build:45 tests:60 parity:150 headline:155 host:30 report:20"
 PLAN_SECOND="env:15 bench_grpo_loss:45 bench_fused_linear:60 bench_token_logprobs:40 lean_memory:35 packing:35 report:10"
 
 usage() { sed -n '2,/^# Exit status/p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
@@ -130,7 +135,7 @@ expand() {  # a comma list of steps and groups -> one step a line
         fi
     done
 }
-DEFAULT_STEPS="env,build,tests,parity,headline,bench,interleaved,lean_memory,packing,vllm_train,report"
+DEFAULT_STEPS="env,build,tests,parity,headline,host,bench,interleaved,lean_memory,packing,vllm_train,report"
 [ -z "$PLAN" ] || DEFAULT_STEPS="$(for item in $PLAN_STEPS; do printf '%s,' "${item%%:*}"; done)"
 WANTED="$(expand "${DEFAULT_STEPS%,}")" || exit 2
 if [ -n "$ONLY" ]; then
@@ -205,6 +210,10 @@ commands() {  # GPU and CPU (dry run) command of step $1; an empty CPU one: not 
         headline)
             GPU=("$PY" -m benchmarks.headline --out "$OUTDIR/headline")
             CPU=("$PY" -m benchmarks.headline --size smoke --iters 1 --out "$OUTDIR/headline") ;;
+        host)
+            GPU=("$PY" -m benchmarks.host_overhead --device cuda --backend triton --repeats 50 --no-peers
+                --json "$OUTDIR/host/host.json")
+            CPU=("$PY" -m benchmarks.host_overhead --repeats 2 --warmup 1 --no-peers --json "$OUTDIR/host/host.json") ;;
         alltests) GPU=("$PY" -m pytest -rs -q -p no:cacheprovider tests --junitxml "$OUTDIR/tests/all.xml") ;;
         parity)
             GPU=("$PY" -m benchmarks.gpu_parity --out "$OUTDIR/parity")

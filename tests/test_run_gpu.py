@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import grpo_kernels as gk
-from benchmarks import gpu_parity, gpu_run
+from benchmarks import gpu_parity, gpu_run, host_overhead
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "run_gpu.sh"
@@ -46,6 +46,7 @@ def test_dry_run(tmp_path):
         "-m benchmarks.gpu_parity --out",
         "-m benchmarks.headline --out",
         "-m benchmarks.headline --size smoke --iters 1",
+        "-m benchmarks.host_overhead --device cuda --backend triton",
         "benchmarks/bench_grpo_loss.py",
         "benchmarks/bench_fused_linear.py",
         "benchmarks/bench_token_logprobs.py",
@@ -65,6 +66,7 @@ def test_dry_run(tmp_path):
         tests="dry run: printed",
         parity="ok",
         headline="ok",
+        host="ok",
         bench_grpo_loss="ok",
         bench_fused_linear="ok",
         bench_token_logprobs="ok",
@@ -87,14 +89,16 @@ def test_dry_run(tmp_path):
     interleaved = json.loads((tmp_path / "bench" / "interleaved-trl.json").read_text())
     assert {b["extra_info"]["provider"] for b in interleaved["benchmarks"]} >= {"torch"}
     summary = (tmp_path / "SUMMARY.md").read_text()
-    for section in ("## Machine", "## Steps", "## Parity (float64 oracle)", "## Benchmarks against TRL"):
+    host = json.loads((tmp_path / "host" / "host.json").read_text())
+    assert {r["function"] for r in host["rows"]} == set(host_overhead.FUNCTIONS)
+    for section in ("## Machine", "## Steps", "## Parity (float64 oracle)", "## Host time", "## Benchmarks against"):
         assert section in summary
     assert (tmp_path / "bench" / "benchmarks.md").exists() and (tmp_path / "logs" / "parity.log").exists()
 
 
 PLAN_BOUNDS = {"first": 480, "second": 240}
 PLAN_STEPS = {
-    "first": ["env", "build", "tests", "parity", "headline", "report"],
+    "first": ["env", "build", "tests", "parity", "headline", "host", "report"],
     "second": ["env", "bench_grpo_loss", "bench_fused_linear", "bench_token_logprobs", "lean_memory", "packing"]
     + ["report"],
 }
