@@ -220,19 +220,22 @@ def measure_peers(device: torch.device, repeats: int, warmup: int) -> list[dict]
 
 
 def peer_table(rows: list[dict], peer_rows: list[dict]) -> str:
-    """Each peer's ms per call, and ours (checks on) as a multiple of it."""
-    ours = {(r["function"], r["mode"]): r["min_ms"] for r in rows if r["check_finite"]}
+    """Each peer's ms per call, ours (checks on) as a multiple of it, and both op counts."""
+    ours = {(r["function"], r["mode"]): r for r in rows if r["check_finite"]}
+    theirs = {(r["function"], r["peer"], r["mode"]): r for r in peer_rows if "why_not" not in r}
     out = ["Peers in the same run (unchecked; eager: no metrics): ms per call, and ours (checks on) ÷ the peer's", ""]
-    out += ["| function | peer | fwd | ours ÷ peer | fwd+bwd | ours ÷ peer |", "|---|---|---|---|---|---|"]
-    timed = {(r["function"], r["peer"], r["mode"]): r["min_ms"] for r in peer_rows if "why_not" not in r}
+    out += ["| function | peer | fwd | ours ÷ peer | fwd+bwd | ours ÷ peer | ops fwd, fwd+bwd: peer (ours) |"]
+    out.append("|---|---|---|---|---|---|---|")
     for r in peer_rows:
         if "why_not" in r:
-            out.append(f"| {r['function']} | {r['peer']}: {r['why_not']} | | | | |")
+            out.append(f"| {r['function']} | {r['peer']}: {r['why_not']} | | | | | |")
         elif r["mode"] == "fwd":
-            theirs = [timed[r["function"], r["peer"], mode] for mode in ("fwd", "fwd+bwd")]
-            mine = [ours[r["function"], mode] for mode in ("fwd", "fwd+bwd")]
-            cells = [f"{t:.3f} | {m / t:.2f}×" for t, m in zip(theirs, mine, strict=True)]
-            out.append(f"| {r['function']} | {r['peer']} | {' | '.join(cells)} |")
+            cells, ops = [], []
+            for mode in ("fwd", "fwd+bwd"):
+                peer, mine = theirs[r["function"], r["peer"], mode], ours[r["function"], mode]
+                cells.append(f"{peer['min_ms']:.3f} | {mine['min_ms'] / peer['min_ms']:.2f}×")
+                ops.append(f"{peer['ops']} ({mine['ops']})")
+            out.append(f"| {r['function']} | {r['peer']} | {' | '.join(cells)} | {', '.join(ops)} |")
     return "\n".join(out)
 
 
