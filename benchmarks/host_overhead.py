@@ -245,8 +245,11 @@ def run_checkout(tree: Path, args: argparse.Namespace) -> list[dict]:
     flags += ["--warmup", str(args.warmup), "--threads", str(args.threads), "--no-peers"]
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rows.json"
-        command = [sys.executable, "-P", str(Path(__file__).resolve()), *flags, "--json", str(out)]
-        done = subprocess.run(command, env=dict(os.environ, PYTHONPATH=str(tree)), capture_output=True, text=True)
+        # this file run as a script from `tree`: the package imported is the checkout's, whatever this one's path
+        run = "import runpy, sys; runpy.run_path(sys.argv.pop(1), run_name='__main__')"
+        command = [sys.executable, "-c", run, str(Path(__file__).resolve()), *flags, "--json", str(out)]
+        env = dict(os.environ, PYTHONPATH=str(tree))
+        done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True)
         if done.returncode != 0:
             raise SystemExit(f"error: the run on {tree} failed:\n{done.stderr.strip()}")
         result = json.loads(out.read_text())
