@@ -286,7 +286,7 @@ def before_after(args: argparse.Namespace) -> tuple[str, dict]:
                 old, new = best["before"][name, mode, check], best["after"][name, mode, check]
                 cells.append(f"{old:.3f} | {new:.3f} | {new / old:.2f}×")
             out.append(f"| {name} | {'on' if check else 'off'} | {' | '.join(cells)} |")
-    return "\n".join(out), {side: runs for side, runs in sides.items()}
+    return "\n".join(out), sides
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -185,9 +185,11 @@ def _autograd_share(
 
     def share(rows: slice, logp: Tensor, entropy: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
         with torch.enable_grad():  # on O(c) tensors
-            leaves = [x.detach().requires_grad_() for x in (logp, entropy) if x is not None]
-            loss = loss_of(rows, *leaves) if entropy is not None else loss_of(rows, leaves[0], None)
+            logp = logp.detach().requires_grad_()
+            entropy = None if entropy is None else entropy.detach().requires_grad_()
+            leaves = [x for x in (logp, entropy) if x is not None]
+            loss = loss_of(rows, logp, entropy)
             grads = torch.autograd.grad(loss, leaves, allow_unused=True)
-        return loss.detach(), grads[0], grads[1] if entropy is not None else None
+        return loss.detach(), grads[0], None if entropy is None else grads[1]
 
     return share
