@@ -171,7 +171,24 @@ def well_conditioned_oracle(case: dict, inputs: dict) -> tuple[torch.Tensor, tor
     tolerance = RTOL[case["dtype"]] / 4
     assume(scaled_error(moved[0], loss) < tolerance and scaled_error(moved[1], grad) < tolerance)
     assume(float(softmax_error / grad.abs().max().clamp(min=1e-6)) < tolerance)
+    if case["options"]["loss_type"] == "kl_cov":
+        assume(kl_cov_selection_is_clear(inputs, logp, case["options"]))
     return loss, grad
+
+
+def kl_cov_selection_is_clear(inputs: dict, logp: torch.Tensor, options: dict) -> bool:
+    """Whether kl_cov's k tokens of largest covariance (`torch.topk`) stand clear of the next one by more than a
+    float32 rounding can move them (1e-4 of the largest |covariance|). Where they do not, float32 and float64 may
+    pick different tokens and neither is wrong: with two kept tokens the covariances tie exactly."""
+    keep = inputs["mask"].cpu()
+    adv = inputs["advantages"].cpu().double()
+    adv = (adv if adv.dim() == 2 else adv[:, None]).expand(keep.shape)[keep]  # [M]
+    kept = logp[keep]  # [M]
+    cov = ((adv - adv.mean()) * (kept - kept.mean())).sort(descending=True).values  # [M]
+    k = max(int(cov.numel() * options.get("kl_cov_ratio", 0.0002)), 1)
+    if cov.numel() <= k:
+        return True
+    return bool(cov[k - 1] - cov[k] > 1e-4 * cov.abs().max())
 
 
 def check_matches_oracle(case: dict, backend: str) -> None:
