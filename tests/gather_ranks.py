@@ -1,19 +1,17 @@
 """The ranks of test_trainer_presets' `gather_inputs` test, in a module of their own: each spawned process imports
 the module of its target, and this one imports only what the ranks run (not the trainer, not transformers)."""
 
-import os
-
 import torch
 import torch.distributed as dist
 
 from grpo_kernels.trainer.components import gather_inputs, local_part
 from grpo_kernels.trainer.parallel import ParallelState
+from tests.rendezvous import join
 
 
-def gather_rank(rank: int, port: int, results) -> None:
+def gather_rank(rank: int, store: str, results) -> None:
     """Rank `rank` of 2: per-token inputs of a different length on each rank, gathered and split back."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    join(rank, 2, store)
     state = ParallelState(rank, 2, torch.device("cpu"), "ddp")
     length = 2 + rank  # the ranks' completions differ in length
     inputs = {

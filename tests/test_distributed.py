@@ -1,8 +1,5 @@
 """Global normalisers: 2 ranks × half a batch (gloo, CPU) make the same update as 1 rank × the whole batch."""
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -11,6 +8,7 @@ import torch.multiprocessing as mp
 import grpo_kernels as gk
 from grpo_kernels import distributed
 from tests.conftest import assert_close
+from tests.rendezvous import join, rendezvous
 
 B, T, V, H = 4, 6, 23, 8
 OPTIONS = [
@@ -51,10 +49,9 @@ def _normalisers(mask: torch.Tensor) -> dict:
     }
 
 
-def _rank(rank: int, port: int, queue) -> None:
+def _rank(rank: int, store: str, queue) -> None:
     """Every option's averaged dL/dW on 2 ranks, in one launch (starting the processes is the slow part)."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    join(rank, 2, store)
     rows = slice(2 * rank, 2 * rank + 2)
     for index, options in enumerate(OPTIONS):
         grad = _weight_grad(rows, options, _normalisers(_batch()[3][rows]))
@@ -64,25 +61,19 @@ def _rank(rank: int, port: int, queue) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def averaged_on_two_ranks() -> dict[int, torch.Tensor]:
     """OPTIONS index -> the 2 ranks' averaged dL/dW, from one launch of 2 processes."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    averaged = {index: torch.from_numpy(grad) for index, grad in (queue.get(timeout=120) for _ in OPTIONS)}
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    with rendezvous() as store:
+        procs = [ctx.Process(target=_rank, args=(r, store, queue)) for r in range(2)]
+        for p in procs:
+            p.start()
+        averaged = {index: torch.from_numpy(grad) for index, grad in (queue.get(timeout=120) for _ in OPTIONS)}
+        for p in procs:
+            p.join(timeout=60)
+            assert p.exitcode == 0
     return averaged
 
 

@@ -4,8 +4,6 @@ ground-truth injection, AMIR-GRPO's preference term through the policy's forward
 
 import dataclasses
 import math
-import os
-import socket
 
 import pytest
 import torch
@@ -29,6 +27,7 @@ from grpo_kernels.trainer.rollout import HFRollout
 from grpo_kernels.trainer.samplers import Round
 from grpo_kernels.trainer.tasks import AdditionTask, CountdownTask, DatasetTask, Prompt, exact_answer, number_format
 from grpo_kernels.trainer.update import inner_updates
+from tests.rendezvous import join, rendezvous
 from tests.test_trainer_presets import make_round
 
 ONE_PROCESS = ParallelState(0, 1, torch.device("cpu"), "none")
@@ -281,10 +280,9 @@ def _daro_step(rows: slice, parallel: ParallelState) -> torch.Tensor:
     return components.learner.module.weights.detach().clone()
 
 
-def _daro_rank(rank: int, port: int, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank))
+def _daro_rank(rank: int, store: str, results) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    join(rank, 2, store)
     w = _daro_step(slice(8 * rank, 8 * rank + 8), ParallelState(rank, 2, torch.device("cpu"), "ddp"))
     if rank == 0:
         results["w"] = w
@@ -292,12 +290,9 @@ def _daro_rank(rank: int, port: int, results) -> None:
 
 
 def test_daro_weights_under_ddp_equal_one_process():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with mp.Manager() as manager:
+    with mp.Manager() as manager, rendezvous() as store:
         results = manager.dict()
-        mp.spawn(_daro_rank, args=(port, results), nprocs=2, join=True)
+        mp.spawn(_daro_rank, args=(store, results), nprocs=2, join=True)
         got = results["w"]
     want = _daro_step(slice(0, 16), ONE_PROCESS)
     assert (want != 1.0).all()  # every bin moved: μ = 1/4 on both ranks, 2/4 on rank 0, 3/4 on rank 1

@@ -1,9 +1,6 @@
 """The samplers decide on the task's 0/1 verdicts, and under data parallelism they decide globally: DAPO resamples an
 all-wrong group whose shaped rewards differ; 2 gloo processes keep the same groups and make the same update as 1."""
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -19,6 +16,7 @@ from grpo_kernels.trainer.rollout import RolloutBatch
 from grpo_kernels.trainer.samplers import DynamicSampling, GPGResampling, Round
 from grpo_kernels.trainer.tasks import Prompt, RewardBatch
 from grpo_kernels.trainer.update import inner_updates
+from tests.rendezvous import join, rendezvous
 
 PROMPTS, G, VOCAB = 4, 2, 16
 # round -> per prompt the verdicts of its G completions; shaped rewards differ within every group (by length), so a
@@ -130,10 +128,9 @@ def _step(name: str, state: ParallelState) -> tuple[dict, list[torch.Tensor]]:
     return collected.metrics, [p.detach().clone() for p in policy.parameters()]
 
 
-def _rank(rank: int, port: int, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank))
+def _rank(rank: int, store: str, results) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    join(rank, 2, store)
     state = ParallelState(rank, 2, torch.device("cpu"), "ddp")
     for name in SAMPLERS:
         metrics, params = _step(name, state)
@@ -142,12 +139,9 @@ def _rank(rank: int, port: int, results) -> None:
 
 
 def test_two_processes_keep_the_same_groups_and_make_the_same_update_as_one():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with mp.Manager() as manager:
+    with mp.Manager() as manager, rendezvous() as store:
         results = manager.dict()
-        mp.start_processes(_rank, args=(port, results), nprocs=2, join=True, start_method="fork")  # no re-import
+        mp.start_processes(_rank, args=(store, results), nprocs=2, join=True, start_method="fork")  # no re-import
         results = dict(results)
     single = ParallelState(0, 1, torch.device("cpu"), "none")
     initial = [p.detach() for p in _model().parameters()]

@@ -4,7 +4,6 @@ under DDP and under FSDP2, for every kind of normaliser; and
 `torchrun -m grpo_kernels.train` runs, logs once and checkpoints."""
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ from grpo_kernels.trainer.model import build_tiny_llama, build_tokenizer
 from grpo_kernels.trainer.parallel import ParallelState, wrap_policy
 from grpo_kernels.trainer.policy import PolicyModule, UpdateBatch
 from grpo_kernels.trainer.update import inner_updates
+from tests.rendezvous import join, rendezvous
 
 REPO = Path(__file__).resolve().parents[1]
 B, P, T = 8, 3, 5
@@ -69,11 +69,10 @@ def _update(
     return stats["loss"], [p.clone() for p in params]
 
 
-def _rank(rank: int, port: int, results) -> None:
+def _rank(rank: int, store: str, results) -> None:
     """Every mode and loss on 2 ranks, in one launch (starting the processes is the slow part)."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    join(rank, 2, store)
     rows = slice(rank * B // 2, (rank + 1) * B // 2)
     half = UpdateBatch(**{k: None if v is None else v[rows] for k, v in vars(_batch()).items()})
     for mode in MODES:
@@ -92,18 +91,12 @@ def _rank(rank: int, port: int, results) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def two_rank_updates() -> dict:
     """(mode, loss[, "tokens"]) -> (the step's loss, the parameters after it), from one launch of 2 processes."""
-    with mp.Manager() as manager:
+    with mp.Manager() as manager, rendezvous() as store:
         results = manager.dict()
-        mp.spawn(_rank, args=(_free_port(), results), nprocs=2, join=True)
+        mp.spawn(_rank, args=(store, results), nprocs=2, join=True)
         return dict(results)
 
 
@@ -134,7 +127,7 @@ def test_torchrun_trains_logs_and_checkpoints(tmp_path, mode):
     """`torchrun --nproc_per_node=2 -m grpo_kernels.train` on the demo: one metrics log (rank 0), checkpoints
     that load into a plain model."""
     out = tmp_path / mode
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]  # a port of its own
     cmd += ["-m", "grpo_kernels.train", "--output-dir", str(out), "--steps", "3", "--parallel", mode]
     cmd += ["--prompts-per-step", "4", "--num-generations", "4", "--gradient-accumulation-steps", "2"]
     cmd += ["--eval-every", "0", "--checkpoint-every", "2", "--no-progress", "--no-plot"]

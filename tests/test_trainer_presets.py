@@ -3,7 +3,6 @@ hand-made tensors, then every shipped preset on the tiny demo (trains 2 steps, o
 
 import dataclasses
 import math
-import socket
 
 import pytest
 import torch
@@ -21,6 +20,7 @@ from grpo_kernels.trainer.samplers import DynamicSampling, GPGResampling, Round,
 from grpo_kernels.trainer.tasks import AdditionTask, Prompt, RewardBatch
 from grpo_kernels.trainer.train import GRPOTrainer
 from tests.gather_ranks import gather_rank
+from tests.rendezvous import rendezvous
 
 ONE_PROCESS = ParallelState(0, 1, torch.device("cpu"), "none")
 TRAINS = [
@@ -166,12 +166,9 @@ def test_estimators_get_the_inputs_their_signature_names():
 
 
 def test_gather_inputs_pads_per_token_inputs_to_a_common_length():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with mp.Manager() as manager:
+    with mp.Manager() as manager, rendezvous() as store:
         results = manager.dict()
-        mp.spawn(gather_rank, args=(port, results), nprocs=2, join=True)
+        mp.spawn(gather_rank, args=(store, results), nprocs=2, join=True)
         results = dict(results)
     assert results["rewards"].tolist() == [1.0, 2.0, 11.0, 12.0] and results["group_ids"].tolist() == [0, 0, 2, 2]
     assert (

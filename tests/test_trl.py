@@ -498,15 +498,17 @@ DP_CASES = {  # the cross-process reductions of TRL's loss, metrics and entropy 
 }
 
 
-def _data_parallel_worker(rank: int, world: int, port: int, root: str) -> None:
-    """One of `world` CPU processes (gloo, set up by accelerate from the environment): each holds its own half
-    of the batch, `num_items_in_batch` is the global count, and every case must match stock TRL there."""
+def _data_parallel_worker(rank: int, world: int, store: str, root: str) -> None:
+    """One of `world` CPU processes (accelerate reads the ranks from the environment and takes the gloo group
+    they joined): each holds its own half of the batch, `num_items_in_batch` is the global count, and every case
+    must match stock TRL there."""
     import os
 
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
-    )
+    from tests.rendezvous import join
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
+    join(rank, world, store)
     tokenizer = build_tokenizer("abcdefghij")
     for name, config in DP_CASES.items():
         stock = build(trl.GRPOTrainer, root, tokenizer, **config)
@@ -526,11 +528,9 @@ def _data_parallel_worker(rank: int, world: int, port: int, root: str) -> None:
 def test_data_parallel_reductions_match_trl(model_path, tmp_path):
     """2 processes: num_items_in_batch per process, the metrics' cross-process means, min and max, TRL's gathered
     entropy quantile and the adaptive entropy controller's global entropy, all as stock TRL computes them."""
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_data_parallel_worker, args=(2, port, model_path()), nprocs=2, join=True)
+    from tests.rendezvous import rendezvous
+
+    with rendezvous() as store:
+        mp.spawn(_data_parallel_worker, args=(2, store, model_path()), nprocs=2, join=True)

@@ -14,7 +14,6 @@ tests/trl_zero3_ranks.py once; the tests read what each rank wrote.
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -43,11 +42,8 @@ def ranks(tmp_path_factory):
     torch.manual_seed(0)
     model = MODELS["qwen2"](build_tokenizer("abcdefghij"))
     model.save_pretrained(root / "model")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]  # its own port
     command += [str(ROOT / "tests" / "trl_zero3_ranks.py"), str(root)]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]

@@ -6,7 +6,6 @@ completions of the same prompts."""
 
 import os
 import random
-import socket
 
 import numpy as np
 import torch
@@ -20,17 +19,19 @@ from grpo_kernels.trainer.parallel import ParallelState
 from grpo_kernels.trainer.tasks import build_task
 from grpo_kernels.trainer.vllm_rollout import build_vllm_rollout
 from tests import fake_vllm
+from tests.rendezvous import join, rendezvous
 
 ALPHABET = "0123456789+="
+TORCHRUN_PORT = "29500"  # what torchrun would set: the engine must pass it on (the ranks meet at a file store)
 CONFIG = dict(rollout="vllm", model="tiny-dir", prompts_per_step=4, num_generations=4, max_completion_length=4, seed=3)
 
 
-def _rank(rank: int, port: int, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank))
+def _rank(rank: int, store: str, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=TORCHRUN_PORT, WORLD_SIZE="2", RANK=str(rank))
     os.environ["LOCAL_RANK"] = str(rank)
     os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    join(rank, 2, store)
     tokenizer = build_tokenizer(ALPHABET)
     torch.manual_seed(0)  # the same initial weights on every rank
     model = build_tiny_llama(tokenizer, hidden_size=16, num_layers=1, num_heads=2, max_length=16)
@@ -57,24 +58,17 @@ def _rank(rank: int, port: int, results) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_each_rank_builds_its_own_engine_on_its_own_gpu():
-    port = _free_port()
-    with mp.Manager() as manager:
+    with mp.Manager() as manager, rendezvous() as store:
         results = manager.dict()
-        mp.spawn(_rank, args=(port, results), nprocs=2, join=True)
+        mp.spawn(_rank, args=(store, results), nprocs=2, join=True)
         results = dict(results)
     for rank in (0, 1):
         got = results[rank]
         assert got["device"] == rank, "the engine must run on cuda:LOCAL_RANK, not cuda:0"
         assert got["env"]["RANK"] == str(rank) and got["env"]["LOCAL_RANK"] == str(rank)
         assert got["env"]["WORLD_SIZE"] == "2" and got["env"]["MASTER_ADDR"] == "127.0.0.1"
-        assert got["env"]["MASTER_PORT"] == str(port) and got["env"]["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+        assert got["env"]["MASTER_PORT"] == TORCHRUN_PORT and got["env"]["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
         assert got["kwargs"]["distributed_executor_backend"] == "external_launcher"
         assert got["kwargs"]["seed"] == CONFIG["seed"] + rank
         assert got["kwargs"]["max_num_seqs"] == CONFIG["prompts_per_step"] // 2 * CONFIG["num_generations"]

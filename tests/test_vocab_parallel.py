@@ -5,8 +5,6 @@ compare it with the 1-process result on the whole weight / batch (computed once 
 rank-independent checks, by the ranks themselves for the others), and report the first mismatch.
 """
 
-import os
-import socket
 import traceback
 
 import pytest
@@ -18,6 +16,7 @@ import grpo_kernels as gk
 from grpo_kernels.integrations import verl as gk_verl
 from grpo_kernels.kernels import parallel
 from tests.conftest import assert_close
+from tests.rendezvous import join, rendezvous
 
 F32 = torch.float32
 V, H, B, T = 37, 8, 3, 5  # V divisible by neither 2 nor 4
@@ -287,9 +286,8 @@ def _check_sequence_split(world, rank):
         assert_close(d_weight, d_full[1], F32, f"{name} split fused dW summed")
 
 
-def _worker(rank: int, world: int, port: int, checks: tuple[str, ...], references: dict, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _worker(rank: int, world: int, store: str, checks: tuple[str, ...], references: dict, queue) -> None:
+    join(rank, world, store)
     sent: list[int] = []
     try:
         for check in checks:
@@ -330,21 +328,16 @@ def _with_byte_count(sent: list[int], fn) -> None:
         dist.all_reduce, dist.all_gather = all_reduce, all_gather
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(world: int, checks: tuple[str, ...], references: dict) -> None:
     ctx = mp.get_context("spawn")
-    queue, port = ctx.Queue(), _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, checks, references, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    reports = [queue.get(timeout=600) for _ in procs]
-    for p in procs:
-        p.join(timeout=60)
+    queue = ctx.Queue()
+    with rendezvous() as store:
+        procs = [ctx.Process(target=_worker, args=(r, world, store, checks, references, queue)) for r in range(world)]
+        for p in procs:
+            p.start()
+        reports = [queue.get(timeout=600) for _ in procs]
+        for p in procs:
+            p.join(timeout=60)
     failures = [f"rank {rank}:\n{error}" for rank, error in sorted(reports) if error is not None]
     assert not failures, "\n".join(failures)
     assert all(p.exitcode == 0 for p in procs)
