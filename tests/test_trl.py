@@ -160,16 +160,26 @@ def step(trainer, inputs, mode="train", accumulation=1):
     return loss.detach(), grads, {name: values[-1] for name, values in trainer._metrics[mode].items()}
 
 
-def assert_same(stock, ours, inputs, **kwargs):
+# The parameters whose gradients a float32 head forms without passing through the layers below it.
+HEAD_PARAMETERS = ("lm_head.weight", "model.norm.weight")
+
+
+def assert_same(stock, ours, inputs, layers_dtype=torch.float32, **kwargs):
     """Stock TRL and the drop-in agree on the loss, every parameter's gradient, and every logged metric (but the
-    clip extremes, see CLIP_EXTREMES); returns TRL's loss and metrics."""
+    clip extremes, see CLIP_EXTREMES); returns TRL's loss and metrics.
+
+    `layers_dtype` is the dtype the layers below the head compute their backward in (bfloat16 under bf16 autocast).
+    Their gradients are then two low-precision computations fed by heads that agree to float32 rounding, so they
+    are held to that dtype's tolerance: whether a bf16 rounding flips depends on the CPU's vector instructions
+    (identical under ATEN_CPU_CAPABILITY=default, up to 2e-3 of the scale under avx2 and avx512). The head's own
+    parameters stay at float32's."""
     loss_a, grads_a, metrics_a = step(stock, inputs, **kwargs)
     loss_b, grads_b, metrics_b = step(ours, inputs, **kwargs)
     metrics_a = {k: v for k, v in metrics_a.items() if k in metrics_b or k not in CLIP_EXTREMES}
     assert_close(loss_b, loss_a, torch.float32, "loss")
     assert set(grads_b) == set(grads_a)
     for name in grads_a:
-        assert_close(grads_b[name], grads_a[name], torch.float32, name)
+        assert_close(grads_b[name], grads_a[name], torch.float32 if name in HEAD_PARAMETERS else layers_dtype, name)
     assert set(metrics_b) == set(metrics_a), f"metric names differ: {set(metrics_a) ^ set(metrics_b)}"
     for name, value in metrics_a.items():
         both_nan = math.isnan(value) and math.isnan(metrics_b[name])
