@@ -109,7 +109,9 @@ def save(
     tmp = final.with_name(final.name + ".tmp")
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
     model_state = get_model_state_dict(policy, options=full) if parallel.mode == "fsdp" else None
-    optimizer_state = get_optimizer_state_dict(policy, optimizer, options=full)
+    # an optimizer that has taken no step is saved as None: torch's state-dict helpers would first take a step
+    # with zero gradients to create its state, which advances AdamW's step count and so changes the run's numbers
+    optimizer_state = get_optimizer_state_dict(policy, optimizer, options=full) if optimizer.state else None
     try:
         if parallel.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -177,7 +179,8 @@ def load_state(state: dict, policy: nn.Module, optimizer: torch.optim.Optimizer)
     """Restore the optimizer and this rank's RNG states in place from `read`'s result."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-    set_optimizer_state_dict(policy, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
+    if state["optimizer"] is not None:  # None: saved before the first step, nothing to restore
+        set_optimizer_state_dict(policy, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
     set_rng_state(state["rng"])
 
 
