@@ -94,12 +94,18 @@ class MetricsLogger:
         if self.bar is not None:
             self.bar.update({k.split("/")[-1]: metrics[k] for k in LIVE if k in metrics}, step)
 
-    def close(self, plot: bool = True) -> str:
-        """Stop the bar, print the summary table, write the plot; returns the table's text."""
+    def stop(self) -> None:
+        """Stop the bar and the tracker (a run interrupted, or at its end)."""
         if self.bar is not None:
             self.bar.close()
+            self.bar = None
         if self.tracker is not None:
             self.tracker.close()
+            self.tracker = None
+
+    def close(self, plot: bool = True) -> str:
+        """Stop the bar, print the summary table, write the plot; returns the table's text."""
+        self.stop()
         wall = time.perf_counter() - self.start_time
         table = summary_table(self.history, wall, self.total_steps - self.start_step)
         if self.path is None:
