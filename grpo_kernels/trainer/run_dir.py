@@ -21,7 +21,7 @@ import torch.distributed as dist
 import yaml
 
 from grpo_kernels.shown import shown
-from grpo_kernels.trainer import checkpoint, run_lock
+from grpo_kernels.trainer import atomic_write, checkpoint, run_lock
 from grpo_kernels.trainer.config import TrainConfig, from_dict, yaml_mapping
 from grpo_kernels.trainer.logging import METRICS_FILE
 from grpo_kernels.trainer.parallel import ParallelState
@@ -67,7 +67,7 @@ def save_config(output_dir: str | Path, config_dict: dict) -> Path:
     `--config`)."""
     path = Path(output_dir) / CONFIG_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(config_dict, sort_keys=False), encoding="utf-8")
+    atomic_write.write_text(path, yaml.safe_dump(config_dict, sort_keys=False))  # never truncated in place
     return path
 
 
