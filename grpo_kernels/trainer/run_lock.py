@@ -22,6 +22,8 @@ def claim(directory: str | Path) -> Path:
     """Create `directory` if needed and take its lock for this process (until `release` or the process ends);
     returns the resolved directory. A `RunInUse` names the PID of the process that holds it."""
     path = Path(directory)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"output_dir {str(path)!r} is a file: --output-dir needs a directory (new or empty)")
     path.mkdir(parents=True, exist_ok=True)
     path = path.resolve()
     if path in _held:
