@@ -1,6 +1,6 @@
 """Ctrl-C and SIGTERM stop a run at the next step boundary, where the trainer writes a checkpoint, instead of in the
-middle of a step: the steps since the last periodic checkpoint are kept. A second signal stops at once (the last
-checkpoint written stays the latest)."""
+middle of a step: the steps since the last periodic checkpoint are kept. A second Ctrl-C stops at once (the last
+checkpoint written stays the latest); a repeated SIGTERM (a supervisor's, or a parent-death signal) changes nothing."""
 
 from __future__ import annotations
 
@@ -36,6 +36,6 @@ class StopAtStepBoundary:
         return signal.Signals(self.requested).name if self.requested is not None else ""
 
     def _record(self, number: int, frame: FrameType | None) -> None:
-        if self.requested is not None:  # the second signal: stop now
+        if self.requested is not None and number == signal.SIGINT:  # Ctrl-C twice: stop now
             raise KeyboardInterrupt(f"{signal.Signals(number).name} again: stopped inside a step")
         self.requested = number
