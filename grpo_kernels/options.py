@@ -65,8 +65,9 @@ class LossOptions:
     temperature: float = 1.0  # logits are divided by it before the softmax
     importance_sampling_level: str = "token"  # "token" or "sequence" (GSPO, arXiv:2507.18071)
     max_completion_length: int | None = None  # dr_grpo's constant normaliser (arXiv:2503.20783)
-    num_items_in_batch: float | torch.Tensor | None = None  # dapo/cispo/vespo normaliser; None = mask.sum(); a
-    # tensor must be > 0 too, read with the loss's value checks (check_finite=True), unchecked without them
+    num_items_in_batch: float | torch.Tensor | None = None  # dapo/cispo/vespo normaliser Z, used as given (a value
+    # in (0, 1) scales the token sum up, as TRL's rescaled count does); None = mask.sum(), at least 1; a tensor must
+    # be > 0 too, read with the loss's value checks (check_finite=True), unchecked without them
     sapo_temperature_pos: float = 1.0  # SAPO gate temperature for A > 0 (arXiv:2511.20347)
     sapo_temperature_neg: float = 1.05  # SAPO gate temperature for A <= 0
     use_bias_correction_kl: bool = True  # KL term multiplied by the unclipped IS ratio (DeepSeek-V3.2; TRL: True)
