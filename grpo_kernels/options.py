@@ -181,13 +181,25 @@ class LossOptions:
     def from_kwargs(cls, **kwargs) -> LossOptions:
         """Build from keyword arguments; an unknown name is a TypeError listing the valid ones."""
         names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(kwargs) - names)
+        unknown = sorted(map(str, set(kwargs) - names))
         if unknown:
-            hints = [f"{name!r}: did you mean {close[0]!r}?" for name in unknown if (close := _closest(name, names))]
+            first = unknown[:SHOWN_NAMES]  # a hint for each of the first few only: bounded work and message
+            hints = [f"{shown(name)}: did you mean {close[0]!r}?" for name in first if (close := _closest(name, names))]
             hint = f" ({'; '.join(hints)})" if hints else ""
-            raise TypeError(f"unknown loss option(s) {shown(unknown)}{hint}; valid options are {sorted(names)}")
+            raise TypeError(f"unknown loss option(s) {some_names(unknown)}{hint}; valid options are {sorted(names)}")
         check_epsilon_names(kwargs)
         return cls(**kwargs)
+
+
+SHOWN_NAMES = 5  # unknown names an error lists (then their count)
+
+
+def some_names(names: list[str]) -> str:
+    """The first `SHOWN_NAMES` of `names` (each bounded by `shown`) and, when there are more, how many in all."""
+    listed = ", ".join(shown(name) for name in names[:SHOWN_NAMES])
+    return f"[{listed}]" + (
+        f" (and {len(names) - SHOWN_NAMES} more, {len(names)} in all)" if len(names) > SHOWN_NAMES else ""
+    )
 
 
 def _closest(name: str, names: set[str]) -> list[str]:

@@ -46,6 +46,7 @@ from grpo_kernels.trainer.rollout import HFRollout, Rollout, RolloutBatch
 from grpo_kernels.trainer.run_names import with_output_dir
 from grpo_kernels.trainer.settings import resolve_settings
 from grpo_kernels.trainer.signals import StopAtStepBoundary
+from grpo_kernels.trainer.size_limits import check_sizes
 from grpo_kernels.trainer.tasks import PromptStream, build_task
 from grpo_kernels.trainer.update import NonFiniteUpdate, inner_updates, sampler_correction
 
@@ -75,6 +76,7 @@ class GRPOTrainer:
         random.seed(config.seed)
         self.task = task if task is not None else build_task(config)
         config = resolve_settings(config, self.task.max_completion_length)  # the budget; `sources` for config.yaml
+        check_sizes(config)  # absurd sizes: one line before anything is allocated
         self.config = config
         self.options = loss_options(config)
         self.components = PresetComponents(config, self.task, self.parallel)  # a ValueError for what it cannot apply
