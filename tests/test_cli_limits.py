@@ -57,9 +57,13 @@ def test_a_pickled_weights_file_is_refused_in_one_line(tmp_path, capsys):
     assert not marker.exists()
 
 
-def test_many_unknown_config_keys_name_a_few_and_a_count(tmp_path, capsys):
+@pytest.mark.parametrize("where", ["top", "loss"])
+def test_many_unknown_config_keys_name_a_few_and_a_count(tmp_path, capsys, where):
+    """The top-level keys used to be listed in full (a 10.9 MB line for a million), and every unknown loss option
+    was matched against the valid names (68 s)."""
     config = tmp_path / "many.yaml"
-    config.write_text(yaml.safe_dump({"loss": {f"option_{i}": 1 for i in range(3000)}}), encoding="utf-8")
+    keys = {f"option_{i}": 1 for i in range(3000)}
+    config.write_text(yaml.safe_dump(keys if where == "top" else {"loss": keys}), encoding="utf-8")
     err = one_error_line(train_main, ["--config", str(config)], capsys)
-    unknown = err[: err.index("; valid options are")]
+    unknown = err[: err.index("; valid ")]
     assert "(and 2995 more, 3000 in all)" in unknown and len(unknown) < 400, unknown
