@@ -6,11 +6,12 @@
 stream's position, the run's config) and `rng_rank<r>.pt` for each data-parallel rank (torch CPU and CUDA, Python).
 `step_000000` is the initial policy.
 
-A checkpoint is written to `step_XXXXXX.tmp/`, every file fsynced, then renamed, so a run killed (or a machine that
-loses power) while saving leaves the previous checkpoint as the latest. A failed write removes its `.tmp/` folder;
-a full disk says so (`DiskFull`). Reading never runs code: the `.pt` files load with `torch.load(weights_only=True)`
-(tensors and plain data only), and `read` checks every file before anything is restored, so a truncated or corrupt
-checkpoint is an `UnreadableCheckpoint` naming the file (`run_dir.py` then falls back to the previous one).
+A checkpoint is written to `step_XXXXXX.tmp/` with `checksums.json` (the SHA-256 of every other file), every file
+fsynced, then renamed, so a run killed (or a machine that loses power) while saving leaves the previous checkpoint
+as the latest. A failed write removes its `.tmp/` folder and says what failed (`DiskFull`, `CheckpointWriteError`).
+Reading never runs code: the `.pt` files load with `torch.load(weights_only=True)` (tensors and plain data only),
+and `read` checks every file and its checksum before anything is restored, so a truncated or corrupt checkpoint is
+an `UnreadableCheckpoint` naming the file (`run_dir.py` refuses it, offering the previous good one).
 """
 
 from __future__ import annotations

@@ -1,11 +1,14 @@
 """Run directories: one run per `output_dir`, never mixed with another run's files.
 
-- A new run (`resume=False`) needs `output_dir` absent or empty; `overwrite=True` clears it first.
+- One process writes a run directory: `prepare` claims its lock (`run_lock.py`) before anything else.
+- A new run (`resume=False`) needs `output_dir` absent or empty; `overwrite=True` clears it first, but only a
+  directory that holds a run (config.yaml and metrics.jsonl), never through a symlink.
 - `resume=True` continues the run in `output_dir`: the configuration must agree with the run's `config.yaml` (and
   with the checkpoint's own copy) on every option outside `RESUMABLE`, else a ValueError names each option
-  that differs. Training restarts from the latest complete checkpoint that reads back whole; an unreadable one
-  (truncated, corrupt, a file missing, or more than tensors and plain data in a `.pt` file) is skipped with a warning
-  naming the file. No checkpoint at all is an error, or a fresh start with `start_if_no_checkpoint=True`.
+  that differs. Training restarts from the latest complete checkpoint; one that does not read back whole
+  (truncated, a checksum that differs, a file missing, more than tensors and plain data in a `.pt` file) is refused
+  in a ValueError naming the file and offering the previous good checkpoint, never taken silently. No checkpoint at
+  all is an error, or a fresh start with `start_if_no_checkpoint=True`.
 - `output_dir` naming a file is an error.
 """
 
