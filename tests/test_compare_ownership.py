@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ from grpo_kernels.compare.report import summarize, write_json
 from grpo_kernels.compare.runs import CompareConfig
 from grpo_kernels.trainer.checkpoint import checkpoint_dir, latest
 from grpo_kernels.trainer.logging import read_metrics
+from tests.test_run_writers import exit_status_and_stderr, wait_for
 
 LOCK_FILE = ".run.lock"  # what a run's process holds (trainer/run_lock.py)
 
@@ -28,20 +28,7 @@ TINY_FLAGS += ["--num-heads", "2"]
 
 
 def compare(*args: str, capsys) -> tuple[int, str]:
-    capsys.readouterr()
-    try:
-        compare_main(list(args))
-        status = 0
-    except SystemExit as stop:
-        status = stop.code
-    return status, capsys.readouterr().err
-
-
-def wait_for(condition, seconds: float = 120.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
+    return exit_status_and_stderr(compare_main, args, capsys)
 
 
 def alive(pid: int) -> bool:

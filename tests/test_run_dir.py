@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-from grpo_kernels.trainer import TrainConfig, train
+from grpo_kernels.trainer import TrainConfig, atomic_write, train
 from grpo_kernels.trainer import checkpoint as checkpoint_module
 from grpo_kernels.trainer.__main__ import main
 from grpo_kernels.trainer.checkpoint import checkpoint_dir, latest
@@ -210,7 +210,7 @@ def test_a_failed_checkpoint_write_removes_its_tmp_folder_and_says_no_space_left
 
 def test_checkpoint_files_are_fsynced_before_the_rename(tmp_path, monkeypatch):
     events = []
-    monkeypatch.setattr(checkpoint_module, "_fsync", lambda path: events.append(("fsync", Path(path).name)))
+    monkeypatch.setattr(atomic_write, "fsync", lambda path: events.append(("fsync", Path(path).name)))
     rename = os.replace
     monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("rename", Path(b).name)), rename(a, b)))
     train(tiny(tmp_path / "run", steps=1, checkpoint_every=0))  # one checkpoint: step 1

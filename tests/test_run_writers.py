@@ -39,15 +39,20 @@ TINY_FLAGS = ["--prompts-per-step", "2", "--num-generations", "2", "--eval-every
 TINY_FLAGS += ["--hidden-size", "16", "--num-layers", "1", "--num-heads", "2"]
 
 
-def command(*args: str, capsys) -> tuple[int, str]:
-    """(exit status, stderr) of `python -m grpo_kernels.train ARGS` run as its `main` in this process."""
+def exit_status_and_stderr(main, args, capsys) -> tuple[int, str]:
+    """(exit status, stderr) of a command's `main(args)` run in this process."""
     capsys.readouterr()
     try:
-        train_main(list(args))
+        main(list(args))
         status = 0
     except SystemExit as stop:
         status = stop.code
     return status, capsys.readouterr().err
+
+
+def command(*args: str, capsys) -> tuple[int, str]:
+    """(exit status, stderr) of `python -m grpo_kernels.train ARGS` run as its `main` in this process."""
+    return exit_status_and_stderr(train_main, args, capsys)
 
 
 def wait_for(condition, seconds: float = 120.0) -> None:

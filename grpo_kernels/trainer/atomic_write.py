@@ -19,12 +19,12 @@ def replacing(path: str | Path) -> Iterator[Path]:
     tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
     try:
         yield tmp
-        _fsync(tmp)
+        fsync(tmp)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync(path.parent)
+    fsync(path.parent)
 
 
 def write_text(path: str | Path, text: str) -> None:
@@ -33,7 +33,8 @@ def write_text(path: str | Path, text: str) -> None:
         tmp.write_text(text, encoding="utf-8")
 
 
-def _fsync(path: Path) -> None:
+def fsync(path: Path) -> None:
+    """Flush `path` (a file or a directory) to the disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

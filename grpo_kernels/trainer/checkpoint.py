@@ -31,6 +31,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, load_model, save_model
 from torch import nn
 
+from grpo_kernels.trainer import atomic_write
 from grpo_kernels.trainer.parallel import ParallelState, unwrap
 
 CHECKPOINTS = "checkpoints"
@@ -140,7 +141,7 @@ def save(
             _fsync_tree(tmp)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
-            _fsync(final.parent)
+            atomic_write.fsync(final.parent)
     except BaseException as error:
         shutil.rmtree(tmp, ignore_errors=True)
         failure = _write_failure(error)
@@ -307,16 +308,8 @@ def _fsync_tree(root: Path) -> None:
     """fsync every file under `root`, then the directories: their contents reach the disk before the rename."""
     for directory, _, files in os.walk(root):
         for name in files:
-            _fsync(Path(directory) / name)
-        _fsync(Path(directory))
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+            atomic_write.fsync(Path(directory) / name)
+        atomic_write.fsync(Path(directory))
 
 
 _WRITE_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO)
