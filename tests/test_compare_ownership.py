@@ -17,7 +17,8 @@ from grpo_kernels.compare.report import summarize, write_json
 from grpo_kernels.compare.runs import CompareConfig
 from grpo_kernels.trainer.checkpoint import checkpoint_dir, latest
 from grpo_kernels.trainer.logging import read_metrics
-from tests.test_run_writers import exit_status_and_stderr, wait_for
+from tests.test_run_dir import run_main
+from tests.test_run_writers import wait_for
 
 LOCK_FILE = ".run.lock"  # what a run's process holds (trainer/run_lock.py)
 
@@ -28,7 +29,8 @@ TINY_FLAGS += ["--num-heads", "2"]
 
 
 def compare(*args: str, capsys) -> tuple[int, str]:
-    return exit_status_and_stderr(compare_main, args, capsys)
+    status, _, err = run_main(compare_main, args, capsys)
+    return status, err
 
 
 def alive(pid: int) -> bool:

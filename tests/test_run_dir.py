@@ -41,17 +41,22 @@ def saved_seeds(output_dir: Path) -> set[int]:
     return {state["config"]["seed"] for state in states}
 
 
-def command(*args: str, capsys) -> tuple[int, str, str]:
-    """(exit status, stdout, stderr) of `python -m grpo_kernels.train ARGS`, run as its `main` in this process (the
-    command as a process: tests/test_cli.py)."""
+def run_main(command_main, args, capsys) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of a command's `main(args)` run in this process."""
     capsys.readouterr()
     try:
-        main(list(args))
+        command_main(list(args))
         status = 0
     except SystemExit as stop:
         status = stop.code
     out, err = capsys.readouterr()
     return status, out, err
+
+
+def command(*args: str, capsys) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of `python -m grpo_kernels.train ARGS`, run as its `main` in this process (the
+    command as a process: tests/test_cli.py)."""
+    return run_main(main, args, capsys)
 
 
 def test_a_new_run_refuses_a_non_empty_output_dir_unless_overwrite(tmp_path):

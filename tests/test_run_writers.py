@@ -32,6 +32,7 @@ from grpo_kernels.trainer.logging import MetricsLogger, read_metrics
 from grpo_kernels.trainer.run_dir import save_config
 from grpo_kernels.trainer.run_names import new_run_dir
 from grpo_kernels.trainer.train import GRPOTrainer
+from tests.test_run_dir import run_main
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -39,20 +40,10 @@ TINY_FLAGS = ["--prompts-per-step", "2", "--num-generations", "2", "--eval-every
 TINY_FLAGS += ["--hidden-size", "16", "--num-layers", "1", "--num-heads", "2"]
 
 
-def exit_status_and_stderr(main, args, capsys) -> tuple[int, str]:
-    """(exit status, stderr) of a command's `main(args)` run in this process."""
-    capsys.readouterr()
-    try:
-        main(list(args))
-        status = 0
-    except SystemExit as stop:
-        status = stop.code
-    return status, capsys.readouterr().err
-
-
 def command(*args: str, capsys) -> tuple[int, str]:
     """(exit status, stderr) of `python -m grpo_kernels.train ARGS` run as its `main` in this process."""
-    return exit_status_and_stderr(train_main, args, capsys)
+    status, _, err = run_main(train_main, args, capsys)
+    return status, err
 
 
 def wait_for(condition, seconds: float = 120.0) -> None:
