@@ -65,8 +65,9 @@ class LossOptions:
     temperature: float = 1.0  # logits are divided by it before the softmax
     importance_sampling_level: str = "token"  # "token" or "sequence" (GSPO, arXiv:2507.18071)
     max_completion_length: int | None = None  # dr_grpo's constant normaliser (arXiv:2503.20783)
-    num_items_in_batch: float | torch.Tensor | None = None  # dapo/cispo/vespo normaliser; None = mask.sum(); a
-    # tensor must be > 0 too, read with the loss's value checks (check_finite=True), unchecked without them
+    num_items_in_batch: float | torch.Tensor | None = None  # dapo/cispo/vespo normaliser Z, used as given (a value
+    # in (0, 1) scales the token sum up, as TRL's rescaled count does); None = mask.sum(), at least 1; a tensor must
+    # be > 0 too, read with the loss's value checks (check_finite=True), unchecked without them
     sapo_temperature_pos: float = 1.0  # SAPO gate temperature for A > 0 (arXiv:2511.20347)
     sapo_temperature_neg: float = 1.05  # SAPO gate temperature for A <= 0
     use_bias_correction_kl: bool = True  # KL term multiplied by the unclipped IS ratio (DeepSeek-V3.2; TRL: True)
@@ -180,13 +181,25 @@ class LossOptions:
     def from_kwargs(cls, **kwargs) -> LossOptions:
         """Build from keyword arguments; an unknown name is a TypeError listing the valid ones."""
         names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(kwargs) - names)
+        unknown = sorted(map(str, set(kwargs) - names))
         if unknown:
-            hints = [f"{name!r}: did you mean {close[0]!r}?" for name in unknown if (close := _closest(name, names))]
+            first = unknown[:SHOWN_NAMES]  # a hint for each of the first few only: bounded work and message
+            hints = [f"{shown(name)}: did you mean {close[0]!r}?" for name in first if (close := _closest(name, names))]
             hint = f" ({'; '.join(hints)})" if hints else ""
-            raise TypeError(f"unknown loss option(s) {shown(unknown)}{hint}; valid options are {sorted(names)}")
+            raise TypeError(f"unknown loss option(s) {some_names(unknown)}{hint}; valid options are {sorted(names)}")
         check_epsilon_names(kwargs)
         return cls(**kwargs)
+
+
+SHOWN_NAMES = 5  # unknown names an error lists (then their count)
+
+
+def some_names(names: list[str]) -> str:
+    """The first `SHOWN_NAMES` of `names` (each bounded by `shown`) and, when there are more, how many in all."""
+    listed = ", ".join(shown(name) for name in names[:SHOWN_NAMES])
+    return f"[{listed}]" + (
+        f" (and {len(names) - SHOWN_NAMES} more, {len(names)} in all)" if len(names) > SHOWN_NAMES else ""
+    )
 
 
 def _closest(name: str, names: set[str]) -> list[str]:

@@ -385,7 +385,8 @@ def grpo_loss(
     # loss = sum_i seq_losses_i, seq_losses_i = (sum_t L m) / Z_i with Z_i the normaliser's share for sequence i.
     row = (per_token_loss * m).sum(-1)  # [B]   sum_t L m
     n_seq = n.squeeze(-1)  # [B]
-    n_items = m.sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch, dtype=F64)
+    # a given count is used as it is (a fraction too, as TRL's rescaled one); the batch's own is at least 1
+    n_items = m.sum().clamp(min=1.0) if num_items_in_batch is None else torch.as_tensor(num_items_in_batch, dtype=F64)
     n_seqs = (n_seq > 0).sum().to(F64)  # S: the non-empty sequences
     if num_sequences_in_batch is not None:
         n_seqs = torch.as_tensor(num_sequences_in_batch, dtype=F64)
@@ -397,8 +398,8 @@ def grpo_loss(
         seq_losses = row / (B * max_completion_length)  # sum L m / (B * T_max)
     elif loss_agg_mode is None and loss_type == "luspo":
         seq_losses = row / B  # mean_b sum_t L m
-    elif loss_agg_mode in (None, "token-mean"):  # and dapo, cispo, vespo, gpg: sum L m / max(N, 1)
-        seq_losses = row / n_items.clamp(min=1.0)
+    elif loss_agg_mode in (None, "token-mean"):  # and dapo, cispo, vespo, gpg: sum L m / Z
+        seq_losses = row / n_items
     elif loss_agg_mode == "token-sum":
         seq_losses = row  # sum L m
     elif loss_agg_mode == "seq-mean-token-sum":

@@ -34,7 +34,7 @@ def test_runs_without_output_dir_get_new_directories(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     first = parse_args([])
     assert first.output_dir.startswith("runs/demo-")
-    Path(first.output_dir).mkdir(parents=True)  # the first run exists: the next name differs, also within a second
+    assert Path(first.output_dir).is_dir()  # claimed by creating it: the next name differs, also within a second
     second = parse_args([])
     assert second.output_dir != first.output_dir and second.output_dir.startswith("runs/demo-")
     assert parse_args(["--preset", "dapo"]).output_dir.startswith("runs/dapo-")

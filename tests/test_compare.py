@@ -34,7 +34,7 @@ def test_two_presets_two_steps_write_table_json_plot_and_one_run_directory_each(
     progress = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
     assert [line.split(":")[0] for line in progress] == ["[1/2] grpo", "[2/2] rloo"]
     assert sorted(p.name for p in out.iterdir()) == sorted(
-        ["compare.md", "compare.json", "compare.svg", "grpo", "grpo.log", "rloo", "rloo.log"]
+        [".run.lock", "compare.md", "compare.json", "compare.svg", "grpo", "grpo.log", "rloo", "rloo.log"]
     )
     for preset in ("grpo", "rloo"):  # the trainer's own run directory, its config naming the preset
         assert (out / preset / "metrics.jsonl").read_text().count("\n") == 2
@@ -104,8 +104,14 @@ def test_run_configs_share_seed_and_budget_and_refuse_compares_own_flags(tmp_pat
 
 
 def test_a_non_empty_output_dir_is_refused_unless_overwrite(tmp_path):
+    """--overwrite replaces a comparison (its compare.json), never another directory's contents."""
     (tmp_path / "other_run").mkdir()
-    with pytest.raises(ValueError, match="is not empty"):
+    with pytest.raises(ValueError, match="is not empty .*; or choose another"):
+        prepare_output(CompareConfig(presets=("grpo",), output_dir=str(tmp_path)))
+    with pytest.raises(ValueError, match="holds no comparison .*so it is not cleared"):
+        prepare_output(CompareConfig(presets=("grpo",), output_dir=str(tmp_path), overwrite=True))
+    (tmp_path / "compare.json").write_text("{}", encoding="utf-8")
+    with pytest.raises(ValueError, match="is not empty .*--overwrite replaces its contents"):
         prepare_output(CompareConfig(presets=("grpo",), output_dir=str(tmp_path)))
     prepare_output(CompareConfig(presets=("grpo",), output_dir=str(tmp_path), overwrite=True))
     assert list(tmp_path.iterdir()) == []

@@ -12,13 +12,12 @@ import pytest
 import torch
 import yaml
 
-from grpo_kernels.trainer import TrainConfig, train
+from grpo_kernels.trainer import TrainConfig, atomic_write, train
 from grpo_kernels.trainer import checkpoint as checkpoint_module
 from grpo_kernels.trainer.__main__ import main
 from grpo_kernels.trainer.checkpoint import checkpoint_dir, latest
 from grpo_kernels.trainer.config import apply_preset
 from grpo_kernels.trainer.logging import read_metrics
-from grpo_kernels.trainer.run_dir import CheckpointWarning
 from grpo_kernels.trainer.train import GRPOTrainer
 
 TINY = dict(prompts_per_step=4, num_generations=4, eval_every=0, checkpoint_every=1, progress=False, plot=False)
@@ -42,17 +41,22 @@ def saved_seeds(output_dir: Path) -> set[int]:
     return {state["config"]["seed"] for state in states}
 
 
-def command(*args: str, capsys) -> tuple[int, str, str]:
-    """(exit status, stdout, stderr) of `python -m grpo_kernels.train ARGS`, run as its `main` in this process (the
-    command as a process: tests/test_cli.py)."""
+def run_main(command_main, args, capsys) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of a command's `main(args)` run in this process."""
     capsys.readouterr()
     try:
-        main(list(args))
+        command_main(list(args))
         status = 0
     except SystemExit as stop:
         status = stop.code
     out, err = capsys.readouterr()
     return status, out, err
+
+
+def command(*args: str, capsys) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of `python -m grpo_kernels.train ARGS`, run as its `main` in this process (the
+    command as a process: tests/test_cli.py)."""
+    return run_main(main, args, capsys)
 
 
 def test_a_new_run_refuses_a_non_empty_output_dir_unless_overwrite(tmp_path):
@@ -144,27 +148,33 @@ def test_a_planted_pickle_payload_does_not_run_on_resume(tmp_path):
     torch.load(planted, weights_only=False)  # the payload is real: an unsafe load runs it
     assert marker.exists()
     marker.unlink()
-    with pytest.warns(CheckpointWarning, match="step_000001/rng_rank0.pt: holds a reference to exec, not only tensors"):
-        history = train(tiny(out, steps=2, resume=True))
+    refusal = "step_000001/rng_rank0.pt: holds a reference to exec, not only tensors.*previous good checkpoint .*step_0"
+    with pytest.raises(ValueError, match=refusal):
+        train(tiny(out, steps=2, resume=True))
     assert not marker.exists()
-    assert [m["step"] for m in history] == [1, 2]  # resumed from step_000000, the previous complete checkpoint
 
 
 @pytest.mark.parametrize("broken", ["model.safetensors", "trainer_state.pt", "ref_model.safetensors"])
-def test_an_unreadable_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, broken):
+def test_an_unreadable_latest_checkpoint_is_refused_offering_the_previous_one(tmp_path, broken):
+    """Never a silent fallback: the refusal names the file and the previous good checkpoint; moving the bad one
+    aside resumes from that one, exactly."""
     out = tmp_path / "run"
     train(tiny(out, steps=2))
-    file = checkpoint_dir(out, 2) / broken
+    bad = checkpoint_dir(out, 2)
+    file = bad / broken
     file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])  # truncated, as by a full disk without fsync
-    with pytest.warns(CheckpointWarning, match=f"skipping checkpoint .*step_000002: .*step_000002/{broken}: "):
-        resumed = train(tiny(out, steps=3, resume=True))
+    offer = f"step_000002/{broken}: .*the previous good checkpoint is .*step_000001 \\(step 1\\)"
+    with pytest.raises(ValueError, match=f"checkpoint .*step_000002 is refused: .*{offer}"):
+        GRPOTrainer(tiny(out, steps=3, resume=True))
+    bad.rename(bad.with_name(bad.name + ".corrupt"))
+    resumed = train(tiny(out, steps=3, resume=True))
     straight = train(tiny(tmp_path / "straight", steps=3))
     assert without_timing(resumed) == without_timing(straight)  # exactly as if resumed from step 1
     for step in (0, 1):
         (checkpoint_dir(out, step) / "trainer_state.pt").write_bytes(b"garbage")
-    (checkpoint_dir(out, 2) / broken).unlink()
-    (checkpoint_dir(out, 3) / "model.safetensors").write_bytes(b"")
-    with pytest.warns(CheckpointWarning), pytest.raises(ValueError, match="none of the 4 checkpoint"):
+    for step in (2, 3):  # written again by the resumed run
+        (checkpoint_dir(out, step) / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError, match="no earlier checkpoint reads back whole; --overwrite starts"):
         GRPOTrainer(tiny(out, steps=4, resume=True))
 
 
@@ -205,7 +215,7 @@ def test_a_failed_checkpoint_write_removes_its_tmp_folder_and_says_no_space_left
 
 def test_checkpoint_files_are_fsynced_before_the_rename(tmp_path, monkeypatch):
     events = []
-    monkeypatch.setattr(checkpoint_module, "_fsync", lambda path: events.append(("fsync", Path(path).name)))
+    monkeypatch.setattr(atomic_write, "fsync", lambda path: events.append(("fsync", Path(path).name)))
     rename = os.replace
     monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("rename", Path(b).name)), rename(a, b)))
     train(tiny(tmp_path / "run", steps=1, checkpoint_every=0))  # one checkpoint: step 1

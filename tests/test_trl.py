@@ -505,7 +505,12 @@ DP_CASES = {  # the cross-process reductions of TRL's loss, metrics and entropy 
         loss_type="grpo", importance_sampling_level="sequence", use_adaptive_entropy=True, entropy_target=10.0
     ),
     "top_entropy_quantile": dict(loss_type="bnpo", top_entropy_quantile=0.4),
+    # a global count of 2 tokens: TRL's normaliser 2 / 2 processes · 2 / 4 = 0.5, used as it is
+    "dapo_items_below_one": dict(
+        loss_type="dapo", steps_per_generation=4, gradient_accumulation_steps=2, per_device_train_batch_size=2
+    ),
 }
+GIVEN_ITEMS = {"dapo_items_below_one": 2}  # num_items_in_batch given instead of the global count
 
 
 def _data_parallel_worker(rank: int, world: int, store: str, root: str) -> None:
@@ -527,7 +532,7 @@ def _data_parallel_worker(rank: int, world: int, store: str, root: str) -> None:
         inputs = make_inputs(stock, seed=rank, ref="beta" in config)
         items = inputs["completion_mask"].sum()
         torch.distributed.all_reduce(items)
-        inputs["num_items_in_batch"] = items
+        inputs["num_items_in_batch"] = torch.tensor(GIVEN_ITEMS[name]) if name in GIVEN_ITEMS else items
         for trainer in (stock, ours):
             trainer._last_world_entropy = 1.0
         accumulation = config.get("gradient_accumulation_steps", 1)

@@ -16,7 +16,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from grpo_kernels.trainer import cli
+from grpo_kernels.trainer import atomic_write, cli
 from grpo_kernels.trainer.run_names import new_run_dir
 
 DEFAULT_PRESETS = "grpo,dapo,dr_grpo,gspo,cispo,sapo,gpg,rloo"
@@ -110,7 +110,7 @@ def _compare(argv: Sequence[str]) -> None:
         reward_plot(curves, out / RESULTS[2], title=title, window=config.window)
         table = markdown_table(rows, config.threshold)
         text = f"# {title}\n\n`{info['command']}` (started {info['started']})\n\n{table}\n\n"
-        (out / RESULTS[0]).write_text(text + f"![reward curves]({RESULTS[2]})\n", encoding="utf-8")
+        atomic_write.write_text(out / RESULTS[0], text + f"![reward curves]({RESULTS[2]})\n")
 
     previous = signal.signal(signal.SIGTERM, _interrupt)  # as Ctrl-C: stop the current run, keep what finished
     try:

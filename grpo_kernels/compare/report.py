@@ -13,6 +13,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from grpo_kernels.trainer import atomic_write
+
 TASK_REWARD = "rewards/task"  # logged when a preset's step reward is not the task's reward
 REWARD = "reward"
 GREEDY_ACCURACY = "eval/answer"
@@ -120,4 +122,4 @@ def markdown_table(rows: list[RunSummary], threshold: float) -> str:
 def write_json(path: Path, rows: list[RunSummary], setup: dict) -> None:
     """`{"setup": ..., "runs": [...]}`: every row with its reward curve, one line per run."""
     runs = ",\n  ".join(json.dumps(asdict(row)) for row in rows)
-    path.write_text(f'{{"setup": {json.dumps(setup, indent=1)},\n "runs": [\n  {runs}\n ]\n}}\n', encoding="utf-8")
+    atomic_write.write_text(path, f'{{"setup": {json.dumps(setup, indent=1)},\n "runs": [\n  {runs}\n ]\n}}\n')

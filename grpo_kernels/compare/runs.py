@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import multiprocessing
+import os
 import resource
 import shutil
 import signal
@@ -32,6 +33,7 @@ from grpo_kernels import presets
 from grpo_kernels.compare.report import INTERRUPTED, RunSummary, failed, summarize
 from grpo_kernels.options import LossOptions
 from grpo_kernels.shown import shown
+from grpo_kernels.trainer import run_lock
 from grpo_kernels.trainer.cli import one_line
 from grpo_kernels.trainer.config import TrainConfig, build_parser, parse_args
 
@@ -83,10 +85,47 @@ def saved_config(output_dir: str) -> tuple[CompareConfig, dict]:
 
 
 def finished_runs(output_dir: str) -> dict[str, RunSummary]:
-    """The runs of `output_dir`'s `compare.json` that finished (no error), by preset."""
-    runs = json.loads((Path(output_dir) / RESULTS_JSON).read_text(encoding="utf-8"))["runs"]
-    rows = [RunSummary(**{**r, "curve": [tuple(point) for point in r["curve"]]}) for r in runs]
+    """The runs of `output_dir`'s `compare.json` that finished (no error), by preset, each row checked (a ValueError
+    naming the row and the field)."""
+    path = Path(output_dir) / RESULTS_JSON
+    try:
+        runs = json.loads(path.read_text(encoding="utf-8"))["runs"]
+    except (ValueError, KeyError, TypeError, RecursionError) as error:
+        raise ValueError(f"--resume: {path}: not the results of a comparison ({shown(error)})") from None
+    if not isinstance(runs, list):
+        raise ValueError(f"--resume: {path}: 'runs' must be a list of rows, got {shown(runs)}")
+    rows = [_row(run, i, path) for i, run in enumerate(runs)]
     return {row.preset: row for row in rows if row.error is None}
+
+
+_ROW_TYPES = {"preset": str, "steps": int, "error": (str, type(None)), "curve": list}
+
+
+def _row(run: object, index: int, path: Path) -> RunSummary:
+    """Row `index` of compare.json as a RunSummary, or a ValueError naming what is wrong with it."""
+    where = f"--resume: {path}: run row {index}"
+    if not isinstance(run, dict):
+        raise ValueError(f"{where} must be an object, got {shown(run)}")
+    names = [f.name for f in dataclasses.fields(RunSummary)]
+    missing = [n for n in names if n not in run]
+    unknown = [n for n in run if n not in names]
+    if missing or unknown:
+        raise ValueError(f"{where}: missing fields {shown(missing)}, unknown fields {shown(unknown)}")
+    for name, kinds in _ROW_TYPES.items():
+        if not isinstance(run[name], kinds) or isinstance(run[name], bool):
+            raise ValueError(f"{where}: {name} must be {kinds}, got {shown(run[name])}")
+    numbers = [n for n in names if n not in _ROW_TYPES]
+    bad = [
+        n
+        for n in numbers
+        if not (run[n] is None or (isinstance(run[n], (int, float)) and not isinstance(run[n], bool)))
+    ]
+    if bad:
+        raise ValueError(f"{where}: {bad[0]} must be a number or null, got {shown(run[bad[0]])}")
+    points = run["curve"]
+    if not all(isinstance(p, list) and len(p) == 2 and all(isinstance(v, (int, float)) for v in p) for p in points):
+        raise ValueError(f"{where}: curve must be a list of [step, reward] pairs")
+    return RunSummary(**{**run, "curve": [tuple(point) for point in points]})
 
 
 def run_configs(config: CompareConfig) -> dict[str, TrainConfig]:
@@ -133,19 +172,25 @@ def prepare_output(config: CompareConfig) -> Path:
     out = Path(config.output_dir)
     if out.exists() and not out.is_dir():
         raise ValueError(f"output_dir {str(out)!r} is a file: --output-dir needs a directory (new or empty)")
-    entries = sorted(out.iterdir()) if out.is_dir() else []
+    entries = sorted(p for p in out.iterdir() if p.name != run_lock.LOCK_FILE) if out.is_dir() else []
+    names = ", ".join(p.name for p in entries[:5]) + (", ..." if len(entries) > 5 else "")
+    holds_comparison = (out / RESULTS_JSON).is_file()
     if entries and not config.overwrite:
-        names = ", ".join(p.name for p in entries[:5]) + (", ..." if len(entries) > 5 else "")
+        advice = "--overwrite replaces its contents, " if holds_comparison else ""
         raise ValueError(
             f"output_dir {str(out)!r} is not empty ({names}): a comparison does not write into other runs' files; "
-            "--overwrite replaces its contents, or choose another --output-dir"
+            f"{advice}or choose another --output-dir"
+        )
+    if entries and (out.is_symlink() or not holds_comparison):
+        what = "is a symlink" if out.is_symlink() else f"holds no comparison ({RESULTS_JSON}; it holds {names})"
+        raise ValueError(
+            f"--overwrite: output_dir {str(out)!r} {what}, so it is not cleared: choose another --output-dir"
         )
     for entry in entries:
         if entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry)
         else:
             entry.unlink()
-    out.mkdir(parents=True, exist_ok=True)
     return out
 
 
@@ -154,9 +199,25 @@ def compare(config: CompareConfig, *, log=print, write=lambda rows: None) -> lis
     rows so far after each. An interrupt stops the current run, `write`s the rows with it marked interrupted, and
     raises KeyboardInterrupt saying so (with `resume`: the runs that finished before are kept, not run again)."""
     configs = run_configs(config)
+    run_lock.claim(config.output_dir)
+    try:
+        return _compare_claimed(config, configs, log, write)
+    finally:
+        run_lock.release(config.output_dir)
+
+
+def _compare_claimed(config: CompareConfig, configs: dict[str, TrainConfig], log, write) -> list[RunSummary]:
     out = Path(config.output_dir) if config.resume else prepare_output(config)
     done = finished_runs(config.output_dir) if config.resume else {}
+    for train_config in configs.values() if config.resume else ():
+        pid = run_lock.holder(train_config.output_dir)
+        if pid is not None:
+            raise ValueError(
+                f"--resume: run {train_config.output_dir!r} is still in use by process {pid} (a run of the earlier "
+                "compare, still going): wait for it to end, or stop it, then --resume"
+            )
     rows: list[RunSummary] = []
+    write(rows)  # from the start: a comparison stopped in any way can be resumed
     for i, (preset, train_config) in enumerate(configs.items(), start=1):
         log_path = out / f"{preset}.log"
         if preset in done:
@@ -192,7 +253,8 @@ def run_one(preset: str, config: TrainConfig, log_path: Path, threshold: float, 
     """Train `config` in a fresh process (its output in `log_path`) and summarise it."""
     context = multiprocessing.get_context("spawn")
     receive, send = context.Pipe(duplex=False)
-    process = context.Process(target=_train_in_child, args=(config, str(log_path), send), daemon=True)
+    args = (config, str(log_path), send, os.getpid())
+    process = context.Process(target=_train_in_child, args=args, daemon=True)
     process.start()
     send.close()
     try:
@@ -213,10 +275,11 @@ def run_one(preset: str, config: TrainConfig, log_path: Path, threshold: float, 
     )
 
 
-def _train_in_child(config: TrainConfig, log_path: str, send) -> None:
+def _train_in_child(config: TrainConfig, log_path: str, send, parent: int) -> None:
     """The run's process: train, then send (history, tokens per step, peak memory in bytes, wall seconds). Ctrl-C
-    is the parent's to handle: it stops this process."""
+    is the parent's to handle: it stops this process. It dies with its parent, however that ends."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _stop_with_parent(parent)
     with open(log_path, "w", encoding="utf-8") as log, redirect_stdout(log), redirect_stderr(log):
         tic = time.perf_counter()
         try:
@@ -227,6 +290,21 @@ def _train_in_child(config: TrainConfig, log_path: str, send) -> None:
         except Exception as error:  # the parent reports it as the run's row; the traceback stays in the log
             traceback.print_exc()
             send.send(("error", one_line(error)))
+        except KeyboardInterrupt as stop:  # SIGTERM (from the parent, or at its death): stopped at a step boundary
+            print(f"interrupted: {one_line(stop)}", flush=True)
+
+
+def _stop_with_parent(parent: int) -> None:
+    """SIGTERM when the parent process dies, even by SIGKILL (Linux's parent-death signal): the run then stops at
+    its next step boundary with a checkpoint, and releases its directory. Elsewhere nothing is set."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != parent:  # the parent died before the signal was armed
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _counting_trainer(config: TrainConfig):

@@ -6,6 +6,7 @@ from html import escape
 from pathlib import Path
 
 from grpo_kernels.compare.report import smooth
+from grpo_kernels.trainer import atomic_write
 
 WIDTH, HEIGHT = 760, 420
 LEFT, RIGHT, TOP, BOTTOM = 60, 170, 30, 50  # margins: y labels, legend, title, x labels
@@ -70,4 +71,4 @@ def reward_plot(curves: dict[str, list[tuple[int, float]]], path: Path, *, title
         parts.append(f'<line x1="{x}" y1="{y}" x2="{x + 24}" y2="{y}" stroke="{color}" stroke-width="2"{style}/>')
         parts.append(f'<text x="{x + 30}" y="{y + 4}">{escape(name)}</text>')
     parts.append("</svg>")
-    path.write_text("\n".join(parts) + "\n", encoding="utf-8")
+    atomic_write.write_text(path, "\n".join(parts) + "\n")

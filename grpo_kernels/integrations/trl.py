@@ -41,6 +41,7 @@ except ImportError as error:  # pragma: no cover - exercised only without TRL
 
 from grpo_kernels.api import fused_linear_grpo_loss, fused_linear_token_logprobs
 from grpo_kernels.integrations import hf, zero3
+from grpo_kernels.integrations.route import agreed_memory
 from grpo_kernels.integrations.trl_precision import GRPOConfig, head_operands, head_precision
 from grpo_kernels.losses.loss import GRPOLossOutput
 from grpo_kernels.options import CLIP_LOSS_TYPES, LossOptions
@@ -98,6 +99,7 @@ class _FusedHead:
                     weight,
                     completion_ids,
                     mask=mask,
+                    memory=agreed_memory(weight, mask),  # every rank on one route (their collectives must match)
                     bias=bias,
                     with_entropy=True,
                     head_precision=precision,
@@ -144,6 +146,7 @@ class _FusedHead:
                         hidden,
                         weight,
                         ids[:, -logits_to_keep:],
+                        memory=agreed_memory(weight, attention[:, -logits_to_keep:]),
                         bias=bias,
                         head_precision=precision,
                         temperature=self.temperature,

@@ -30,11 +30,13 @@ def token_mean(mask: Tensor, options: LossOptions, group: Any = None) -> Tensor:
 
 
 def item_mean(mask: Tensor, options: LossOptions, group: Any = None) -> Tensor:
-    """Z = `num_items_in_batch` (the global token count; this batch's when None) (DAPO, CISPO, VESPO)."""
-    items = (
-        batch_sum(mask, group) if options.num_items_in_batch is None else torch.as_tensor(options.num_items_in_batch)
-    )
-    return mask / items.to(mask.device, mask.dtype).clamp(min=1.0)  # [B, T]
+    """Z = `num_items_in_batch` (the global token count; this batch's, at least 1, when None) (DAPO, CISPO, VESPO).
+
+    A given value is used as it is, a fraction in (0, 1) included: TRL clamps its token count at 1 and then
+    rescales it (÷ processes · accumulation ÷ steps_per_generation), which can fall below 1, and divides by that."""
+    if options.num_items_in_batch is None:
+        return mask / batch_sum(mask, group).to(mask.dtype).clamp(min=1.0)  # [B, T]
+    return mask / torch.as_tensor(options.num_items_in_batch).to(mask.device, mask.dtype)  # [B, T]
 
 
 def constant_length(mask: Tensor, options: LossOptions, group: Any = None) -> Tensor:

@@ -6,16 +6,18 @@
 stream's position, the run's config) and `rng_rank<r>.pt` for each data-parallel rank (torch CPU and CUDA, Python).
 `step_000000` is the initial policy.
 
-A checkpoint is written to `step_XXXXXX.tmp/`, every file fsynced, then renamed, so a run killed (or a machine that
-loses power) while saving leaves the previous checkpoint as the latest. A failed write removes its `.tmp/` folder;
-a full disk says so (`DiskFull`). Reading never runs code: the `.pt` files load with `torch.load(weights_only=True)`
-(tensors and plain data only), and `read` checks every file before anything is restored, so a truncated or corrupt
-checkpoint is an `UnreadableCheckpoint` naming the file (`run_dir.py` then falls back to the previous one).
+A checkpoint is written to `step_XXXXXX.tmp/` with `checksums.json` (the SHA-256 of every other file), every file
+fsynced, then renamed, so a run killed (or a machine that loses power) while saving leaves the previous checkpoint
+as the latest. A failed write removes its `.tmp/` folder and says what failed (`DiskFull`, `CheckpointWriteError`).
+Reading never runs code: the `.pt` files load with `torch.load(weights_only=True)` (tensors and plain data only),
+and `read` checks every file and its checksum before anything is restored, so a truncated or corrupt checkpoint is
+an `UnreadableCheckpoint` naming the file (`run_dir.py` refuses it, offering the previous good one).
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import random
@@ -29,6 +31,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, load_model, save_model
 from torch import nn
 
+from grpo_kernels.trainer import atomic_write
 from grpo_kernels.trainer.parallel import ParallelState, unwrap
 
 CHECKPOINTS = "checkpoints"
@@ -37,6 +40,7 @@ MODEL_FILE = "model.safetensors"
 ADAPTER_FILE = "adapter_model.safetensors"  # what peft's save_pretrained writes for a LoRA policy
 REF_MODEL_FILE = "ref_model.safetensors"
 TRAINER_STATE_FILE = "trainer_state.pt"
+CHECKSUMS_FILE = "checksums.json"  # the SHA-256 of every other file of the checkpoint
 _MODEL_PREFIX = "model."  # PolicyModule's name for the policy
 
 
@@ -48,11 +52,16 @@ class UnreadableCheckpoint(ValueError):
         self.file, self.reason = file, reason
 
 
-class DiskFull(OSError):
-    """No space left on the device while writing a checkpoint (its partial `.tmp/` folder is removed)."""
+class CheckpointWriteError(OSError):
+    """The file system refused a checkpoint write (file too large, read-only, I/O error, ...); its partial `.tmp/`
+    folder is removed."""
 
     def __str__(self) -> str:
         return self.strerror
+
+
+class DiskFull(CheckpointWriteError):
+    """No space left on the device while writing a checkpoint (its partial `.tmp/` folder is removed)."""
 
 
 def checkpoint_dir(output_dir: str | Path, step: int) -> Path:
@@ -109,7 +118,9 @@ def save(
     tmp = final.with_name(final.name + ".tmp")
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
     model_state = get_model_state_dict(policy, options=full) if parallel.mode == "fsdp" else None
-    optimizer_state = get_optimizer_state_dict(policy, optimizer, options=full)
+    # an optimizer that has taken no step is saved as None: torch's state-dict helpers would first take a step
+    # with zero gradients to create its state, which advances AdamW's step count and so changes the run's numbers
+    optimizer_state = get_optimizer_state_dict(policy, optimizer, options=full) if optimizer.state else None
     try:
         if parallel.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -126,17 +137,26 @@ def save(
         _save_torch(rng_state(), tmp / f"rng_rank{parallel.rank}.pt")
         _barrier(parallel)
         if parallel.is_main:
+            write_checksums(tmp)
             _fsync_tree(tmp)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
-            _fsync(final.parent)
+            atomic_write.fsync(final.parent)
     except BaseException as error:
         shutil.rmtree(tmp, ignore_errors=True)
-        if _disk_full(error):
+        failure = _write_failure(error)
+        if failure == errno.ENOSPC:
             raise DiskFull(
                 errno.ENOSPC,
                 f"no space left on the device while writing checkpoint {final} (its partial files are removed): "
                 f"free space in {final.parent} (or checkpoint less often, --checkpoint-every), then --resume "
+                "continues from the previous checkpoint",
+            ) from error
+        if failure is not None:
+            raise CheckpointWriteError(
+                failure,
+                f"{os.strerror(failure).lower()} while writing checkpoint {final} (its partial files are removed; "
+                f"errno {errno.errorcode.get(failure, failure)}): fix the file system's limit, then --resume "
                 "continues from the previous checkpoint",
             ) from error
         raise
@@ -157,7 +177,44 @@ def read(path: str | Path, rank: int, *, lora: bool, ref_model: bool) -> dict:
     rng = _load_torch(path / f"rng_rank{rank}.pt")
     if not isinstance(rng, dict) or not {"torch", "python"} <= set(rng):
         raise UnreadableCheckpoint(path / f"rng_rank{rank}.pt", "not an RNG state (torch, python)")
+    verify_checksums(path)
     return {**state, "rng": rng}
+
+
+def write_checksums(directory: Path) -> None:
+    """`<directory>/checksums.json`: the SHA-256 of every file under `directory` (by relative path)."""
+    files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != CHECKSUMS_FILE)
+    sums = {p.relative_to(directory).as_posix(): _sha256(p) for p in files}
+    (directory / CHECKSUMS_FILE).write_text(json.dumps(sums, indent=1), encoding="utf-8")
+
+
+def verify_checksums(directory: Path) -> None:
+    """Every file `checksums.json` lists is there with its SHA-256, else an `UnreadableCheckpoint` naming the first
+    that is not. A checkpoint without the file (written before checksums were kept) is taken as it is."""
+    listing = directory / CHECKSUMS_FILE
+    if not listing.is_file():
+        return
+    try:
+        sums = json.loads(listing.read_text(encoding="utf-8"))
+        items = sorted(sums.items()) if isinstance(sums, dict) else None
+    except (ValueError, UnicodeDecodeError) as error:
+        raise UnreadableCheckpoint(listing, f"corrupt ({type(error).__name__})") from None
+    if items is None or not all(isinstance(v, str) and ".." not in Path(k).parts for k, v in items):
+        raise UnreadableCheckpoint(listing, "corrupt (not a mapping of file names to SHA-256 digests)")
+    for name, digest in items:
+        file = directory / name
+        if not file.is_file():
+            raise UnreadableCheckpoint(file, f"missing (listed in {CHECKSUMS_FILE})")
+        if _sha256(file) != digest:
+            raise UnreadableCheckpoint(file, f"checksum mismatch: its SHA-256 is not the one in {CHECKSUMS_FILE}")
+
+
+def _sha256(file: Path) -> str:
+    digest = hashlib.sha256()
+    with open(file, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def load_weights(path: str | Path, model: nn.Module, ref_model: nn.Module | None) -> None:
@@ -177,7 +234,8 @@ def load_state(state: dict, policy: nn.Module, optimizer: torch.optim.Optimizer)
     """Restore the optimizer and this rank's RNG states in place from `read`'s result."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-    set_optimizer_state_dict(policy, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
+    if state["optimizer"] is not None:  # None: saved before the first step, nothing to restore
+        set_optimizer_state_dict(policy, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
     set_rng_state(state["rng"])
 
 
@@ -250,30 +308,25 @@ def _fsync_tree(root: Path) -> None:
     """fsync every file under `root`, then the directories: their contents reach the disk before the rename."""
     for directory, _, files in os.walk(root):
         for name in files:
-            _fsync(Path(directory) / name)
-        _fsync(Path(directory))
+            atomic_write.fsync(Path(directory) / name)
+        atomic_write.fsync(Path(directory))
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+_WRITE_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO)
 
 
-def _disk_full(error: BaseException) -> bool:
-    """Whether `error`, or an error behind it, is a full disk (or quota): writers wrap the OSError differently
-    (torch.save: a RuntimeError whose context is the OSError; safetensors: the OS message in its own error)."""
+def _write_failure(error: BaseException) -> int | None:
+    """The errno of a file-system failure behind `error` (ENOSPC for a quota too), or None: writers wrap the OSError
+    differently (torch.save: a RuntimeError whose context is the OSError; safetensors: the OS message in its own
+    error)."""
     seen: set[int] = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
-        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        if "No space left on device" in str(error) or "os error 28" in str(error):
-            return True
+        for number in _WRITE_ERRORS:
+            if (isinstance(error, OSError) and error.errno == number) or os.strerror(number) in str(error):
+                return errno.ENOSPC if number == errno.EDQUOT else number
         error = error.__cause__ or error.__context__
-    return False
+    return None
 
 
 def _barrier(parallel: ParallelState) -> None:

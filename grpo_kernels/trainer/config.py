@@ -44,6 +44,7 @@ from grpo_kernels.options import (
     LOSS_TYPES,
     LossOptions,
     check_epsilon_names,
+    some_names,
 )
 from grpo_kernels.shown import shown
 from grpo_kernels.trainer import run_names
@@ -78,6 +79,7 @@ class TrainConfig:
     start_if_no_checkpoint: bool = False  # with resume: start the run afresh when output_dir has no checkpoint yet
     # (without it: an error)
     checkpoint_every: int = 200  # steps between checkpoints (step 0, the initial policy, too); 0 = only the last
+    final_checkpoint: bool = True  # a checkpoint of the last step, however the run ends (a skipped step, a signal)
     eval_every: int = 25  # steps between greedy evaluations on every prompt of the task; the last step always
     device: str = "auto"  # auto (cuda when available; under torchrun cuda:LOCAL_RANK), cpu, cuda or cuda:N
     parallel: str = "auto"  # under torchrun: ddp (what auto picks) or fsdp (FSDP2); none for one process
@@ -193,9 +195,9 @@ def from_dict(data: Mapping[str, Any], base: TrainConfig | None = None, where: s
     """`base` (default: the defaults) with the given fields replaced; `loss` is a mapping of loss options."""
     config = base or TrainConfig()
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    unknown = sorted(set(data) - fields)
+    unknown = sorted(map(str, set(data) - fields))
     if unknown:
-        raise ValueError(f"{where}: unknown key(s) {unknown}; valid keys are {sorted(fields)}")
+        raise ValueError(f"{where}: unknown key(s) {some_names(unknown)}; valid keys are {sorted(fields)}")
     values = {k: v for k, v in data.items() if k != "loss"}
     if "sources" in values and not isinstance(values["sources"], Mapping):
         raise TypeError(f"{where}: sources must be a mapping of training settings, got {shown(values['sources'])}")

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from grpo_kernels.shown import shown
+from grpo_kernels.trainer import atomic_write
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "metrics.png"
@@ -72,7 +73,8 @@ class MetricsLogger:
         self.path = self.output_dir / METRICS_FILE if write else None
         if self.path is not None:
             self.output_dir.mkdir(parents=True, exist_ok=True)
-            self.path.write_text("".join(json.dumps(m) + "\n" for m in self.history), encoding="utf-8")
+            # a resumed run keeps the lines up to its step: rewritten whole, never truncated in place
+            atomic_write.write_text(self.path, "".join(json.dumps(m) + "\n" for m in self.history))
         self.start_time = time.perf_counter()
         self.start_step, self.total_steps = start_step, total_steps
         self.bar = None
@@ -94,12 +96,18 @@ class MetricsLogger:
         if self.bar is not None:
             self.bar.update({k.split("/")[-1]: metrics[k] for k in LIVE if k in metrics}, step)
 
-    def close(self, plot: bool = True) -> str:
-        """Stop the bar, print the summary table, write the plot; returns the table's text."""
+    def stop(self) -> None:
+        """Stop the bar and the tracker (a run interrupted, or at its end)."""
         if self.bar is not None:
             self.bar.close()
+            self.bar = None
         if self.tracker is not None:
             self.tracker.close()
+            self.tracker = None
+
+    def close(self, plot: bool = True) -> str:
+        """Stop the bar, print the summary table, write the plot; returns the table's text."""
+        self.stop()
         wall = time.perf_counter() - self.start_time
         table = summary_table(self.history, wall, self.total_steps - self.start_step)
         if self.path is None:
@@ -158,7 +166,8 @@ def plot_metrics(history: list[dict], path: Path) -> str:
         if len(names) > 1:
             ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    with atomic_write.replacing(path) as tmp:
+        fig.savefig(tmp, dpi=100)
     plt.close(fig)
     return f"plot: {path}"
 

@@ -7,6 +7,7 @@ same ids a real tokenizer would give.
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 
 import torch
@@ -126,6 +127,11 @@ def load_pretrained(name: str):
         raise ValueError(
             f"model {shown(name)}: not a model directory, and not loadable from the Hugging Face hub ({reason})"
         ) from error
+    except pickle.UnpicklingError:  # transformers loads *.bin with torch.load(weights_only=True)
+        raise ValueError(
+            f"model {shown(name)}: its weights file (a pickled .bin) holds more than tensors and plain data, and "
+            "unpickling it could run code, so it is refused; save the model as safetensors"
+        ) from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer

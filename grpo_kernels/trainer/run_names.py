@@ -14,16 +14,21 @@ MAX_STEPS_VARIABLE = "GRPO_KERNELS_MAX_STEPS"  # caps every run's --steps (quick
 
 
 def new_run_dir(name: str, root: str | Path = RUNS) -> str:
-    """`<root>/<name>-<YYYYmmdd-HHMMSS>` (UTC), with `-2`, `-3`, ... when that exists already. Under torchrun the
-    ranks could name different directories, so there it is a ValueError asking for `--output-dir`."""
+    """A new, empty `<root>/<name>-<YYYYmmdd-HHMMSS>` (UTC), with `-2`, `-3`, ... when that exists already, claimed by
+    creating it (two runs started in the same second get two directories). Under torchrun the ranks could name
+    different directories, so there it is a ValueError asking for `--output-dir`."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ValueError("under torchrun give --output-dir: every rank must write into the same run directory")
     base = Path(root) / f"{name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+    base.parent.mkdir(parents=True, exist_ok=True)
     path, number = base, 1
-    while path.exists():
-        number += 1
-        path = base.with_name(f"{base.name}-{number}")
-    return str(path)
+    while True:
+        try:
+            path.mkdir()
+            return str(path)
+        except FileExistsError:
+            number += 1
+            path = base.with_name(f"{base.name}-{number}")
 
 
 def latest_run_dir(root: str | Path = RUNS) -> Path | None:

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import shlex
 import time
 
 import torch
 from torch import Tensor, nn
 
 from grpo_kernels.shown import shown
-from grpo_kernels.trainer import checkpoint, run_dir
+from grpo_kernels.trainer import checkpoint, run_dir, run_lock
 from grpo_kernels.trainer.components import PresetComponents, StepSamples, gather_inputs, local_part
 from grpo_kernels.trainer.config import ROLLOUTS, TrainConfig, advantage_function, check_config, loss_options
 from grpo_kernels.trainer.evaluate import evaluate
@@ -44,6 +45,8 @@ from grpo_kernels.trainer.ref_model import build_ref_model, sync_ref_model
 from grpo_kernels.trainer.rollout import HFRollout, Rollout, RolloutBatch
 from grpo_kernels.trainer.run_names import with_output_dir
 from grpo_kernels.trainer.settings import resolve_settings
+from grpo_kernels.trainer.signals import StopAtStepBoundary
+from grpo_kernels.trainer.size_limits import check_sizes
 from grpo_kernels.trainer.tasks import PromptStream, build_task
 from grpo_kernels.trainer.update import NonFiniteUpdate, inner_updates, sampler_correction
 
@@ -73,12 +76,15 @@ class GRPOTrainer:
         random.seed(config.seed)
         self.task = task if task is not None else build_task(config)
         config = resolve_settings(config, self.task.max_completion_length)  # the budget; `sources` for config.yaml
+        check_sizes(config)  # absurd sizes: one line before anything is allocated
         self.config = config
         self.options = loss_options(config)
         self.components = PresetComponents(config, self.task, self.parallel)  # a ValueError for what it cannot apply
         self.advantage_fn = advantage_function(config)
         start = run_dir.prepare(config, self.parallel, ref_model=self.options.beta != 0.0)
         self.resumed_from = None if start is None else start.path
+        self.saved_step = None if start is None else start.step  # the step of the latest checkpoint
+        self.saved_path = self.resumed_from
         if model is None:
             model, tokenizer = load_policy(config, self.task)
         check_lengths(tokenizer, self.task, config.max_completion_length, model_context(model), "the model's context")
@@ -115,7 +121,17 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------------------------------------ the loop
     def train(self) -> list[dict]:
-        """Run up to `config.steps` optimizer steps; returns every step's metrics (also in `metrics.jsonl`)."""
+        """Run up to `config.steps` optimizer steps; returns every step's metrics (also in `metrics.jsonl`). SIGINT
+        or SIGTERM stops the run at the next step boundary with a checkpoint there (`signals.py`); the run
+        directory's lock is released at the end, however the run ends."""
+        try:
+            with StopAtStepBoundary() as stop:
+                return self._train(stop)
+        finally:
+            if self.parallel.is_main:
+                run_lock.release(self.config.output_dir)
+
+    def _train(self, stop: StopAtStepBoundary) -> list[dict]:
         config, main = self.config, self.parallel.is_main
         if self.step >= config.steps:
             if main:
@@ -141,23 +157,57 @@ class GRPOTrainer:
         )
         if self.step == 0 and config.checkpoint_every:  # the initial policy, for `grpo_kernels.evaluate --compare`
             self.save_checkpoint()
+        skipped = False  # whether the latest step's update was skipped
         while self.step < config.steps:
             tic = time.perf_counter()
             self.step += 1
             try:
                 metrics = self.training_step()
+                skipped = False
             except NonFiniteUpdate as error:
                 self.skip_update(error)
-                continue
-            if self.step == config.steps or (config.eval_every and self.step % config.eval_every == 0):
-                metrics.update(evaluate(unwrap(self.policy), self.tokenizer, self.task, config.max_completion_length))
-            metrics["step_time"] = time.perf_counter() - tic
-            logger.log(self.step, metrics)
-            if self.step == config.steps or (config.checkpoint_every and self.step % config.checkpoint_every == 0):
+                metrics, skipped = None, True
+            if metrics is not None:
+                if self.step == config.steps or (config.eval_every and self.step % config.eval_every == 0):
+                    metrics.update(
+                        evaluate(unwrap(self.policy), self.tokenizer, self.task, config.max_completion_length)
+                    )
+                metrics["step_time"] = time.perf_counter() - tic
+                logger.log(self.step, metrics)
+                if config.checkpoint_every and self.step % config.checkpoint_every == 0:
+                    self.save_checkpoint()
+            if self.stop_requested(stop):
+                logger.stop()
+                raise KeyboardInterrupt(self.interrupted_line(stop, skipped))
+        if config.final_checkpoint:
+            if self.saved_step != self.step:
                 self.save_checkpoint()
+            if main:
+                print(self.final_line(skipped), flush=True)
         logger.close(plot=config.plot)
         torch.set_num_threads(threads)
         return logger.history
+
+    def stop_requested(self, stop: StopAtStepBoundary) -> bool:
+        """Whether a stop signal came (on any rank: every rank stops at the same boundary)."""
+        requested = stop.requested is not None
+        if self.parallel.world_size > 1:
+            return mean_over_ranks({"stop": float(requested)}, self.parallel)["stop"] > 0
+        return requested
+
+    def interrupted_line(self, stop: StopAtStepBoundary, skipped: bool) -> str:
+        """The checkpoint at this step boundary, and the line that says where the run stopped and how to go on."""
+        config = self.config
+        if self.saved_step != self.step:
+            self.save_checkpoint()
+        held = f"step {self.step} of {config.steps}" + (" (its update skipped as non-finite)" if skipped else "")
+        resume = f"python -m grpo_kernels.train --output-dir {shlex.quote(str(config.output_dir))} --resume"
+        return f"{stop.name or 'signal'}: stopped after {held}, checkpoint {self.saved_path}; continue: {resume}"
+
+    def final_line(self, skipped: bool) -> str:
+        """Where the run's final checkpoint is and which step it holds."""
+        why = f" (step {self.step}'s update was skipped as non-finite)" if skipped else ""
+        return f"final checkpoint {self.saved_path}: step {self.step}{why}"
 
     def skip_update(self, error: NonFiniteUpdate) -> None:
         """Skip this step's refused update (`--skip-nonfinite-steps`, each logged), or stop the run at it: no
@@ -247,7 +297,8 @@ class GRPOTrainer:
         return self.options.temperature
 
     def save_checkpoint(self) -> None:
-        checkpoint.save(
+        """The checkpoint of the current step (`saved_step`, `saved_path` record it)."""
+        self.saved_path = checkpoint.save(
             self.config.output_dir,
             self.step,
             self.policy,
@@ -259,6 +310,7 @@ class GRPOTrainer:
             self.config.to_dict(),
             self.parallel,
         )
+        self.saved_step = self.step
 
 
 def build_rollout(config: TrainConfig, model: nn.Module, tokenizer, parallel=None, task=None) -> Rollout:

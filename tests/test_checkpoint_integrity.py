@@ -1,0 +1,92 @@
+"""Checkpoints that are what was written, and a run that always leaves one.
+
+- Every checkpoint lists the SHA-256 of each of its files (`checksums.json`); `--resume` verifies them and refuses
+  a changed file in one line naming it and the previous good checkpoint, never falling back silently.
+- The last step always leaves a checkpoint, also when its update was skipped as non-finite, and says which step.
+- A file-system write error other than a full disk (a file-size limit: EFBIG) is one `error:` line too."""
+
+import dataclasses
+import json
+import math
+import resource
+import signal
+import struct
+
+import pytest
+
+from grpo_kernels.trainer import TrainConfig
+from grpo_kernels.trainer.__main__ import main as train_main
+from grpo_kernels.trainer.checkpoint import checkpoint_dir, latest
+from grpo_kernels.trainer.train import GRPOTrainer
+
+TINY = dict(hidden_size=16, num_layers=1, num_heads=2, prompts_per_step=2, num_generations=2, eval_every=0)
+TINY.update(progress=False, plot=False)
+TINY_FLAGS = ["--prompts-per-step", "2", "--num-generations", "2", "--eval-every", "0", "--no-plot"]
+TINY_FLAGS += ["--hidden-size", "16", "--num-layers", "1", "--num-heads", "2", "--no-progress"]
+
+
+def tiny(output_dir, **overrides) -> TrainConfig:
+    return dataclasses.replace(TrainConfig(), output_dir=str(output_dir), **TINY, **overrides)
+
+
+def flip_a_bit_in_a_tensor(file) -> None:
+    """Flip one bit inside the first tensor's data of a safetensors file (its header stays valid)."""
+    data = bytearray(file.read_bytes())
+    header_size = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8 : 8 + header_size])
+    start = min(t["data_offsets"][0] for k, t in header.items() if k != "__metadata__")
+    data[8 + header_size + start + 2] ^= 0x10
+    file.write_bytes(bytes(data))
+
+
+def test_a_bit_flip_in_a_tensor_is_refused_naming_the_file_and_the_previous_checkpoint(tmp_path):
+    """A flipped bit in a tensor used to load silently, and the resumed run's numbers differed."""
+    out = tmp_path / "run"
+    GRPOTrainer(tiny(out, steps=2, checkpoint_every=1)).train()
+    flip_a_bit_in_a_tensor(checkpoint_dir(out, 2) / "model.safetensors")
+    expected = (
+        r"checkpoint .*step_000002 is refused: .*step_000002/model.safetensors: checksum mismatch.*; the previous "
+        r"good checkpoint is .*step_000001 \(step 1\)"
+    )
+    with pytest.raises(ValueError, match=expected):
+        GRPOTrainer(tiny(out, steps=3, checkpoint_every=1, resume=True))
+    assert latest(out) == checkpoint_dir(out, 2)  # nothing moved, nothing resumed
+
+
+def poison_gradients_from(trainer: GRPOTrainer, step: int) -> None:
+    weight = next(p for p in trainer.model.parameters() if p.requires_grad)
+    weight.register_hook(lambda grad: grad * math.nan if trainer.step >= step else grad)
+
+
+def test_a_skipped_last_step_still_leaves_a_final_checkpoint_and_says_so(tmp_path, capsys):
+    """With --checkpoint-every 0 (every compare run) and the last step skipped as non-finite, no model was saved."""
+    out = tmp_path / "run"
+    trainer = GRPOTrainer(tiny(out, steps=2, checkpoint_every=0, skip_nonfinite_steps=1))
+    poison_gradients_from(trainer, 2)
+    trainer.train()
+    said = capsys.readouterr().out
+    assert latest(out) == checkpoint_dir(out, 2)
+    assert f"final checkpoint {checkpoint_dir(out, 2)}: step 2 (step 2's update was skipped as non-finite)" in said
+    resumed = GRPOTrainer(tiny(out, steps=3, checkpoint_every=0, resume=True))
+    assert resumed.resumed_from == checkpoint_dir(out, 2)
+    assert not (tmp_path / "none").exists()
+    GRPOTrainer(tiny(tmp_path / "none", steps=1, checkpoint_every=0, final_checkpoint=False)).train()
+    assert latest(tmp_path / "none") is None  # the user said otherwise
+
+
+def test_a_file_too_large_while_writing_a_checkpoint_is_one_line(tmp_path, capsys):
+    """EFBIG used to be a raw SafetensorError traceback (a full disk was already one line)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (40_960, hard))  # the demo model's weights take more
+    flags = ["--prompts-per-step", "2", "--num-generations", "2", "--no-plot", "--no-progress", "--steps", "1"]
+    try:
+        with pytest.raises(SystemExit) as stop:
+            train_main(["--output-dir", str(tmp_path / "run"), *flags])
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith("error: file too large while writing checkpoint ") and "errno EFBIG" in err, err
+    assert not list((tmp_path / "run" / "checkpoints").glob("*.tmp"))
