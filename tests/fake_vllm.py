@@ -27,6 +27,7 @@ is under test.
 
 from __future__ import annotations
 
+import copy
 import os
 import random
 import sys
@@ -55,10 +56,17 @@ class SamplingParams:
 
 
 class _Model:
-    """The engine's model: `load_weights` writes into it (while its memory is mapped)."""
+    """The engine's model: `load_weights` writes into it (while its memory is mapped). With a `network` (a copy of the
+    policy's architecture, started from vLLM's dummy weights, uniform in ±1e-3), the pushed tensors are its weights
+    and the engine samples from it."""
 
-    def __init__(self, llm: LLM) -> None:
+    def __init__(self, llm: LLM, network: torch.nn.Module | None) -> None:
         self.llm, self.weights, self.pushes, self.calls = llm, {}, [], []
+        self.network = network
+        if network is not None:
+            with torch.no_grad():
+                for param in network.parameters():
+                    param.uniform_(-1e-3, 1e-3)  # `initialize_dummy_weights`
 
     def load_weights(self, weights) -> None:
         if "weights" in self.llm.asleep:
@@ -67,14 +75,20 @@ class _Model:
         self.weights.update(pushed)
         self.pushes.append(pushed)
         self.llm.weights_garbage = False
+        if self.network is not None:
+            params = dict(self.network.named_parameters())
+            with torch.no_grad():
+                for name, tensor in pushed.items():
+                    params[name].copy_(tensor)  # an unknown name is a KeyError, as vLLM's load_weights raises
 
 
 class LLM:
     """`vllm.LLM` without the RL weight-update API."""
 
     built: list = []  # every engine of this process, in order
-    probs: torch.Tensor  # [V] the distribution tokens are drawn from (before temperature)
+    probs: torch.Tensor  # [V] the distribution tokens are drawn from (before temperature), without a network
     eos_token_ids: tuple[int, ...]  # the tokenizer's EOS and the generation config's, as vLLM reads them
+    network: torch.nn.Module | None  # the policy's architecture: tokens come from the pushed weights
 
     def __init__(self, model: str, *, seed: int = 0, max_model_len: int | None = None, **kwargs: Any) -> None:
         self.kwargs = dict(model=model, seed=seed, max_model_len=max_model_len, **kwargs)
@@ -93,7 +107,7 @@ class LLM:
         self.max_model_len = max_model_len or MODEL_MAX_LEN
         self.asleep: set[str] = set()
         self.weights_garbage = False
-        self.model = _Model(self)
+        self.model = _Model(self, None if self.network is None else copy.deepcopy(self.network))
         runner = SimpleNamespace(model_runner=SimpleNamespace(model=self.model))
         self.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(driver_worker=runner))
         self._transfer = self._transfer_engine(kwargs.get("weight_transfer_config"))
@@ -144,15 +158,24 @@ class LLM:
                 )
         return [self._request(p["prompt_token_ids"], sp) for p, sp in zip(prompts, params, strict=True)]
 
+    def _next_logp(self, prompt: list[int], tokens: list[int], temperature: float) -> torch.Tensor:
+        """Processed log-probs [V] of the next token: of the network on prompt ‖ tokens, else of `probs`."""
+        network = self.model.network
+        if network is None:
+            return torch.log_softmax(self.probs.log() / temperature, dim=-1)
+        with torch.no_grad():
+            logits = network(torch.tensor([prompt + tokens])).logits[0, -1].float()  # [V]
+        return torch.log_softmax(logits / temperature, dim=-1)
+
     def _request(self, prompt: list[int], params: SamplingParams):
         stop = set(self.eos_token_ids) | set(params.stop_token_ids)
-        logp_all = torch.log_softmax(self.probs.log() / params.temperature, dim=-1)  # processed log-probs [V]
         samples = []
         for k in range(params.n):
             seed = np.random.randint(0, 2**62) if params.seed is None else params.seed + k
             generator = torch.Generator().manual_seed(int(seed) % 2**63)
             tokens, logprobs, reason = [], [], None
             while reason is None:
+                logp_all = self._next_logp(prompt, tokens, params.temperature)  # [V]
                 token = int(torch.multinomial(logp_all.exp(), 1, generator=generator))
                 tokens.append(token)
                 logprobs.append({token: SimpleNamespace(logprob=float(logp_all[token]), rank=1)})
@@ -249,31 +272,74 @@ def finalize_layerwise_reload(model, model_config) -> None:
 
 
 # --------------------------------------------------------------------------------------------------- install
-def install(monkeypatch, *, official: bool, eos_token_ids, probs: torch.Tensor) -> types.ModuleType:
-    """Put the stand-in in `sys.modules` as `vllm` (with the weight-update API when `official`); the "model directory"
-    stops on `eos_token_ids` and its tokens are drawn from `probs` [V]. `monkeypatch`: pytest's, or None to install
+def dispatch_cpu_unquantized_gemm(layer, remove_weight: bool) -> None:
+    """vLLM's CPU dispatch, in short: the weight packed into the layer's kernel, an empty parameter left behind."""
+    packed = layer.weight.detach().clone()
+    layer.cpu_linear = lambda x, weight, bias: torch.nn.functional.linear(x, packed, bias)
+    if remove_weight:
+        layer.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+
+
+class CPUAttentionBackend:
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return [32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512]
+
+
+def install(
+    monkeypatch,
+    *,
+    official: bool,
+    eos_token_ids,
+    probs: torch.Tensor | None = None,
+    network: torch.nn.Module | None = None,
+    platform: str = "cuda",
+) -> types.ModuleType:
+    """Put the stand-in in `sys.modules` as `vllm` (with the weight-update API when `official`), built for `platform`
+    ("cuda" or "cpu"); the "model directory" stops on `eos_token_ids` and its tokens are drawn from `probs` [V], or
+    from `network` (the policy's architecture) with the pushed weights. `monkeypatch`: pytest's, or None to install
     for the rest of the process (a spawned rank)."""
     setitem = monkeypatch.setitem if monkeypatch is not None else (lambda d, k, v: d.__setitem__(k, v))
-    llm = type("LLM", (OfficialLLM if official else LLM,), {"probs": probs, "eos_token_ids": tuple(eos_token_ids)})
+    attributes = {"probs": probs, "eos_token_ids": tuple(eos_token_ids), "network": network}
+    llm = type("LLM", (OfficialLLM if official else LLM,), attributes)
     vllm = types.ModuleType("vllm")
     vllm.LLM, vllm.SamplingParams, vllm.__version__ = llm, SamplingParams, "0.33.0"
     setitem(sys.modules, "vllm", vllm)
     LLM.built = []
     WeightTransferEngineFactory._registry = {}
-    names = (
-        "vllm.distributed",
-        "vllm.distributed.weight_transfer",
-        "vllm.distributed.weight_transfer.base",
-        "vllm.distributed.weight_transfer.factory",
-        "vllm.model_executor",
-        "vllm.model_executor.model_loader",
-        "vllm.model_executor.model_loader.reload",
-    )
-    for name in names:
-        module = types.ModuleType(name) if official else None  # None: "No module named ..." on import
-        setitem(sys.modules, name, module)
+    platforms = types.ModuleType("vllm.platforms")
+    platforms.current_platform = SimpleNamespace(is_cpu=lambda: platform == "cpu", device_name=platform)
+    setitem(sys.modules, "vllm.platforms", platforms)
+    on_cpu = platform == "cpu"
+    modules = {
+        "vllm.distributed": official,
+        "vllm.distributed.weight_transfer": official,
+        "vllm.distributed.weight_transfer.base": official,
+        "vllm.distributed.weight_transfer.factory": official,
+        "vllm.model_executor": official or on_cpu,
+        "vllm.model_executor.model_loader": official,
+        "vllm.model_executor.model_loader.reload": official,
+        "vllm.model_executor.layers": on_cpu,
+        "vllm.model_executor.layers.utils": on_cpu,
+        "vllm.v1": on_cpu,
+        "vllm.v1.attention": on_cpu,
+        "vllm.v1.attention.backends": on_cpu,
+        "vllm.v1.attention.backends.cpu_attn": on_cpu,
+    }
+    for name, present in modules.items():
+        setitem(sys.modules, name, types.ModuleType(name) if present else None)  # None: "No module named ..."
+    if on_cpu:
+        sys.modules["vllm.model_executor.layers.utils"].dispatch_cpu_unquantized_gemm = dispatch_cpu_unquantized_gemm
+        sys.modules["vllm.v1.attention.backends.cpu_attn"].CPUAttentionBackend = CPUAttentionBackend
     if official:
-        base, factory, reload = (sys.modules[n] for n in (names[2], names[3], names[6]))
+        base, factory, reload = (
+            sys.modules[f"vllm.{n}"]
+            for n in (
+                "distributed.weight_transfer.base",
+                "distributed.weight_transfer.factory",
+                "model_executor.model_loader.reload",
+            )
+        )
         base.WeightTransferEngine, base.WeightTransferInitInfo = WeightTransferEngine, WeightTransferInitInfo
         base.WeightTransferUpdateInfo = WeightTransferUpdateInfo
         factory.WeightTransferEngineFactory = WeightTransferEngineFactory
