@@ -44,6 +44,10 @@ ENV_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "V
 MODEL_MAX_LEN = 2048  # the "model's" context: max_model_len when none is given
 
 
+class VLLMValidationError(Exception):
+    """`vllm.exceptions.VLLMValidationError`: a request vLLM refuses (not a ValueError)."""
+
+
 class SamplingParams:
     def __init__(self, n=1, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, max_tokens=16, logprobs=None, **rest):
         self.kwargs = dict(
@@ -151,10 +155,10 @@ class LLM:
         for prompt in prompts:
             length = len(prompt["prompt_token_ids"])
             if length >= self.max_model_len:
-                raise ValueError(
-                    f"The decoder prompt (length {length}) is longer than the maximum model length of "
-                    f"{self.max_model_len}. Make sure that `max_model_len` is no smaller than the number of text "
-                    "tokens."
+                raise VLLMValidationError(
+                    f"The decoder prompt (length {length}) plus the number of requested output tokens (at least 1) is "
+                    f"longer than the maximum model length of {self.max_model_len}. Make sure that `max_model_len` "
+                    "is no smaller than the number of text tokens (prompt + requested output tokens)."
                 )
         return [self._request(p["prompt_token_ids"], sp) for p, sp in zip(prompts, params, strict=True)]
 

@@ -37,6 +37,7 @@ from grpo_kernels.trainer.vllm_rollout import (
 )
 from tests import fake_vllm
 from tests.conftest import assert_close
+from tests.vllm_engine_cases import PROMPT_TOO_LONG
 
 ALPHABET = "0123456789+="
 EQUALS = 4 + ALPHABET.index("=")  # its id: after the four special tokens
@@ -285,7 +286,7 @@ def test_prompts_longer_than_the_engine_was_sized_for(engine_env):
     rollout.generate(["1+2="], 2)  # 5 tokens with <bos>: fits
     with pytest.raises(ValueError, match=r"has 6 tokens; the vLLM engine was sized for prompts of at most 5"):
         rollout.generate(["1+22="], 2)
-    with pytest.raises(ValueError, match=r"prompt \(length 8\) is longer than the maximum model length of 8"):
+    with pytest.raises(fake_vllm.VLLMValidationError, match=PROMPT_TOO_LONG.format(length=8)):
         rollout.llm.generate([{"prompt_token_ids": [1] * 8}], vllm.SamplingParams(max_tokens=1))  # as vLLM does
 
 
