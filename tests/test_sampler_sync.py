@@ -5,14 +5,12 @@ the gap at fp32 noise. The same against the real engine: `tests/test_vllm_cpu_tr
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest
 import torch
 
 from grpo_kernels.trainer import vllm_rollout
-from grpo_kernels.trainer.config import TrainConfig
 from grpo_kernels.trainer.model import build_tiny_llama, build_tokenizer
 from grpo_kernels.trainer.parallel import ParallelState
 from grpo_kernels.trainer.sampler_sync import (
@@ -24,6 +22,7 @@ from grpo_kernels.trainer.sampler_sync import (
 )
 from grpo_kernels.trainer.train import GRPOTrainer
 from tests import fake_vllm
+from tests.vllm_engine_cases import vllm_demo
 
 GIB = 2**30
 DIFF, RATIO = "sampling/sampling_logp_difference", "sampling/importance_sampling_ratio"
@@ -74,25 +73,6 @@ def cpu_vllm(monkeypatch):
     monkeypatch.setattr(vllm_rollout, "cpu_memory", lambda: (10 * GIB, 20 * GIB, 1 * GIB))
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
     return monkeypatch
-
-
-def vllm_demo(tmp_path, **overrides) -> TrainConfig:
-    settings = dict(
-        rollout="vllm",
-        device="cpu",
-        num_heads=2,
-        vllm_enable_sleep_mode=False,
-        vllm_gpu_memory_utilization=0.1,
-        prompts_per_step=4,
-        num_generations=4,
-        steps=2,
-        eval_every=0,
-        checkpoint_every=0,
-        progress=False,
-        plot=False,
-        output_dir=str(tmp_path),
-    )
-    return dataclasses.replace(TrainConfig(), **{**settings, **overrides})
 
 
 def test_a_push_that_does_nothing_stops_the_run_at_step_1(cpu_vllm, tmp_path):

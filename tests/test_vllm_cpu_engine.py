@@ -5,6 +5,9 @@ weights (fp32, T = 1.0 and 0.7), again after an optimizer step and a push. Each 
 
 from __future__ import annotations
 
+import random
+
+import numpy as np
 import pytest
 import torch
 
@@ -24,6 +27,8 @@ PROMPTS = ["3+4=", "1+1=", "2+5="]
 def rollout(tmp_path_factory):
     model, tokenizer = tiny_policy()
     path = write_model_dir(model, tokenizer, tmp_path_factory.mktemp("tiny"))
+    random.seed(7), np.random.seed(7), torch.manual_seed(7)
+    before = (random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state(), torch.set_num_threads)
     engine = VLLMRollout(
         model,
         tokenizer,
@@ -37,8 +42,19 @@ def rollout(tmp_path_factory):
         dtype="float32",
         seed=0,
     )
+    after = (random.getstate(), np.random.get_state()[1], torch.get_rng_state(), torch.set_num_threads)
+    engine.kept_trainer_state = (
+        after[0] == before[0] and (after[1] == before[1]).all() and torch.equal(after[2], before[2]),
+        after[3] is before[3],
+    )
     engine.sync_weights()
     return engine
+
+
+def test_building_the_engine_leaves_the_trainers_random_state_and_threads_alone(rollout):
+    """vLLM's CPU worker reseeds the generators and replaces `torch.set_num_threads` for the whole process."""
+    assert rollout.kept_trainer_state == (True, True)
+    assert "weight sync: vLLM weight-update API" in rollout.description
 
 
 def logprobs_of(model, batch: RolloutBatch, temperature: float) -> torch.Tensor:

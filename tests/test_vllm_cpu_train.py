@@ -13,8 +13,7 @@ import pytest
 
 from grpo_kernels.trainer import vllm_rollout
 from grpo_kernels.trainer.sampler_sync import StaleSampler
-from tests.test_sampler_sync import vllm_demo
-from tests.vllm_engine_cases import import_cpu_vllm, memory_share
+from tests.vllm_engine_cases import import_cpu_vllm, memory_share, vllm_demo
 
 pytestmark = pytest.mark.vllm
 import_cpu_vllm()

@@ -3,11 +3,13 @@ where vLLM can build from it, and a CPU memory share that fits this machine."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
+from grpo_kernels.trainer.config import TrainConfig
 from grpo_kernels.trainer.model import build_tiny_llama, build_tokenizer
 
 ALPHABET = "0123456789+="
@@ -56,3 +58,23 @@ def memory_share() -> float:
 
     free, total, resident = cpu_memory()
     return math.ceil((resident + 2**29) / total * 100) / 100
+
+
+def vllm_demo(tmp_path, **overrides) -> TrainConfig:
+    """The demo with vLLM rollouts on CPU, small: 4 prompts × 4 samples, 2 steps, no evaluation or checkpoints."""
+    settings = dict(
+        rollout="vllm",
+        device="cpu",
+        num_heads=2,
+        vllm_enable_sleep_mode=False,
+        vllm_gpu_memory_utilization=0.1,
+        prompts_per_step=4,
+        num_generations=4,
+        steps=2,
+        eval_every=0,
+        checkpoint_every=0,
+        progress=False,
+        plot=False,
+        output_dir=str(tmp_path),
+    )
+    return dataclasses.replace(TrainConfig(), **{**settings, **overrides})
