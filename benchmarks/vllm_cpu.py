@@ -7,9 +7,9 @@
    lm_head) after a push; vLLM in fp32 and in bf16 (policy in the same dtype), and `HFRollout` in fp32 and bf16.
    Then the gap of a sampler that never received the weights (vLLM's dummy start-up weights), the sabotaged push.
 3. The demo's time per step: `python -m grpo_kernels.train --num-heads 2` with `--rollout vllm --device cpu` and
-   with `--rollout hf`, `--steps` steps each, one after the other; the median step_time after step 1.
+   with `--rollout hf`, `--steps` steps each, taking turns for `--rounds` rounds; the median step_time after step 1.
 
-    python -m benchmarks.vllm_cpu [--model CHECKPOINT_DIR] [--steps 100]
+    python -m benchmarks.vllm_cpu [--model CHECKPOINT_DIR] [--steps 100] [--rounds 2]
 
 `--model`: a trainer checkpoint of the demo (e.g. runs/<run>/checkpoints/step_000600) for the noise of a trained
 policy, whose distributions are sharper than the initial one's.
@@ -102,24 +102,30 @@ def noise(checkpoint: str | None) -> dict:
     return out
 
 
-def step_times(steps: int) -> dict:
-    out = {}
-    for rollout in ("vllm", "hf"):
-        with tempfile.TemporaryDirectory() as run:
-            command = [sys.executable, "-m", "grpo_kernels.train", "--num-heads", "2", "--rollout", rollout]
-            command += ["--steps", str(steps), "--output-dir", run, "--no-progress", "--no-plot", "--eval-every", "0"]
-            command += ["--checkpoint-every", "0"]
-            if rollout == "vllm":
-                command += ["--device", "cpu", "--no-vllm-enable-sleep-mode", "--vllm-gpu-memory-utilization", "0.15"]
-            tic = time.perf_counter()
-            subprocess.run(command, check=True, capture_output=True)
-            records = [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines()]
-            out[rollout] = {
-                "median_step_s": statistics.median(r["step_time"] for r in records[1:]),
-                "process_s": time.perf_counter() - tic,
-                "reward_first_10": statistics.mean(r["reward"] for r in records[:10]),
-                "reward_last_10": statistics.mean(r["reward"] for r in records[-10:]),
-            }
+def step_times(steps: int, rounds: int) -> dict:
+    """Per rollout engine, each round's median step_time after step 1 and its process's wall time; the engines take
+    turns (vllm, hf, vllm, hf, ...), so a load that changes over time reaches both."""
+    out = {"vllm": [], "hf": []}
+    for _ in range(rounds):
+        for rollout in out:
+            with tempfile.TemporaryDirectory() as run:
+                command = [sys.executable, "-m", "grpo_kernels.train", "--num-heads", "2", "--rollout", rollout]
+                command += ["--steps", str(steps), "--output-dir", run, "--no-progress", "--no-plot"]
+                command += ["--eval-every", "0", "--checkpoint-every", "0"]
+                if rollout == "vllm":
+                    command += ["--device", "cpu", "--no-vllm-enable-sleep-mode"]
+                    command += ["--vllm-gpu-memory-utilization", "0.15"]
+                tic = time.perf_counter()
+                subprocess.run(command, check=True, capture_output=True)
+                records = [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines()]
+                out[rollout].append(
+                    {
+                        "median_step_s": statistics.median(r["step_time"] for r in records[1:]),
+                        "process_s": time.perf_counter() - tic,
+                        "reward_first_10": statistics.mean(r["reward"] for r in records[:10]),
+                        "reward_last_10": statistics.mean(r["reward"] for r in records[-10:]),
+                    }
+                )
     return out
 
 
@@ -127,9 +133,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="a trainer checkpoint of the demo (default: the initial policy)")
     parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    result = {"noise": noise(args.model), "steps": step_times(args.steps)}
+    result = {"noise": noise(args.model), "steps": step_times(args.steps, args.rounds)}
     print(json.dumps(result, indent=2), flush=True)
 
 
