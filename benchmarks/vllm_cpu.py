@@ -93,8 +93,9 @@ def noise(checkpoint: str | None) -> dict:
             tokenizer.save_pretrained(path)
             rollout, seconds = build(model, tokenizer, path, name)
             out[f"build_s/{name}"] = seconds
+            rollout._weights_valid = True  # as after a push that did nothing: the engine keeps its dummy weights
             torch.manual_seed(1)
-            out[f"never_pushed/{name}"] = gap(model, rollout.generate(prompts, G))  # dummy weights: a stale sampler
+            out[f"never_pushed/{name}"] = gap(model, rollout.generate(prompts, G))
             rollout.sync_weights()
             out[f"vllm/{name}"] = gap(model, rollout.generate(prompts, G))
         torch.manual_seed(1)
