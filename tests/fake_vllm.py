@@ -121,8 +121,11 @@ class LLM:
         else:
             self.rank, self.device_index = 0, 0  # the bare device string "cuda"
         max_num_seqs = kwargs.get("max_num_seqs") or 256
-        if (kwargs.get("max_num_batched_tokens") or 8192) < max_num_seqs:
-            raise ValueError(f"max_num_batched_tokens must be greater than or equal to max_num_seqs ({max_num_seqs})")
+        batched = kwargs.get("max_num_batched_tokens") or 8192
+        if batched < max_num_seqs:  # vLLM 0.32: a pydantic ValidationError (a ValueError) with this message
+            raise ValueError(
+                f"max_num_batched_tokens ({batched}) must be greater than or equal to max_num_seqs ({max_num_seqs})."
+            )
         self.max_model_len = max_model_len or MODEL_MAX_LEN
         self.asleep: set[str] = set()
         self.weights_garbage = False

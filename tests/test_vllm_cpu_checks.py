@@ -6,6 +6,7 @@ nothing is built; the CPU engine is a world of one, in-process, started from dum
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 
 import pytest
@@ -19,6 +20,7 @@ from grpo_kernels.trainer.tasks import build_task
 from grpo_kernels.trainer.vllm_cpu import check_cpu_memory, keep_cpu_linear_weights
 from grpo_kernels.trainer.vllm_rollout import VLLMRollout, build_vllm_rollout
 from tests import fake_vllm
+from tests.vllm_engine_cases import BATCHED_BELOW_SEQS
 
 GIB = 2**30
 
@@ -154,3 +156,9 @@ def test_the_patch_keeps_the_live_weight_so_a_push_reaches_the_layer(cpu_env):
     conv = torch.nn.Conv1d(2, 2, 3)  # not a 2-D weight: vLLM's own dispatch
     utils.dispatch_cpu_unquantized_gemm(conv, remove_weight=True)
     assert conv.weight.numel() == 0
+
+
+def test_the_stand_in_refuses_fewer_batched_tokens_than_sequences_as_vllm_does(cpu_env):
+    vllm = sys.modules["vllm"]
+    with pytest.raises(ValueError, match=re.escape(BATCHED_BELOW_SEQS.format(tokens=4, seqs=8))):
+        vllm.LLM("tiny-dir", max_num_seqs=8, max_num_batched_tokens=4)

@@ -6,6 +6,7 @@ weights (fp32, T = 1.0 and 0.7), again after an optimizer step and a push. Each 
 from __future__ import annotations
 
 import random
+import re
 
 import numpy as np
 import pytest
@@ -14,7 +15,15 @@ import torch
 import grpo_kernels as gk
 from grpo_kernels.trainer.rollout import RolloutBatch
 from grpo_kernels.trainer.vllm_rollout import VLLMRollout
-from tests.vllm_engine_cases import EQUALS, PROMPT_TOO_LONG, import_cpu_vllm, memory_share, tiny_policy, write_model_dir
+from tests.vllm_engine_cases import (
+    BATCHED_BELOW_SEQS,
+    EQUALS,
+    PROMPT_TOO_LONG,
+    import_cpu_vllm,
+    memory_share,
+    tiny_policy,
+    write_model_dir,
+)
 
 pytestmark = pytest.mark.vllm
 vllm = import_cpu_vllm()
@@ -141,3 +150,11 @@ def test_after_an_optimizer_step_and_a_push_the_logprobs_agree_again(rollout):
             param.copy_(before[name])
     rollout.sync_weights()
     assert stale_gap > 1e-2 and gap <= 1e-5, (stale_gap, gap)
+
+
+def test_fewer_batched_tokens_than_sequences_is_refused_as_the_stand_in_says(tmp_path):
+    """`engine_sizes` never asks for it; the stand-in's refusal (`tests/fake_vllm.py`) is vLLM's."""
+    model, tokenizer = tiny_policy()
+    path = write_model_dir(model, tokenizer, tmp_path)
+    with pytest.raises(ValueError, match=re.escape(BATCHED_BELOW_SEQS.format(tokens=4, seqs=8))):
+        vllm.LLM(model=path, load_format="dummy", max_model_len=4, max_num_seqs=8, max_num_batched_tokens=4)

