@@ -232,7 +232,9 @@ def llm_kwargs(
         "enable_sleep_mode": enable_sleep_mode,
         "logprobs_mode": "processed_logprobs",  # log-probs of the distribution sampled from (after temperature)
     }
-    if not on_cpu:
+    if on_cpu:
+        kwargs["enforce_eager"] = True  # inductor's compile doubles the build, gains nothing measured (benchmarks.md)
+    else:
         kwargs["distributed_executor_backend"] = "external_launcher"  # this rank's GPU, from LOCAL_RANK
     if weight_backend is not None:
         kwargs["weight_transfer_config"] = {"backend": weight_backend}
