@@ -59,7 +59,7 @@ def test_the_cpu_engine_is_in_process_from_dummy_weights_and_gives_the_threads_b
     cpu_env.setattr(fake_vllm.LLM, "__init__", _rebinding(fake_vllm.LLM.__init__))  # as vLLM's CPU worker does
     rollout = make(model, tokenizer)
     kwargs = rollout.llm.kwargs
-    assert "distributed_executor_backend" not in kwargs and kwargs["load_format"] == "dummy"
+    assert "distributed_executor_backend" not in kwargs and kwargs["load_format"] == "dummy" and kwargs["enforce_eager"]
     assert kwargs["enable_sleep_mode"] is False and rollout.llm.env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     assert rollout.description.startswith("cpu (vLLM's CPU engine), seed 0, dtype float32")
     assert torch.set_num_threads is set_num_threads and torch.get_num_threads() == threads
