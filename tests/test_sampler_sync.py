@@ -1,0 +1,96 @@
+"""The sampler-sync guard: TRL's `sampling/...` metrics from π_old and the sampler's log-probs, reduced over ranks, and
+the stop when a sampler does not have the policy's weights. On the stand-in `vllm` (`tests/fake_vllm.py`, its CPU
+build, sampling from the pushed weights): a push that does nothing stops the run at step 1, and a working one keeps
+the gap at fp32 noise. The same against the real engine: `tests/test_vllm_cpu_train.py`."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from grpo_kernels.trainer import vllm_rollout
+from grpo_kernels.trainer.model import build_tiny_llama, build_tokenizer
+from grpo_kernels.trainer.parallel import ParallelState
+from grpo_kernels.trainer.sampler_sync import (
+    StaleSampler,
+    check_sampler_sync,
+    logp_tolerance,
+    over_ranks,
+    sampling_metrics,
+)
+from grpo_kernels.trainer.train import GRPOTrainer
+from tests import fake_vllm
+from tests.vllm_engine_cases import vllm_demo
+
+GIB = 2**30
+DIFF, RATIO = "sampling/sampling_logp_difference", "sampling/importance_sampling_ratio"
+
+
+def test_metrics_are_trls_over_the_kept_tokens():
+    old = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.5, -9.0]])
+    sampled = torch.tensor([[-1.5, -2.0, 0.0], [-0.25, float("nan"), 0.0]])
+    mask = torch.tensor([[True, True, False], [True, True, False]])
+    token_ratio = torch.exp(old - sampled)  # [B, T]: NaN at the token the sampler could not score
+    metrics = sampling_metrics(old, sampled, mask, token_ratio.nan_to_num(1.0))
+    kept = torch.tensor([0.5, 0.0, 0.25])  # |Δ| at the kept tokens; the NaN one left out, as TRL does
+    assert metrics[f"{DIFF}/mean"] == pytest.approx(kept.mean().item())
+    assert metrics[f"{DIFF}/max"] == pytest.approx(0.5)
+    ratios = [math.exp(0.5), 1.0, math.exp(-0.25), 1.0]  # at the kept tokens (the NaN one's ratio set to 1)
+    assert metrics[f"{RATIO}/min"] == pytest.approx(min(ratios)) and metrics[f"{RATIO}/max"] == pytest.approx(
+        max(ratios)
+    )
+    assert metrics[f"{RATIO}/mean"] == pytest.approx(sum(ratios) / 4)
+    sequence = sampling_metrics(old, sampled, mask, torch.tensor([0.5, 2.0]))  # a sequence mode's [B] ratio
+    assert (sequence[f"{RATIO}/min"], sequence[f"{RATIO}/mean"], sequence[f"{RATIO}/max"]) == (0.5, 1.25, 2.0)
+    off = sampling_metrics(old, sampled, mask, None)  # the correction off: only the gap
+    assert set(off) == {f"{DIFF}/mean", f"{DIFF}/max"}
+    empty = sampling_metrics(old, sampled, torch.zeros_like(mask), None)
+    assert empty == {f"{DIFF}/mean": 0.0, f"{DIFF}/max": 0.0}
+
+
+def test_one_process_keeps_the_metrics_and_the_limit_follows_the_precision():
+    metrics = {f"{DIFF}/mean": 0.25, f"{DIFF}/max": 2.0, f"{RATIO}/min": 0.5}
+    assert over_ranks(metrics, ParallelState(0, 1, torch.device("cpu"), "none")) == metrics
+    assert logp_tolerance(torch.float32, torch.float32) == 1e-3
+    assert logp_tolerance(torch.float32, torch.bfloat16) == logp_tolerance(torch.bfloat16, torch.bfloat16) == 5e-2
+    check_sampler_sync({f"{DIFF}/mean": 1e-3, f"{DIFF}/max": 0.5}, 1e-3, step=4)  # at the limit: on
+    with pytest.raises(StaleSampler, match=r"^step 4: .* by 0\.002 nats per token on average \(max 0\.5; the limit"):
+        check_sampler_sync({f"{DIFF}/mean": 2e-3, f"{DIFF}/max": 0.5}, 1e-3, step=4)
+
+
+# ------------------------------------------------------------------- the trainer on the stand-in's CPU build
+@pytest.fixture
+def cpu_vllm(monkeypatch):
+    """The stand-in's CPU build, sampling from a network of the demo's architecture (hidden 64, 2 heads) with the
+    pushed weights; 20 GiB of CPU memory, 10 free, 1 held by this process."""
+    tokenizer = build_tokenizer("0123456789+=")
+    network = build_tiny_llama(tokenizer, hidden_size=64, num_layers=2, num_heads=2, max_length=8).eval()
+    fake_vllm.install(
+        monkeypatch, official=True, eos_token_ids=(tokenizer.eos_token_id,), network=network, platform="cpu"
+    )
+    monkeypatch.setattr(vllm_rollout, "cpu_memory", lambda: (10 * GIB, 20 * GIB, 1 * GIB))
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    return monkeypatch
+
+
+def test_a_push_that_does_nothing_stops_the_run_at_step_1(cpu_vllm, tmp_path):
+    cpu_vllm.setattr(vllm_rollout, "push_weights", lambda llm, weights, official: None)  # sabotaged
+    trainer = GRPOTrainer(vllm_demo(tmp_path))
+    with pytest.raises(StaleSampler, match=r"^step 1: the sampler's log-probs .* a weight push did not reach it"):
+        trainer.train()
+    assert trainer.step == 1
+
+
+def test_a_working_push_keeps_the_gap_at_fp32_noise(cpu_vllm, tmp_path):
+    history = GRPOTrainer(vllm_demo(tmp_path)).train()
+    assert [r["step"] for r in history] == [1, 2]
+    for record in history:
+        assert record[f"{DIFF}/max"] <= 1e-5 and abs(record[f"{RATIO}/mean"] - 1) <= 1e-5
+        assert record[f"{RATIO}/min"] <= record[f"{RATIO}/mean"] <= record[f"{RATIO}/max"]
+
+
+def test_hf_rollouts_log_the_same_metrics_at_fp32_noise(tmp_path):
+    history = GRPOTrainer(vllm_demo(tmp_path, rollout="hf", device="auto")).train()
+    assert all(r[f"{DIFF}/max"] <= 1e-5 and r[f"{DIFF}/mean"] <= 1e-6 for r in history)
