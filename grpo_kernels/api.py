@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from grpo_kernels import arguments
-from grpo_kernels.engine.inputs import LossTensors
-from grpo_kernels.engine.plan import Request, Source, logprobs_plan, loss_plan
+from grpo_kernels.engine.inputs import LossTensors, TokenTensors
+from grpo_kernels.engine.plan import Request, Source, build_plan
+from grpo_kernels.engine.validate import check_argument_types, cu_seqlens_tensor
 from grpo_kernels.losses.loss import GRPOLossOutput
 from grpo_kernels.options import LossOptions, resolve_options
 
@@ -59,8 +59,8 @@ def token_logprobs(
     statistics cross ranks, 16·R + 4·(3 + with_entropy)·B·T bytes per call; no stats).
     """
     args = dict(locals())  # the call's arguments as one record (whole across a torch.compile graph break)
-    arguments.token_logprobs(args)
-    return logprobs_plan(Source(logits), targets, mask, Request.named(args)).run()
+    check_argument_types(args)
+    return build_plan(source=Source(logits), tensors=TokenTensors.named(args), request=Request.named(args)).run()
 
 
 def fused_linear_token_logprobs(
@@ -102,8 +102,9 @@ def fused_linear_token_logprobs(
     per forward + backward, M the kept tokens. `head_precision` ("auto": the weight's dtype, "bf16", "tf32",
     "fp32") is the logits GEMM's precision; the gradient GEMMs stay in the weight's dtype (docs/head_precision.md)."""
     args = dict(locals())  # the call's arguments as one record (whole across a torch.compile graph break)
-    arguments.fused_linear_token_logprobs(args)
-    return logprobs_plan(Source(hidden, weight, bias), targets, mask, Request.named(args)).run()
+    check_argument_types(args)
+    source = Source(hidden, weight, bias)
+    return build_plan(source=source, tensors=TokenTensors.named(args), request=Request.named(args)).run()
 
 
 def grpo_loss(
@@ -162,9 +163,11 @@ def grpo_loss(
     loss and each token gets its unsplit gradient.
     """
     args = dict(locals())  # the call's arguments as one record (whole across a torch.compile graph break)
-    args["cu_seqlens"] = arguments.grpo_loss(args)  # argument types first; a list cu_seqlens becomes a tensor
+    check_argument_types(args)
+    args["cu_seqlens"] = cu_seqlens_tensor(cu_seqlens, logits)  # a list or tuple of ints becomes a tensor
     options = resolve_options(options, loss_options)
-    return loss_plan(Source(logits), LossTensors.named(args), Request.named(args), options).run()
+    tensors, request = LossTensors.named(args), Request.named(args)
+    return build_plan(source=Source(logits), tensors=tensors, request=request, options=options).run()
 
 
 def fused_linear_grpo_loss(
@@ -210,6 +213,8 @@ def fused_linear_grpo_loss(
     4-GEMM route. `head_precision` as in `fused_linear_token_logprobs`.
     """
     args = dict(locals())  # the call's arguments as one record (whole across a torch.compile graph break)
-    args["cu_seqlens"] = arguments.fused_linear_grpo_loss(args)  # argument types first; a list: a tensor
+    check_argument_types(args)
+    args["cu_seqlens"] = cu_seqlens_tensor(cu_seqlens, hidden)  # a list or tuple of ints becomes a tensor
     options = resolve_options(options, loss_options)
-    return loss_plan(Source(hidden, weight, bias), LossTensors.named(args), Request.named(args), options).run()
+    tensors, request, source = LossTensors.named(args), Request.named(args), Source(hidden, weight, bias)
+    return build_plan(source=source, tensors=tensors, request=request, options=options).run()

@@ -54,8 +54,7 @@ def vocab_pass(plan: Plan) -> dict[str, Tensor]:
 def logprobs(plan: Plan):
     """token_logprobs / fused_linear_token_logprobs: logp, (logp, entropy) or the dict with the statistics."""
     out = vocab_pass(plan)
-    if plan.squeeze:
-        out = {name: x[0] for name, x in out.items()}
+    out = {name: plan.layout.from_rows(x) for name, x in out.items()}
     if plan.pass_options.stats:
         return out
     return (out["logp"], out["entropy"]) if plan.pass_options.with_entropy else out["logp"]
@@ -74,8 +73,8 @@ def fused_epilogue(plan: Plan) -> GRPOLossOutput:
     inputs, options = plan.inputs, plan.options
     loss, logp, entropy = function.fused_token_loss(
         plan.rows,
-        inputs.targets,
-        inputs.mask,
+        plan.targets,
+        plan.mask,
         weights=token_omega(inputs, options, compute_dtype(plan.rows.dtype)),
         advantages=per_sequence_or_token(inputs.advantages),  # [B, 1] or [B, T]
         old_logp=inputs.old_logp,
@@ -86,16 +85,7 @@ def fused_epilogue(plan: Plan) -> GRPOLossOutput:
     )
     if plan.invalid is not None:
         loss, logp = function.poisoned(loss, plan.invalid), nan_at_invalid(logp, plan.invalid)
-    terms = build_terms(
-        logp,
-        old_logp=inputs.old_logp,
-        ref_logp=inputs.ref_logp,
-        advantages=inputs.advantages,
-        mask=inputs.mask,
-        entropy=entropy,
-        is_ratio=inputs.is_ratio,
-        options=options,
-    )  # for the metrics
+    terms = inputs.terms(logp, entropy, options)  # for the metrics
     return GRPOLossOutput(loss, loss_metrics(terms, options))
 
 
@@ -106,13 +96,13 @@ def linear_token_loss(plan: Plan) -> GRPOLossOutput:
         kept.take(plan.rows),
         plan.source.weight,
         plan.source.bias,
-        kept.take(inputs.targets),
+        kept.take(plan.targets),
         opts=plan.pass_options,
         chunk_loss=chunk_loss(inputs, kept.index, options, kept.row_mask, compute_dtype(plan.rows.dtype)),
         row_mask=kept.row_mask,
     )
-    logp = nan_at_invalid(kept.scatter(logp, inputs.mask), plan.invalid)
-    terms = inputs.terms(logp, kept.scatter(entropy, inputs.mask), options)
+    logp = nan_at_invalid(kept.scatter(logp, plan.mask), plan.invalid)
+    terms = inputs.terms(logp, kept.scatter(entropy, plan.mask), options)
     loss = loss if plan.invalid is None else function.poisoned(loss, plan.invalid)
     return GRPOLossOutput(loss, loss_metrics(terms, options))
 
@@ -121,7 +111,7 @@ def token_omega(inputs: LossInputs, options: LossOptions, dtype: torch.dtype) ->
     """Each token's weight in the padded view: the normaliser's ω times any token / sequence weights, in `dtype`."""
     omega = token_weights_for(inputs.padded_mask().to(dtype), POLICY_LOSSES[options.loss_type].normaliser, options)
     if inputs.token_weights is not None:
-        omega = omega * inputs.padded(inputs.token_weights).to(dtype)  # [B, T]
+        omega = omega * inputs.layout.padded(inputs.token_weights).to(dtype)  # [B, T]
     if inputs.sequence_weights is not None:
         omega = omega * inputs.sequence_weights.to(dtype)[:, None]  # [B, T]
     return omega
@@ -133,9 +123,9 @@ def chunk_loss(
     """A token-level loss as `(rows, logp, entropy) -> (that chunk's share of the loss, dL/dlogp, dL/dentropy)` for
     the fused lm_head, in `dtype`; the rows `row_mask` drops (None: none) are padding to it. In closed form
     (`grpo_loss_torch.token_loss`) where it computes the loss whole, else by autograd through the algebra."""
-    omega = inputs.from_padded(token_omega(inputs, options, dtype), kept)  # [M]
+    omega = inputs.layout.padded_at_kept(token_omega(inputs, options, dtype), kept)  # [M]
     side = {
-        name: inputs.per_kept_token(getattr(inputs, name), kept)
+        name: inputs.layout.at_kept(getattr(inputs, name), kept)
         for name in ("old_logp", "ref_logp", "advantages", "is_ratio")
     }
     if fits_kernel_epilogue(options, grpo_loss_torch.KL_KINDS):
