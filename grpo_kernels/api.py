@@ -96,7 +96,7 @@ def fused_linear_token_logprobs(
     default from a memory budget and the dtypes) and a vocabulary-major backward that computes each tile's logits
     again (one GEMM more) and writes dW once in the weight's dtype: extra memory ≈ dW + dH + one tile (+ dH in
     float32 for bf16/fp16); torch and triton backends. "auto" picks "lean" when the float32 dW buffer and a chunk
-    would not fit in half the free memory, or `tile` is given, else "fast" (`fused_linear_lean.resolve_memory`).
+    would not fit in half the free memory, or `tile` is given, else "fast" (`engine/memory.resolve_memory`).
     `process_group` / `vocab_start` as in `token_logprobs`, weight `[V_r, H]` (bias `[V_r]`) being this rank's rows
     of the lm_head: dW of the shard, dH summed over the group; 16·R + (4·(3 + with_entropy) + H·itemsize)·M bytes
     per forward + backward, M the kept tokens. `head_precision` ("auto": the weight's dtype, "bf16", "tf32",

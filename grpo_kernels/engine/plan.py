@@ -15,14 +15,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from grpo_kernels.engine import finite, routes, sync, validate
+from grpo_kernels.engine import finite, memory, routes, sync, validate
 from grpo_kernels.engine import layout as layout_module
 from grpo_kernels.engine.inputs import LossInputs, NamedRecord, TokenTensors
 from grpo_kernels.engine.layout import KeptRows, Layout, safe_targets
 from grpo_kernels.kernels import parallel
 from grpo_kernels.kernels.backend import CAPABILITIES, resolve_backend
-from grpo_kernels.kernels.fused_linear_lean import resolve_memory
-from grpo_kernels.kernels.head_precision import check_head_precision
+from grpo_kernels.kernels.head_precision import check_head_precision, logits_dtype
 from grpo_kernels.kernels.pass_options import PassOptions
 from grpo_kernels.losses import epilogue
 from grpo_kernels.options import LossOptions
@@ -148,6 +147,7 @@ def build_plan(*, source: Source, tensors: TokenTensors, request: Request, optio
     if source.weight is not None:
         kept = KeptRows.of(mask, None if setup.all_rows else reads.numbers[0])
     needs_entropy = loss and (options.top_entropy_quantile < 1.0 or options.entropy_coef != 0.0)
+    memory_mode = _memory_mode(source, request, setup, kept)
     opts = PassOptions(
         backend=setup.backend,
         temperature=transform.temperature,
@@ -155,8 +155,8 @@ def build_plan(*, source: Source, tensors: TokenTensors, request: Request, optio
         final_logit_softcapping=transform.final_logit_softcapping,
         stats=setup.stats,
         inplace=request.inplace,
-        chunk_size=request.chunk_size,
-        memory=_memory_mode(source, request, setup, kept),
+        chunk_size=_chunk_rows(source, request, setup, kept),
+        memory=memory_mode,
         tile=setup.tile,
         head_precision=request.head_precision,
         with_entropy=request.with_entropy or needs_entropy,
@@ -169,7 +169,7 @@ def build_plan(*, source: Source, tensors: TokenTensors, request: Request, optio
     )
     route = Route.LOGPROBS
     if loss:
-        route = choose_route(source, inputs, request, options, memory=opts.memory, backend=setup.backend)
+        route = choose_route(source, inputs, request, options, memory=memory_mode, backend=setup.backend)
     return Plan(
         route=route,
         source=source,
@@ -257,7 +257,7 @@ def _check_source(source: Source, rows: Tensor, backend: str, request: Request) 
 
 
 def _memory_mode(source: Source, request: Request, setup: _Setup, kept: KeptRows | None) -> str:
-    """The fused lm_head's memory mode, "fast" or "lean" (`fused_linear_lean.resolve_memory`); a vocabulary shard
+    """The fused lm_head's memory mode, "fast" or "lean" (`memory.resolve_memory`); a vocabulary shard
     (`process_group`) runs "fast". Logits in: "fast" (unused)."""
     if kept is None:
         return "fast"
@@ -266,4 +266,15 @@ def _memory_mode(source: Source, request: Request, setup: _Setup, kept: KeptRows
             raise ValueError("memory='lean' (and tile) do not run with process_group (a vocabulary shard)")
         return "fast"
     rows = kept.index[0].shape[0]
-    return resolve_memory(request.memory, setup.backend, rows, source.weight, request.chunk_size, setup.tile)
+    return memory.resolve_memory(request.memory, setup.backend, rows, source.weight, request.chunk_size, setup.tile)
+
+
+def _chunk_rows(source: Source, request: Request, setup: _Setup, kept: KeptRows | None) -> int | None:
+    """The fused lm_head's rows per chunk ("fast" memory: `memory.chunk_rows`), sized in the logits GEMM's dtype (a
+    vocabulary shard's: the weight's). Logits in: the request's (unused)."""
+    if kept is None:
+        return request.chunk_size
+    weight = source.weight
+    dtype = weight.dtype if setup.shard is not None else logits_dtype(request.head_precision, weight.dtype)
+    rows = kept.index[0].shape[0]
+    return memory.chunk_rows(rows, weight.shape[0], weight.shape[1], weight.device, request.chunk_size, dtype)

@@ -16,9 +16,12 @@ import torch
 from torch import Tensor
 
 from grpo_kernels.engine.layout import nan_at_invalid
-from grpo_kernels.kernels import function, grpo_loss_torch, parallel, parallel_linear
+from grpo_kernels.kernels import function, parallel, parallel_linear
+from grpo_kernels.kernels.backend import CAPABILITIES
 from grpo_kernels.kernels.fused_linear import ChunkLoss, fused_linear_logprobs, fused_linear_token_loss
+from grpo_kernels.kernels.fused_linear_lean import lean_linear_logprobs
 from grpo_kernels.kernels.protocol import compute_dtype
+from grpo_kernels.kernels.torch import grpo_loss as grpo_loss_torch
 from grpo_kernels.losses.aggregate import token_weights_for
 from grpo_kernels.losses.epilogue import TokenEpilogue, fits_kernel_epilogue
 from grpo_kernels.losses.loss import GRPOLossOutput, compute_loss, loss_metrics, per_token_loss
@@ -42,8 +45,9 @@ def vocab_pass(plan: Plan) -> dict[str, Tensor]:
             out = parallel.vocab_pass(plan.rows, plan.targets, plan.mask, opts, shard=shard)
     else:  # the fused lm_head on the kept rows [M, H], scattered back to [R, C]
         rows = (kept.take(plan.rows), plan.source.weight, plan.source.bias, kept.take(plan.targets))
-        if shard is None:
-            out = fused_linear_logprobs(*rows, opts=opts, row_mask=kept.row_mask)
+        if shard is None:  # row chunks ("fast") or 2-D tiles ("lean")
+            linear = lean_linear_logprobs if opts.memory == "lean" else fused_linear_logprobs
+            out = linear(*rows, opts=opts, row_mask=kept.row_mask)
         else:
             out = parallel_linear.fused_linear_logprobs(*rows, opts=opts, row_mask=kept.row_mask, shard=shard)
         out = {name: kept.scatter(x, plan.mask) for name, x in out.items()}
@@ -128,7 +132,7 @@ def chunk_loss(
         name: inputs.layout.at_kept(getattr(inputs, name), kept)
         for name in ("old_logp", "ref_logp", "advantages", "is_ratio")
     }
-    if fits_kernel_epilogue(options, grpo_loss_torch.KL_KINDS):
+    if fits_kernel_epilogue(options, CAPABILITIES["torch"].epilogue_kl):
         return _closed_form_share(omega, side, row_mask, TokenEpilogue.from_options(options), dtype)
     return _autograd_share(omega, side, row_mask, options, inputs.mask.sum().clamp(min=1))
 

@@ -17,10 +17,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from grpo_kernels.engine.memory import lean_backends
 from grpo_kernels.engine.sync import check_value, fail_with
 from grpo_kernels.kernels.backend import CAPABILITIES
 from grpo_kernels.kernels.function import TOKEN_STATS
-from grpo_kernels.kernels.fused_linear_lean import lean_backends
 from grpo_kernels.options import LossOptions
 from grpo_kernels.shown import shown
 

@@ -13,9 +13,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from grpo_kernels.kernels.token_logprobs_torch import token_logprobs_fwd
+from grpo_kernels.kernels.protocol import EPILOGUE_KL
+from grpo_kernels.kernels.torch.token_logprobs import token_logprobs_fwd
 
-KL_KINDS = ("k1", "k2", "k3", "low_var_kl")  # the estimators `_kl` implements
+KL_KINDS = EPILOGUE_KL  # the estimators `_kl` implements
 LOG_RATIO_CLAMP = 20.0  # as losses/terms.py
 LOW_VAR_KL_CLAMP = 10.0  # as losses/kl.py
 

@@ -9,7 +9,7 @@ import torch
 import triton
 from torch import Tensor
 
-from grpo_kernels.kernels import token_logprobs_triton as k
+from grpo_kernels.kernels.triton import token_logprobs as k
 
 
 class TileStats:
