@@ -1,5 +1,6 @@
-"""The public functions: each builds one plan (`engine/plan.py`: checks, backend, layout, route) and runs it. Their
-keyword arguments reach the plan as records (`LossTensors`, `Request`) whose fields bear the same names."""
+"""The public functions: each builds one plan (`engine/plan.py`: checks, backend, layout, route) and runs it
+(`engine/routes.py`). Their keyword arguments reach the plan as records (`TokenTensors` / `LossTensors`,
+`Request`) whose fields bear the same names."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from torch import Tensor
 
 from grpo_kernels.engine.inputs import LossTensors, TokenTensors
 from grpo_kernels.engine.plan import Request, Source, build_plan
+from grpo_kernels.engine.routes import run
 from grpo_kernels.engine.validate import check_argument_types, cu_seqlens_tensor
 from grpo_kernels.losses.loss import GRPOLossOutput
 from grpo_kernels.options import LossOptions, resolve_options
@@ -60,7 +62,7 @@ def token_logprobs(
     """
     args = dict(locals())  # the call's arguments as one record (whole across a torch.compile graph break)
     check_argument_types(args)
-    return build_plan(source=Source(logits), tensors=TokenTensors.named(args), request=Request.named(args)).run()
+    return run(build_plan(source=Source(logits), tensors=TokenTensors.named(args), request=Request.named(args)))
 
 
 def fused_linear_token_logprobs(
@@ -104,7 +106,7 @@ def fused_linear_token_logprobs(
     args = dict(locals())  # the call's arguments as one record (whole across a torch.compile graph break)
     check_argument_types(args)
     source = Source(hidden, weight, bias)
-    return build_plan(source=source, tensors=TokenTensors.named(args), request=Request.named(args)).run()
+    return run(build_plan(source=source, tensors=TokenTensors.named(args), request=Request.named(args)))
 
 
 def grpo_loss(
@@ -167,7 +169,7 @@ def grpo_loss(
     args["cu_seqlens"] = cu_seqlens_tensor(cu_seqlens, logits)  # a list or tuple of ints becomes a tensor
     options = resolve_options(options, loss_options)
     tensors, request = LossTensors.named(args), Request.named(args)
-    return build_plan(source=Source(logits), tensors=tensors, request=request, options=options).run()
+    return run(build_plan(source=Source(logits), tensors=tensors, request=request, options=options))
 
 
 def fused_linear_grpo_loss(
@@ -217,4 +219,4 @@ def fused_linear_grpo_loss(
     args["cu_seqlens"] = cu_seqlens_tensor(cu_seqlens, hidden)  # a list or tuple of ints becomes a tensor
     options = resolve_options(options, loss_options)
     tensors, request, source = LossTensors.named(args), Request.named(args), Source(hidden, weight, bias)
-    return build_plan(source=source, tensors=tensors, request=request, options=options).run()
+    return run(build_plan(source=source, tensors=tensors, request=request, options=options))

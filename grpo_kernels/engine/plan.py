@@ -1,9 +1,9 @@
 """Plan: one call, decided once. Building it checks everything (the value checks inside one host sync), resolves the
 backend and its capabilities, lays the rows out, cleans the targets, gathers the kept rows, sets the row-blame
-policy and chooses the route; `Plan.run` runs that route (`engine/routes.py`) and undoes the layout.
+policy and chooses the route; `routes.run` runs that route (`engine/routes.py`) and undoes the layout.
 
-A public function is "build the plan, run it": `build_plan` for each of them, a loss call's with its LossOptions;
-`Source` says whether logits or an lm_head feed the pass.
+A public function is "build the plan, run it": `routes.run(build_plan(...))`, a loss call's plan with its
+LossOptions; `Source` says whether logits or an lm_head feed the pass.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from grpo_kernels.engine import finite, memory, routes, sync, validate
+from grpo_kernels.engine import finite, memory, sync, validate
 from grpo_kernels.engine import layout as layout_module
 from grpo_kernels.engine.inputs import LossInputs, NamedRecord, TokenTensors
 from grpo_kernels.engine.layout import KeptRows, Layout, safe_targets
@@ -28,20 +28,12 @@ from grpo_kernels.options import LossOptions
 
 
 class Route(enum.Enum):
-    """How a call runs (`routes.py` has one function each)."""
+    """How a call runs (`routes.py` has one function each, and `routes.run` runs a plan)."""
 
     LOGPROBS = "logprobs"  # the vocabulary pass alone
     TWO_PHASE = "two_phase"  # the pass, then the loss algebra on its log-probs
     FUSED_EPILOGUE = "fused_epilogue"  # logits in: a token-level loss formed in the forward kernel's epilogue
     LINEAR_TOKEN_LOSS = "linear_token_loss"  # fused lm_head: a token-level loss's gradients formed in forward
-
-
-RUNS = {
-    Route.LOGPROBS: routes.logprobs,
-    Route.TWO_PHASE: routes.two_phase,
-    Route.FUSED_EPILOGUE: routes.fused_epilogue,
-    Route.LINEAR_TOKEN_LOSS: routes.linear_token_loss,
-}
 
 
 @dataclass(frozen=True)
@@ -109,9 +101,6 @@ class Plan:
     options: LossOptions | None = None  # a loss call's
     inputs: LossInputs | None = None  # a loss call's checked tensors
     return_sequence_losses: bool = False
-
-    def run(self):
-        return RUNS[self.route](self)
 
 
 def build_plan(*, source: Source, tensors: TokenTensors, request: Request, options: LossOptions | None = None) -> Plan:

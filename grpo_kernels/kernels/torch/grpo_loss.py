@@ -10,6 +10,8 @@ clamp passes the gradient inside its bounds (inclusive), and a tie of min splits
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -144,3 +146,23 @@ def grpo_loss_fwd(
     )
     loss, dlogp = token_loss(logp, mask, weights, advantages, old_logp, ref_logp, is_ratio, epilogue)
     return logp, lse, entropy, loss, dlogp
+
+
+def closed_form_share(
+    omega: Tensor, side: dict[str, Tensor | None], row_mask: Tensor | None, epilogue, dtype
+) -> Callable[[slice, Tensor, Tensor | None], tuple[Tensor, Tensor, None]]:
+    """The fused lm_head's chunk share of a token-level loss in closed form: `(rows, logp, entropy) -> (the share
+    of the loss, dL/dlogp, None)` of the kept rows `rows` of `omega` and `side` (advantages, old_logp, ref_logp,
+    is_ratio, [M] each or None); `row_mask` [M] drops padding rows (None: none)."""
+    side = {name: None if x is None else x.to(dtype) for name, x in side.items()}  # [M] each
+
+    def share(rows: slice, logp: Tensor, entropy: Tensor | None) -> tuple[Tensor, Tensor, None]:
+        pick = lambda x: None if x is None else x[rows]  # noqa: E731  [c]
+        mask = None if row_mask is None else row_mask[rows]
+        loss, dlogp = token_loss(
+            logp, mask, omega[rows], *(pick(side[k]) for k in ("advantages", "old_logp", "ref_logp", "is_ratio")),
+            epilogue,
+        )  # fmt: skip
+        return loss.sum(), dlogp, None
+
+    return share
