@@ -82,18 +82,17 @@ class LossInputs:
         """Check the tensors besides targets and mask (checked with the layout: `Layout.checked_tokens`) against the
         layout, and with `check_finite` for non-finite values at kept tokens; value checks are read by the caller's
         `sync.one_sync`."""
-        token, sequence = layout.per_token, layout.per_sequence
+        token, sequence = layout.side_shapes()
         validate.check_side_inputs(given, token=token, sequence=sequence, device=device, options=options)
         keep = layout.sequence_kept(mask)  # [B] / [S]
+        per_sequence = lambda x: x is not None and tuple(x.shape) != token[0]  # noqa: E731
         inputs = cls(
             layout=layout,
             mask=mask,
-            advantages=given.advantages
-            if layout.is_per_token(given.advantages)
-            else _neutral(given.advantages, keep, 0.0),
+            advantages=_neutral(given.advantages, keep, 0.0) if per_sequence(given.advantages) else given.advantages,
             old_logp=given.old_logp,
             ref_logp=given.ref_logp,
-            is_ratio=given.is_ratio if layout.is_per_token(given.is_ratio) else _neutral(given.is_ratio, keep, 1.0),
+            is_ratio=_neutral(given.is_ratio, keep, 1.0) if per_sequence(given.is_ratio) else given.is_ratio,
             token_weights=given.token_weights,
             sequence_weights=_neutral(given.sequence_weights, keep, 0.0),
             sampling_logp=given.sampling_logp,
@@ -136,20 +135,12 @@ class LossInputs:
     def terms(self, logp: Tensor, entropy: Tensor | None, options: LossOptions) -> TokenTerms:
         """TokenTerms of the loss algebra from the pass's logp / entropy [R, C], in the padded view: the one way
         every route builds them."""
-        pad = self.layout.padded
+        names = ("old_logp", "ref_logp", "advantages", "is_ratio", "token_weights", "sampling_logp")
+        views = self.layout.padded_views(
+            rows={"logp": logp, "entropy": entropy, "mask": self.mask}, given={n: getattr(self, n) for n in names}
+        )
         return build_terms(
-            logp=self.layout.padded_rows(logp),
-            old_logp=pad(self.old_logp),
-            ref_logp=pad(self.ref_logp),
-            advantages=pad(self.advantages),
-            mask=self.padded_mask(),
-            entropy=self.layout.padded_rows(entropy),
-            is_ratio=pad(self.is_ratio),
-            options=options,
-            token_weights=pad(self.token_weights),
-            sequence_weights=self.sequence_weights,
-            sampling_logp=pad(self.sampling_logp),
-            sequence_group=self.sequence_group,
+            **views, options=options, sequence_weights=self.sequence_weights, sequence_group=self.sequence_group
         )
 
     def padded_mask(self) -> Tensor:

@@ -102,15 +102,12 @@ class Layout:
         validate.check_targets(targets[None], mask[None].bool(), vocab, device)
         return layout, targets[None], mask.bool()[None]
 
-    @property
-    def per_token(self) -> tuple[tuple[int, ...], str]:
-        """A per-token tensor's shape and its name: `(B, T)` "[B, T]", or `(N,)` "[N]"."""
-        return self.leading, "[N]" if self.flat else "[B, T]"
-
-    @property
-    def per_sequence(self) -> tuple[tuple[int, ...], str]:
-        """A per-sequence tensor's shape and its name: `(B,)` "[B]", or `(S,)` "[S]" (packed)."""
-        return (self.num_sequences,), "[S]" if self.flat else "[B]"
+    def side_shapes(self) -> tuple[tuple[tuple[int, ...], str], tuple[tuple[int, ...], str]]:
+        """A per-token and a per-sequence tensor's shape and name: `(B, T)` "[B, T]" and `(B,)` "[B]", or `(N,)`
+        "[N]" and `(S,)` "[S]"."""
+        if self.flat:
+            return (self.leading, "[N]"), ((self.num_sequences,), "[S]")
+        return (self.leading, "[B, T]"), ((self.num_sequences,), "[B]")
 
     @property
     def num_sequences(self) -> int:
@@ -147,6 +144,13 @@ class Layout:
     def padded_rows(self, x: Tensor | None, fill: float | bool = 0) -> Tensor | None:
         """The pass's `[R, C]` in the padded view; None passes."""
         return None if x is None else self.padded(self.from_rows(x), fill)
+
+    def padded_views(self, rows: dict[str, Tensor | None], given: dict[str, Tensor | None]) -> dict[str, Tensor | None]:
+        """The pass's `[R, C]` tensors `rows` and the user's per-token or per-sequence tensors `given`, by name, in
+        the loss algebra's padded view (per-sequence ones and None pass)."""
+        return {name: self.padded_rows(x) for name, x in rows.items()} | {
+            name: self.padded(x) for name, x in given.items()
+        }
 
     def at_kept(self, x: Tensor | None, kept: tuple[Tensor, Tensor]) -> Tensor | None:
         """A per-token or per-sequence tensor as one value per kept row (r, c) of the pass, [M]; None passes."""
