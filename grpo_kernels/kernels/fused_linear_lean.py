@@ -190,7 +190,7 @@ class _LeanLinearLogprobsFunction(torch.autograd.Function):
         if needs_w and M > rows and weight.dtype != acc_dtype:
             w_acc = torch.empty(vocab, H, dtype=acc_dtype, device=weight.device)
         buffer = weight.new_empty(rows * vocab, dtype=head_precision.logits_dtype(opts.head_precision, weight.dtype))
-        scaled: dict[int, Tensor] = {}  # row tile -> its hidden rows times the row factor σ (`lean_torch.row_scale`)
+        scaled: dict[int, Tensor] = {}  # row tile -> hidden rows × row factor σ (torch/lean.row_scale)
         for v in _tiles(V, vocab):
             w_v, b_v = weight[v], None if bias is None else bias[v]
             for i, r in enumerate(_tiles(M, rows)):

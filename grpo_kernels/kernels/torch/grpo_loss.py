@@ -2,7 +2,7 @@
 derivative dL/dlogp in closed form, so that the backward is the vocabulary pass's alone, with no autograd graph of
 the loss algebra to build in the forward and to walk in the backward.
 
-The same transcription of `grpo_kernels/losses/` (policy.py, kl.py) as the Triton epilogue (`grpo_loss_triton.py`),
+The same transcription of `grpo_kernels/losses/` (policy.py, kl.py) as the Triton epilogue (`triton/grpo_loss.py`),
 in whole-tensor ops; those PyTorch functions stay the specification, and the tests hold this one to the float64
 oracle. Where the specification's autograd takes a derivative through clamp, min or where, this takes the same one:
 clamp passes the gradient inside its bounds (inclusive), and a tie of min splits it in half.

@@ -1,6 +1,6 @@
 """Token-level GRPO losses fused into the Triton forward pass: one online pass over V per row, then an epilogue
 that forms the token's weighted loss and dL/dlogp, so the backward only has to scale them. When the rows cannot fill
-the GPU, the pass runs as V-blocks (token_logprobs_triton.launch_partials) and the epilogue after their merge.
+the GPU, the pass runs as V-blocks (`token_logprobs.launch_partials`) and the epilogue after their merge.
 
 The epilogue is a transcription of `grpo_kernels/losses/` (policy.py, kl.py) for the token-level terms; those
 PyTorch functions stay the specification, and the tests hold this kernel to the float64 oracle.
