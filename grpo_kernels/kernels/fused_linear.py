@@ -302,7 +302,11 @@ def fused_linear_logprobs(
 ) -> dict[str, Tensor]:
     """{"logp", "entropy" (if asked), each of `opts.stats`}, all [M], of the rows (0 where `row_mask` drops one), in
     row chunks ("fast" memory); differentiable in hidden, weight, bias (the statistics are not)."""
-    logp, entropy, *stats = _FusedLinearLogprobsFunction.apply(hidden, weight, bias, targets, row_mask, opts)
+    return named_outputs(opts, *_FusedLinearLogprobsFunction.apply(hidden, weight, bias, targets, row_mask, opts))
+
+
+def named_outputs(opts: PassOptions, logp: Tensor, entropy: Tensor, *stats: Tensor) -> dict[str, Tensor]:
+    """A log-prob Function's outputs by name: "logp", "entropy" (if asked), each of `opts.stats`."""
     out = {"logp": logp} | ({"entropy": entropy} if opts.with_entropy else {})
     return out | dict(zip(opts.stats, stats, strict=True))
 

@@ -21,7 +21,7 @@ from torch import Tensor
 from grpo_kernels.kernels import backend as backends
 from grpo_kernels.kernels import head_precision
 from grpo_kernels.kernels.function import checked_rows
-from grpo_kernels.kernels.fused_linear import accumulate, gemm_mode
+from grpo_kernels.kernels.fused_linear import accumulate, gemm_mode, named_outputs
 from grpo_kernels.kernels.pass_options import PassOptions
 from grpo_kernels.kernels.protocol import compute_dtype
 
@@ -239,6 +239,4 @@ def lean_linear_logprobs(
     hidden, weight, bias, targets, *, opts: PassOptions, row_mask: Tensor | None = None
 ) -> dict[str, Tensor]:
     """As `fused_linear.fused_linear_logprobs`, in 2-D tiles at the memory floor ("lean" memory)."""
-    logp, entropy, *stats = _LeanLinearLogprobsFunction.apply(hidden, weight, bias, targets, row_mask, opts)
-    out = {"logp": logp} | ({"entropy": entropy} if opts.with_entropy else {})
-    return out | dict(zip(opts.stats, stats, strict=True))
+    return named_outputs(opts, *_LeanLinearLogprobsFunction.apply(hidden, weight, bias, targets, row_mask, opts))
