@@ -4,6 +4,8 @@ the checks' own O(N) work timed alone.
 
     python -m benchmarks.check_finite_cost --case logits --rounds 9
     python -m benchmarks.check_finite_cost --case linear --rounds 7
+
+`--smoke` runs the same at B 2 × T 4, H 16, V 64 (a check that the command runs, nothing measured).
 """
 
 from __future__ import annotations
@@ -16,14 +18,14 @@ import torch
 
 import grpo_kernels as gk
 from grpo_kernels.engine import finite
-from grpo_kernels.engine.inputs import LossInputs
+from grpo_kernels.engine.inputs import LossInputs, LossTensors
+from grpo_kernels.engine.layout import Layout
 from grpo_kernels.options import LossOptions
 
-B, T, H = 8, 256, 896
-VOCABS = (32000, 151936)
+SIZES = {"full": ((8, 256, 896), (32000, 151936)), "smoke": ((2, 4, 16), (64,))}  # (B, T, H), vocabularies
 
 
-def make_step(case: str, V: int):
+def make_step(case: str, V: int, B: int, T: int, H: int):
     """A closure `step(check) -> seconds` for one fwd + bwd, plus the inputs the checks look at."""
     targets = torch.randint(0, V, (B, T))
     mask = torch.rand(B, T) > 0.1  # [B, T]
@@ -62,16 +64,19 @@ def make_step(case: str, V: int):
     return call, (targets, adv, old, ref, mask, logp)
 
 
-def checks_alone(V: int, targets, adv, old, ref, mask, logp, repeats: int = 200) -> float:
+def checks_alone(targets, adv, old, ref, mask, logp, repeats: int = 200) -> float:
     """Seconds per call of the checks' own work: the side inputs and the row statistics."""
     options = LossOptions(beta=0.04)
+    layout = Layout(leading=tuple(mask.shape), flat=False)
+    given = LossTensors(targets=targets, mask=mask, advantages=adv, old_logp=old, ref_logp=ref)
     inputs = LossInputs.check(
-        (B, T), V, torch.device("cpu"), targets, adv, old, ref, mask, None, None, None, None, options
-    )
-    lse = torch.randn(B, T)
+        given, layout=layout, mask=mask, device=mask.device, options=options, check_finite=False
+    )  # the value checks are timed below
+    kept = layout.sequence_kept(mask)  # [B]
+    lse = torch.randn(mask.shape)
     start = time.perf_counter()
     for _ in range(repeats):
-        inputs.check_finite(options)
+        inputs.check_finite(options, kept)
         finite.check_row_stats(lse, logp, mask, finite.RowCheck(zero_prob_ok=False))
     return (time.perf_counter() - start) / repeats
 
@@ -80,17 +85,19 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--case", choices=("logits", "linear"), default="logits")
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes (a check that it runs)")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
-    for V in VOCABS:
-        step, tensors = make_step(args.case, V)
+    (B, T, H), vocabs = SIZES["smoke" if args.smoke else "full"]
+    for V in vocabs:
+        step, tensors = make_step(args.case, V, B, T, H)
         step(True), step(False)  # warm-up
         times = {True: [], False: []}
         for i in range(args.rounds):
             for check in (True, False) if i % 2 == 0 else (False, True):
                 times[check].append(step(check))
         on, off = statistics.median(times[True]), statistics.median(times[False])
-        alone = checks_alone(V, *tensors)
+        alone = checks_alone(*tensors, repeats=2 if args.smoke else 200)
         print(
             f"{args.case} V={V}: fwd+bwd median of {args.rounds}: check_finite=True {on * 1e3:.1f} ms, "
             f"False {off * 1e3:.1f} ms ({(on / off - 1) * 100:+.2f}%); the checks alone {alone * 1e6:.0f} us"

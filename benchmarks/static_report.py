@@ -93,7 +93,7 @@ def _inputs(dtype: torch.dtype, V: int, B: int, T: int) -> dict:
 
 def _token_logprobs_fwd(with_entropy: bool, softcap: float | None = None, stats: tuple[str, ...] = ()) -> Callable:
     def launch(dtype, V, B, T):
-        from grpo_kernels.kernels import token_logprobs_triton
+        from grpo_kernels.kernels.triton import token_logprobs as token_logprobs_triton
 
         x = _inputs(dtype, V, B, T)
         token_logprobs_triton.token_logprobs_fwd(
@@ -105,7 +105,7 @@ def _token_logprobs_fwd(with_entropy: bool, softcap: float | None = None, stats:
 
 def _token_logprobs_bwd(with_entropy: bool, softcap: float | None = None) -> Callable:
     def launch(dtype, V, B, T):
-        from grpo_kernels.kernels import token_logprobs_triton
+        from grpo_kernels.kernels.triton import token_logprobs as token_logprobs_triton
 
         x = _inputs(dtype, V, B, T)
         entropy = x["row"] if with_entropy else None
@@ -121,7 +121,7 @@ def _grpo_loss_fwd(
     kind: str, with_entropy: bool = False, softcap: float | None = None, is_ratio: bool = False, **epilogue
 ) -> Callable:
     def launch(dtype, V, B, T):
-        from grpo_kernels.kernels import grpo_loss_triton
+        from grpo_kernels.kernels.triton import grpo_loss as grpo_loss_triton
         from grpo_kernels.losses.epilogue import TokenEpilogue
         from grpo_kernels.options import LossOptions
 
@@ -139,7 +139,7 @@ def _grpo_loss_fwd(
 def cases() -> dict[str, Callable]:
     """Case name -> launch(dtype, V, B, T); each policy epilogue and KL estimator of the fused kernel is one case."""
     from grpo_kernels.kernels.function import TOKEN_STATS
-    from grpo_kernels.kernels.grpo_loss_triton import EPILOGUES, KL_KINDS
+    from grpo_kernels.kernels.triton.grpo_loss import EPILOGUES, KL_KINDS
 
     out = {
         "token_logprobs_fwd": _token_logprobs_fwd(False),

@@ -1,7 +1,7 @@
 // PyTorch binding of the CUDA vocabulary pass, the only source here that includes PyTorch headers: argument
 // checks, device guard and current stream, and the op registry torch.ops.grpo_kernels.{token_logprobs_fwd,
 // token_logprobs_bwd, grpo_loss_fwd} with CUDA and Meta (shape-only, for fake tensors) kernels.
-// Python-side launchers with the Triton backend's signatures: grpo_kernels/kernels/cuda.py.
+// Python-side launchers with the Triton backend's signatures: grpo_kernels/kernels/cuda/launchers.py.
 #include <Python.h>
 
 #include <ATen/ATen.h>

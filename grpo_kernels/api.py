@@ -1,14 +1,16 @@
-"""The public functions: each builds one plan (`engine/plan.py`: checks, backend, layout, route) and runs it. Their
-keyword arguments reach the plan as records (`LossTensors`, `Request`) whose fields bear the same names."""
+"""The public functions: each builds one plan (`engine/plan.py`: checks, backend, layout, route) and runs it
+(`engine/routes.py`). Their keyword arguments reach the plan as records (`TokenTensors` / `LossTensors`,
+`Request`) whose fields bear the same names."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from grpo_kernels import arguments
-from grpo_kernels.engine.inputs import LossTensors
-from grpo_kernels.engine.plan import Request, Source, logprobs_plan, loss_plan
+from grpo_kernels.engine.inputs import LossTensors, TokenTensors
+from grpo_kernels.engine.plan import Request, Source, build_plan
+from grpo_kernels.engine.routes import run
+from grpo_kernels.engine.validate import check_argument_types, cu_seqlens_tensor
 from grpo_kernels.losses.loss import GRPOLossOutput
 from grpo_kernels.options import LossOptions, resolve_options
 
@@ -59,8 +61,8 @@ def token_logprobs(
     statistics cross ranks, 16·R + 4·(3 + with_entropy)·B·T bytes per call; no stats).
     """
     args = dict(locals())  # the call's arguments as one record (whole across a torch.compile graph break)
-    arguments.token_logprobs(args)
-    return logprobs_plan(Source(logits), targets, mask, Request.named(args)).run()
+    check_argument_types(args)
+    return run(build_plan(source=Source(logits), tensors=TokenTensors.named(args), request=Request.named(args)))
 
 
 def fused_linear_token_logprobs(
@@ -96,14 +98,15 @@ def fused_linear_token_logprobs(
     default from a memory budget and the dtypes) and a vocabulary-major backward that computes each tile's logits
     again (one GEMM more) and writes dW once in the weight's dtype: extra memory ≈ dW + dH + one tile (+ dH in
     float32 for bf16/fp16); torch and triton backends. "auto" picks "lean" when the float32 dW buffer and a chunk
-    would not fit in half the free memory, or `tile` is given, else "fast" (`fused_linear_lean.resolve_memory`).
+    would not fit in half the free memory, or `tile` is given, else "fast" (`engine/memory.resolve_memory`).
     `process_group` / `vocab_start` as in `token_logprobs`, weight `[V_r, H]` (bias `[V_r]`) being this rank's rows
     of the lm_head: dW of the shard, dH summed over the group; 16·R + (4·(3 + with_entropy) + H·itemsize)·M bytes
     per forward + backward, M the kept tokens. `head_precision` ("auto": the weight's dtype, "bf16", "tf32",
     "fp32") is the logits GEMM's precision; the gradient GEMMs stay in the weight's dtype (docs/head_precision.md)."""
     args = dict(locals())  # the call's arguments as one record (whole across a torch.compile graph break)
-    arguments.fused_linear_token_logprobs(args)
-    return logprobs_plan(Source(hidden, weight, bias), targets, mask, Request.named(args)).run()
+    check_argument_types(args)
+    source = Source(hidden, weight, bias)
+    return run(build_plan(source=source, tensors=TokenTensors.named(args), request=Request.named(args)))
 
 
 def grpo_loss(
@@ -162,9 +165,11 @@ def grpo_loss(
     loss and each token gets its unsplit gradient.
     """
     args = dict(locals())  # the call's arguments as one record (whole across a torch.compile graph break)
-    args["cu_seqlens"] = arguments.grpo_loss(args)  # argument types first; a list cu_seqlens becomes a tensor
+    check_argument_types(args)
+    args["cu_seqlens"] = cu_seqlens_tensor(cu_seqlens, logits)  # a list or tuple of ints becomes a tensor
     options = resolve_options(options, loss_options)
-    return loss_plan(Source(logits), LossTensors.named(args), Request.named(args), options).run()
+    tensors, request = LossTensors.named(args), Request.named(args)
+    return run(build_plan(source=Source(logits), tensors=tensors, request=request, options=options))
 
 
 def fused_linear_grpo_loss(
@@ -210,6 +215,8 @@ def fused_linear_grpo_loss(
     4-GEMM route. `head_precision` as in `fused_linear_token_logprobs`.
     """
     args = dict(locals())  # the call's arguments as one record (whole across a torch.compile graph break)
-    args["cu_seqlens"] = arguments.fused_linear_grpo_loss(args)  # argument types first; a list: a tensor
+    check_argument_types(args)
+    args["cu_seqlens"] = cu_seqlens_tensor(cu_seqlens, hidden)  # a list or tuple of ints becomes a tensor
     options = resolve_options(options, loss_options)
-    return loss_plan(Source(hidden, weight, bias), LossTensors.named(args), Request.named(args), options).run()
+    tensors, request, source = LossTensors.named(args), Request.named(args), Source(hidden, weight, bias)
+    return run(build_plan(source=source, tensors=tensors, request=request, options=options))

@@ -1,7 +1,8 @@
 """Input checks shared by the building blocks (advantages, rewards, sampling, regularizers, groups, tasks); each raises
 ValueError/TypeError naming the argument, what was expected and what came. `shape` holds the expected sizes, None
 where any size will do (`entropy must be [B, T] = [3, T], got [3]`); `shape=None` asks for any non-empty tensor with
-the named `dims`. (The engine's checks of a loss call live in `engine/`.)
+the named `dims`. (The engine's checks of a loss call live in `engine/validate.py`; both stand on
+`tensor_checks.py`.)
 """
 
 from __future__ import annotations
@@ -11,11 +12,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-
-def check_tensor(name: str, x: object) -> Tensor:
-    if not isinstance(x, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    return x
+from grpo_kernels.tensor_checks import check_tensor, raise_first
 
 
 def check_shape(name: str, x: object, shape: tuple[int | None, ...] | None = None, dims: str = "B") -> Tensor:
@@ -30,14 +27,6 @@ def check_shape(name: str, x: object, shape: tuple[int | None, ...] | None = Non
         expected = f"[{dims}]" if sizes == dims else f"[{dims}] = [{sizes}]"
         raise ValueError(f"{name} must be {expected}, got {list(x.shape)}")
     return x
-
-
-def raise_first(name: str, x: Tensor, bad: Tensor, rule: str) -> None:
-    """ValueError naming the first entry of `x` where `bad` holds, its value and its index, if there is one."""
-    if bad.any():
-        index = tuple(int(i) for i in bad.nonzero()[0])
-        where = index[0] if len(index) == 1 else index
-        raise ValueError(f"{name} must {rule}, got {x[index].item()} at index {where}")
 
 
 def check_finite(name: str, x: Tensor) -> None:

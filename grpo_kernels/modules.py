@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import Tensor, nn
 
-from grpo_kernels import arguments
 from grpo_kernels.api import LossResult, fused_linear_grpo_loss, grpo_loss
 from grpo_kernels.options import LossOptions, resolve_options
 
@@ -47,7 +48,7 @@ class GRPOLoss(nn.Module):
         common = dict(
             backend=self.backend, with_entropy=self.with_entropy, check_finite=self.check_finite, options=self.options
         )
-        if arguments.is_fused_call(hidden_or_logits, args):
+        if is_fused_call(hidden_or_logits, args):
             fused = dict(chunk_size=self.chunk_size, memory=self.memory, tile=self.tile)
             fused["head_precision"] = self.head_precision
             return fused_linear_grpo_loss(hidden_or_logits, *args, **fused, **common, **tensors)
@@ -55,3 +56,13 @@ class GRPOLoss(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.options}, backend={self.backend!r}, memory={self.memory!r}"
+
+
+def is_fused_call(x: Any, args: tuple) -> bool:
+    """Whether `GRPOLoss()(x, *args)` is the fused form (hidden, weight [V, H], targets, ...): a floating-point 2-D
+    second argument whose last dimension is x's. Anything else is the logits form, whose checks name the argument
+    (float targets among them)."""
+    weight = args[0] if args else None
+    if not (isinstance(x, Tensor) and isinstance(weight, Tensor) and weight.is_floating_point()):
+        return False
+    return weight.dim() == 2 and weight.shape[-1] == x.shape[-1]

@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from grpo_kernels import reference
-from grpo_kernels.kernels import cuda
-from grpo_kernels.kernels.grpo_loss_triton import EPILOGUES, KL_KINDS
+from grpo_kernels.kernels.cuda import launchers as cuda
+from grpo_kernels.kernels.triton.grpo_loss import EPILOGUES, KL_KINDS
 from grpo_kernels.losses.epilogue import TokenEpilogue
 from grpo_kernels.losses.loss import per_token_loss
 from grpo_kernels.losses.terms import build_terms

@@ -68,7 +68,7 @@ def _cases(name: str, x: dict) -> list[tuple]:
 @pytest.mark.cuda
 @extension
 def test_opcheck(name, dtype):
-    from grpo_kernels.kernels import cuda
+    from grpo_kernels.kernels.cuda import launchers as cuda
 
     op = getattr(cuda.ops(), name)
     for args in _cases(name, _inputs(dtype)):
@@ -78,7 +78,7 @@ def test_opcheck(name, dtype):
 @pytest.mark.cuda
 @extension
 def test_inplace_backward_declares_the_logits_mutated():
-    from grpo_kernels.kernels import cuda
+    from grpo_kernels.kernels.cuda import launchers as cuda
 
     schemas = {name: getattr(cuda.ops(), name).default._schema for name in OPS}
     mutated = {n: [a.name for a in s.arguments if a.alias_info and a.alias_info.is_write] for n, s in schemas.items()}
@@ -90,7 +90,7 @@ def test_inplace_backward_declares_the_logits_mutated():
 @pytest.mark.cuda
 @extension
 def test_inplace_backward_writes_what_the_out_of_place_one_writes():
-    from grpo_kernels.kernels import cuda
+    from grpo_kernels.kernels.cuda import launchers as cuda
 
     x = _inputs(torch.float32)
     out = torch.empty_like(x["logits"])
@@ -102,5 +102,5 @@ def test_inplace_backward_writes_what_the_out_of_place_one_writes():
 
 def test_auto_keeps_triton_on_cuda(monkeypatch):
     """backend="auto" on CUDA tensors is Triton, also where the CUDA extension is built."""
-    monkeypatch.setattr(backends.cuda, "cuda_usable", lambda device: (True, ""))
+    monkeypatch.setattr(backends.cuda.launchers, "cuda_usable", lambda device: (True, ""))
     assert backends.resolve_backend("auto", torch.device("cuda")) == "triton"

@@ -13,6 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import grpo_kernels as gk
+from grpo_kernels.engine import memory
 from grpo_kernels.kernels import fused_linear
 from tests.conftest import BACKENDS
 from tests.test_fused_linear import CHUNK, H, V, check, leaves, make
@@ -161,13 +162,13 @@ def test_rounded_blocks_cover_every_row(monkeypatch):
 def test_chunk_budget_uses_the_logits_dtype(monkeypatch):
     """Rows per chunk come from the real logits dtype: bf16 chunks hold twice the rows of float32 ones where no
     float32 copy is made (CUDA), and the CPU budget counts its float32 copies."""
-    rows = lambda dtype: fused_linear.chunk_rows(10**6, 32000, 4096, torch.device("cpu"), None, dtype)  # noqa: E731
-    monkeypatch.setattr(fused_linear, "CPU_CHUNK_ROWS", 10**6)
+    rows = lambda dtype: memory.chunk_rows(10**6, 32000, 4096, torch.device("cpu"), None, dtype)  # noqa: E731
+    monkeypatch.setattr(memory, "CPU_CHUNK_ROWS", 10**6)
     cpu32, cpu16 = rows(torch.float32), rows(torch.bfloat16)
-    assert cpu32 == fused_linear.CPU_CHUNK_BYTES // (4 * (32000 + 4096))
-    assert cpu16 == fused_linear.CPU_CHUNK_BYTES // (6 * (32000 + 4096))
+    assert cpu32 == memory.CPU_CHUNK_BYTES // (4 * (32000 + 4096))
+    assert cpu16 == memory.CPU_CHUNK_BYTES // (6 * (32000 + 4096))
     monkeypatch.setattr(fused_linear, "gemm_mode", lambda device: "out_dtype")
-    assert rows(torch.bfloat16) == fused_linear.CPU_CHUNK_BYTES // (2 * (32000 + 4096))
+    assert rows(torch.bfloat16) == memory.CPU_CHUNK_BYTES // (2 * (32000 + 4096))
 
 
 @pytest.mark.cuda

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import grpo_kernels as gk
-from grpo_kernels.engine import validate
+from grpo_kernels.engine import memory, validate
 from grpo_kernels.kernels import fused_linear_lean
 from tests.conftest import BACKENDS, DEVICE, assert_close
 from tests.helpers import TRITON_INTERPRETED, first_of_each
@@ -290,18 +290,18 @@ def test_auto_rule(monkeypatch):
     """auto: fast while the float32 dW buffer and a chunk fit in half the free memory, else lean; a tile asks for
     lean, a chunk size for fast; fast inside a graph capture and on the cuda backend."""
     weight = torch.zeros(1000, 64)
-    need = 1000 * 64 * 4 + fused_linear_lean.chunk_rows(100, 1000, 64, weight.device, None, weight.dtype) * 1000 * 4
-    resolve = fused_linear_lean.resolve_memory
-    monkeypatch.setattr(fused_linear_lean, "available_bytes", lambda device: 2 * need)
+    need = 1000 * 64 * 4 + memory.chunk_rows(100, 1000, 64, weight.device, None, weight.dtype) * 1000 * 4
+    resolve = memory.resolve_memory
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 2 * need)
     assert resolve("auto", "torch", 100, weight, None) == "fast"
     assert resolve("auto", "torch", 100, weight, None, (4, 16)) == "lean"
     assert resolve("lean", "torch", 100, weight, None) == "lean"
-    monkeypatch.setattr(fused_linear_lean, "available_bytes", lambda device: 2 * need - 2)
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 2 * need - 2)
     assert resolve("auto", "torch", 100, weight, None) == "lean"
     assert resolve("auto", "torch", 100, weight, 8) == "fast"
     assert resolve("auto", "cuda", 100, weight, None) == "fast"
     assert resolve("fast", "torch", 100, weight, None) == "fast"
-    monkeypatch.setattr(fused_linear_lean, "available_bytes", lambda device: None)  # inside a graph capture
+    monkeypatch.setattr(memory, "available_bytes", lambda device: None)  # inside a graph capture
     assert resolve("auto", "triton", 100, weight, None) == "fast"
 
 

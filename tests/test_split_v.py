@@ -9,7 +9,7 @@ import torch
 
 import grpo_kernels as gk
 from grpo_kernels import reference
-from grpo_kernels.kernels import token_logprobs_triton
+from grpo_kernels.kernels.triton import token_logprobs as token_logprobs_triton
 from tests import test_grpo_loss, test_token_logprobs, test_token_stats
 from tests.cases import CASE_IDS, CASES, make_inputs
 from tests.conftest import DEVICE, DTYPES, assert_close

@@ -5,7 +5,7 @@ import torch
 
 import grpo_kernels as gk
 from grpo_kernels import reference
-from grpo_kernels.kernels import token_logprobs_torch
+from grpo_kernels.kernels.torch import token_logprobs as token_logprobs_torch
 from tests.cases import CASE_IDS, CASES, Case, make_inputs
 from tests.conftest import BACKENDS, DEVICE, DTYPES, assert_close
 from tests.helpers import oracle_logits

@@ -1,4 +1,4 @@
-"""The torch backend's fused epilogue (`kernels/grpo_loss_torch.py`: each token's loss and dL/dlogp in closed form)
+"""The torch backend's fused epilogue (`kernels/torch/grpo_loss.py`: each token's loss and dL/dlogp in closed form)
 against the loss algebra of `losses/` it transcribes, run through the same engine on the same float64 inputs: the
 call that asks for the per-sequence losses takes the two-phase route (the algebra, differentiated by autograd), the
 plain call the fused one. In float64 they agree to a few ulps of the largest term, on every policy kind,

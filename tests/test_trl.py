@@ -18,8 +18,8 @@ trl = pytest.importorskip("trl")
 transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
 
+from grpo_kernels.engine import memory  # noqa: E402
 from grpo_kernels.integrations import trl as drop_in  # noqa: E402
-from grpo_kernels.kernels import fused_linear  # noqa: E402
 from grpo_kernels.trainer.model import build_tokenizer  # noqa: E402
 from tests.conftest import assert_close  # noqa: E402
 
@@ -461,7 +461,7 @@ def test_fsdp2_dtensor_lm_head(model_path, tokenizer, tmp_path, monkeypatch, lau
         gathers = []
         full_tensor = DTensor.full_tensor
         monkeypatch.setattr(DTensor, "full_tensor", lambda self: gathers.append(1) or full_tensor(self))
-        monkeypatch.setattr(fused_linear, "CPU_CHUNK_ROWS", 2)  # several chunks of rows
+        monkeypatch.setattr(memory, "CPU_CHUNK_ROWS", 2)  # several chunks of rows
         launches.clear()
         loss_b, grads_b, _ = step(ours, inputs)
         assert len(gathers) == 1 and launches["torch"] > 2  # one pass (the loss), one gather, several chunks

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from grpo_kernels.checks import raise_first
 from grpo_kernels.engine.sync import READS, check_value, one_sync
+from grpo_kernels.tensor_checks import raise_first
 
 # Non-finite values (`check_finite=True`). A kept token's values must be finite; padding may hold anything, NaN
 # included, because it is never read. O(B·T) values, never a pass over [N, V].
@@ -87,17 +87,13 @@ class RowCheck:
 
 
 def row_check(
-    check_finite: bool, *, linear: bool, flat: bool, kept: tuple[Tensor, Tensor] | None = None, loss: bool = False
+    check_finite: bool, *, linear: bool, position: Callable[[int], object] | None, loss: bool = False
 ) -> RowCheck | None:
-    """The vocabulary pass's row check (None: `check_finite=False`), naming a bad row by the user's index: (b, t),
-    or n for `[N, ·]` inputs (`flat`), through `kept` when the pass saw only the kept rows (the fused lm_head,
-    `linear`). A loss refuses a target of probability 0 (logp = -inf)."""
+    """The vocabulary pass's row check (None: `check_finite=False`), naming a bad row by the user's index
+    (`position`: `Layout.position`); the fused lm_head (`linear`) blames its inputs. A loss refuses a target of
+    probability 0 (logp = -inf)."""
     if not check_finite:
         return None
-    if kept is not None:
-        position = lambda i: int(kept[1][i]) if flat else (int(kept[0][i]), int(kept[1][i]))  # noqa: E731
-    else:
-        position = (lambda i: i) if flat else None
     if linear:
         return RowCheck(LINEAR_SOURCE, LINEAR_CAUSES, position, zero_prob_ok=not loss)
     return RowCheck(position=position, zero_prob_ok=not loss)

@@ -1,9 +1,9 @@
 """Plan: one call, decided once. Building it checks everything (the value checks inside one host sync), resolves the
 backend and its capabilities, lays the rows out, cleans the targets, gathers the kept rows, sets the row-blame
-policy and chooses the route; `Plan.run` runs that route (`engine/routes.py`) and undoes the layout.
+policy and chooses the route; `routes.run` runs that route (`engine/routes.py`) and undoes the layout.
 
-A public function is "build the plan, run it": `loss_plan` for grpo_loss / fused_linear_grpo_loss, `logprobs_plan`
-for token_logprobs / fused_linear_token_logprobs; `Source` says whether logits or an lm_head feed the pass.
+A public function is "build the plan, run it": `routes.run(build_plan(...))`, a loss call's plan with its
+LossOptions; `Source` says whether logits or an lm_head feed the pass.
 """
 
 from __future__ import annotations
@@ -15,34 +15,25 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from grpo_kernels import checks
-from grpo_kernels.engine import finite, layout, routes, sync, validate
-from grpo_kernels.engine.inputs import LossInputs, LossTensors, NamedRecord
-from grpo_kernels.engine.layout import KeptRows
+from grpo_kernels.engine import finite, memory, sync, validate
+from grpo_kernels.engine import layout as layout_module
+from grpo_kernels.engine.inputs import LossInputs, NamedRecord, TokenTensors
+from grpo_kernels.engine.layout import KeptRows, Layout, safe_targets
 from grpo_kernels.kernels import parallel
 from grpo_kernels.kernels.backend import CAPABILITIES, resolve_backend
-from grpo_kernels.kernels.fused_linear_lean import resolve_memory
-from grpo_kernels.kernels.head_precision import check_head_precision
+from grpo_kernels.kernels.head_precision import check_head_precision, logits_dtype
 from grpo_kernels.kernels.pass_options import PassOptions
 from grpo_kernels.losses import epilogue
 from grpo_kernels.options import LossOptions
 
 
 class Route(enum.Enum):
-    """How a call runs (`routes.py` has one function each)."""
+    """How a call runs (`routes.py` has one function each, and `routes.run` runs a plan)."""
 
     LOGPROBS = "logprobs"  # the vocabulary pass alone
     TWO_PHASE = "two_phase"  # the pass, then the loss algebra on its log-probs
     FUSED_EPILOGUE = "fused_epilogue"  # logits in: a token-level loss formed in the forward kernel's epilogue
     LINEAR_TOKEN_LOSS = "linear_token_loss"  # fused lm_head: a token-level loss's gradients formed in forward
-
-
-RUNS = {
-    Route.LOGPROBS: routes.logprobs,
-    Route.TWO_PHASE: routes.two_phase,
-    Route.FUSED_EPILOGUE: routes.fused_epilogue,
-    Route.LINEAR_TOKEN_LOSS: routes.linear_token_loss,
-}
 
 
 @dataclass(frozen=True)
@@ -99,6 +90,7 @@ class Plan:
 
     route: Route
     source: Source
+    layout: Layout
     rows: Tensor  # [R, C, V] logits or [R, C, H] hidden states: padded [B, T, ·]; packed or [N, ·] as [1, N, ·]
     targets: Tensor  # [R, C], checked (or, unchecked, ids outside [0, V) set to 0)
     mask: Tensor  # [R, C] bool
@@ -108,71 +100,69 @@ class Plan:
     pass_options: PassOptions
     options: LossOptions | None = None  # a loss call's
     inputs: LossInputs | None = None  # a loss call's checked tensors
-    squeeze: bool = False  # [N, ·] log-prob inputs: [N] out
     return_sequence_losses: bool = False
 
-    def run(self):
-        return RUNS[self.route](self)
 
-
-def loss_plan(source: Source, given: LossTensors, request: Request, options: LossOptions) -> Plan:
-    """The plan of grpo_loss (logits) or fused_linear_grpo_loss (an lm_head)."""
-    checks.check_tensor(source.name, source.x)
-    setup = _setup(source, layout.layout_view(source.name, source.x, given.cu_seqlens), request)
-    with sync.one_sync(request.check_finite) as reads:
-        inputs = LossInputs.check(
-            given,
-            leading=tuple(source.x.shape[:-1]),
-            vocab=setup.vocab,
-            device=source.x.device,
-            options=options,
-            check_finite=request.check_finite,
-            sequence_group=request.sequence_group,
-        )
-        _read_kept_count(source, inputs.mask, setup, reads)
-    kept = _kept_rows(source, inputs.mask, setup, reads)
-    flat = inputs.layout is not None
-    with_entropy = request.with_entropy or options.top_entropy_quantile < 1.0 or options.entropy_coef != 0.0
-    row_check = _row_check(source, request, flat, kept, loss=True)
-    opts = _pass_options(
-        source, request, setup, kept, transform=options, with_entropy=with_entropy, row_check=row_check
-    )
-    return Plan(
-        route=choose_route(source, inputs, request, options, memory=opts.memory, backend=setup.backend),
-        source=source,
-        rows=source.x[None] if flat else source.x,
-        targets=inputs.targets,
-        mask=inputs.mask,
-        invalid=inputs.invalid,
-        kept=kept,
-        shard=setup.shard,
-        pass_options=opts,
-        options=options,
-        inputs=inputs,
-        return_sequence_losses=request.return_sequence_losses,
-    )
-
-
-def logprobs_plan(source: Source, targets: Tensor, mask: Tensor | None, request: Request) -> Plan:
-    """The plan of token_logprobs (logits) or fused_linear_token_logprobs (an lm_head)."""
-    validate.check_temperature(request.temperature)
-    validate.check_logit_transform(request.logit_scale, request.final_logit_softcapping)
-    checks.check_tensor(source.name, source.x)
-    squeeze = source.x.dim() == 2
-    rows, targets, mask = layout.as_rows(source.x, targets, mask, name=source.name)
+def build_plan(*, source: Source, tensors: TokenTensors, request: Request, options: LossOptions | None = None) -> Plan:
+    """The plan of a public call: a loss call (`options` given, `tensors` a `LossTensors`) or a log-prob call. It
+    checks the source, builds the layout, reads every value check with one host sync, sets the pass's options and
+    chooses the route."""
+    loss = options is not None
+    transform = options if loss else request  # where the logit transform comes from
+    if not loss:  # a loss call's transform was checked with its LossOptions
+        validate.check_temperature(request.temperature)
+        validate.check_logit_transform(request.logit_scale, request.final_logit_softcapping)
+    layout = Layout.of(source.name, source.x, tensors.cu_seqlens, flat_ok=not loss)
+    rows = layout.rows(source.x)
     setup = _setup(source, rows, request)
+    device = source.x.device
+    inputs = None
     with sync.one_sync(request.check_finite) as reads:
-        mask = layout.checked_mask(mask, rows, targets, vocab=setup.vocab)
-        _read_kept_count(source, mask, setup, reads)
-    targets, invalid = layout.safe_targets(targets, mask, setup.vocab, request.check_finite)
-    kept = _kept_rows(source, mask, setup, reads)
-    row_check = _row_check(source, request, squeeze, kept, loss=False)
-    opts = _pass_options(
-        source, request, setup, kept, transform=request, with_entropy=request.with_entropy, row_check=row_check
+        layout, targets, mask = layout.checked_tokens(tensors.targets, tensors.mask, setup.vocab, device)
+        if loss:
+            inputs = LossInputs.check(
+                tensors,
+                layout=layout,
+                mask=mask,
+                device=device,
+                options=options,
+                check_finite=request.check_finite,
+                sequence_group=request.sequence_group,
+            )
+        if source.weight is not None and not setup.all_rows:
+            reads.read(mask.sum())  # the fused lm_head's kept-row count sizes its gather
+    targets, invalid = safe_targets(targets.long(), mask, setup.vocab, request.check_finite)
+    kept = None
+    if source.weight is not None:
+        kept = KeptRows.of(mask, None if setup.all_rows else reads.numbers[0])
+    needs_entropy = loss and (options.top_entropy_quantile < 1.0 or options.entropy_coef != 0.0)
+    memory_mode = _memory_mode(source, request, setup, kept)
+    opts = PassOptions(
+        backend=setup.backend,
+        temperature=transform.temperature,
+        logit_scale=transform.logit_scale,
+        final_logit_softcapping=transform.final_logit_softcapping,
+        stats=setup.stats,
+        inplace=request.inplace,
+        chunk_size=_chunk_rows(source, request, setup, kept),
+        memory=memory_mode,
+        tile=setup.tile,
+        head_precision=request.head_precision,
+        with_entropy=request.with_entropy or needs_entropy,
+        row_check=finite.row_check(
+            request.check_finite,
+            linear=source.weight is not None,
+            position=layout.position(None if kept is None else kept.index),
+            loss=loss,
+        ),
     )
+    route = Route.LOGPROBS
+    if loss:
+        route = choose_route(source, inputs, request, options, memory=memory_mode, backend=setup.backend)
     return Plan(
-        route=Route.LOGPROBS,
+        route=route,
         source=source,
+        layout=layout,
         rows=rows,
         targets=targets,
         mask=mask,
@@ -180,7 +170,9 @@ def logprobs_plan(source: Source, targets: Tensor, mask: Tensor | None, request:
         kept=kept,
         shard=setup.shard,
         pass_options=opts,
-        squeeze=squeeze,
+        options=options,
+        inputs=inputs,
+        return_sequence_losses=request.return_sequence_losses,
     )
 
 
@@ -207,7 +199,7 @@ def choose_route(
     if (
         caps.epilogue_module
         and (source.takes_grad or not caps.epilogue_needs_grad)
-        and inputs.layout is None
+        and not inputs.layout.flat
         and epilogue.fits_kernel_epilogue(options, caps.epilogue_kl)
     ):
         return Route.FUSED_EPILOGUE
@@ -238,26 +230,7 @@ def _setup(source: Source, rows: Tensor, request: Request) -> _Setup:
         tile=tile,
         shard=shard,
         vocab=source.local_vocab if shard is None else shard.vocab,
-        all_rows=source.weight is not None and layout.all_rows(request.check_finite, source.x.device),
-    )
-
-
-def _pass_options(source: Source, request: Request, setup: _Setup, kept: KeptRows | None, **chosen) -> PassOptions:
-    """The pass's options: the logit transform of `chosen["transform"]` (a loss call's LossOptions, a log-prob
-    call's Request), the rest of `chosen` (with_entropy, row_check), the request's and the setup's."""
-    transform = chosen.pop("transform")
-    return PassOptions(
-        backend=setup.backend,
-        temperature=transform.temperature,
-        logit_scale=transform.logit_scale,
-        final_logit_softcapping=transform.final_logit_softcapping,
-        stats=setup.stats,
-        inplace=request.inplace,
-        chunk_size=request.chunk_size,
-        memory=_memory_mode(source, request, setup, kept),
-        tile=setup.tile,
-        head_precision=request.head_precision,
-        **chosen,
+        all_rows=source.weight is not None and layout_module.all_rows(request.check_finite, source.x.device),
     )
 
 
@@ -272,30 +245,8 @@ def _check_source(source: Source, rows: Tensor, backend: str, request: Request) 
     return validate.check_memory(request.memory, request.tile, request.chunk_size, backend)
 
 
-def _read_kept_count(source: Source, mask: Tensor, setup: _Setup, reads: sync.ValueReads) -> None:
-    """The fused lm_head's kept-row count sizes its gather: read with the checks' sync (inside `one_sync`)."""
-    if source.weight is not None and not setup.all_rows:
-        reads.read(mask.sum())
-
-
-def _kept_rows(source: Source, mask: Tensor, setup: _Setup, reads: sync.ValueReads) -> KeptRows | None:
-    if source.weight is None:
-        return None
-    return KeptRows.of(mask, None if setup.all_rows else reads.numbers[0])
-
-
-def _row_check(source: Source, request: Request, flat: bool, kept: KeptRows | None, loss: bool):
-    return finite.row_check(
-        request.check_finite,
-        linear=source.weight is not None,
-        flat=flat,
-        kept=None if kept is None else kept.index,
-        loss=loss,
-    )
-
-
 def _memory_mode(source: Source, request: Request, setup: _Setup, kept: KeptRows | None) -> str:
-    """The fused lm_head's memory mode, "fast" or "lean" (`fused_linear_lean.resolve_memory`); a vocabulary shard
+    """The fused lm_head's memory mode, "fast" or "lean" (`memory.resolve_memory`); a vocabulary shard
     (`process_group`) runs "fast". Logits in: "fast" (unused)."""
     if kept is None:
         return "fast"
@@ -304,4 +255,15 @@ def _memory_mode(source: Source, request: Request, setup: _Setup, kept: KeptRows
             raise ValueError("memory='lean' (and tile) do not run with process_group (a vocabulary shard)")
         return "fast"
     rows = kept.index[0].shape[0]
-    return resolve_memory(request.memory, setup.backend, rows, source.weight, request.chunk_size, setup.tile)
+    return memory.resolve_memory(request.memory, setup.backend, rows, source.weight, request.chunk_size, setup.tile)
+
+
+def _chunk_rows(source: Source, request: Request, setup: _Setup, kept: KeptRows | None) -> int | None:
+    """The fused lm_head's rows per chunk ("fast" memory: `memory.chunk_rows`), sized in the logits GEMM's dtype (a
+    vocabulary shard's: the weight's). Logits in: the request's (unused)."""
+    if kept is None:
+        return request.chunk_size
+    weight = source.weight
+    dtype = weight.dtype if setup.shard is not None else logits_dtype(request.head_precision, weight.dtype)
+    rows = kept.index[0].shape[0]
+    return memory.chunk_rows(rows, weight.shape[0], weight.shape[1], weight.device, request.chunk_size, dtype)

@@ -1,20 +1,97 @@
-"""The engine's input checks; each raises ValueError/TypeError naming the argument, what was expected and what came.
+"""Every check of a public call, in one place; each raises ValueError/TypeError naming the argument, what was
+expected and what came, before any kernel runs.
 
-They run before any kernel: `mask must be [B, T] = [4, 128], got [4, 127]`. Checks of values (mask values, target
-range) are O(N) device work, read with the call's one host sync (`engine.sync.one_sync`).
+First the arguments' types (`check_argument_types`, with the call's `locals()`: a TypeError before any shape, value
+or kernel; the packed layout's `cu_seqlens` may be a list or tuple of ints, which `cu_seqlens_tensor` turns into a
+tensor), then shapes, dtypes and devices (`mask must be [B, T] = [4, 128], got [4, 127]`). Checks of values (mask
+values, target range) are O(N) device work, read with the call's one host sync (`engine.sync.one_sync`).
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
-from grpo_kernels.checks import check_tensor
+from grpo_kernels.engine.memory import lean_backends
 from grpo_kernels.engine.sync import check_value, fail_with
 from grpo_kernels.kernels.backend import CAPABILITIES
 from grpo_kernels.kernels.function import TOKEN_STATS
-from grpo_kernels.kernels.fused_linear_lean import lean_backends
 from grpo_kernels.options import LossOptions
+from grpo_kernels.shown import shown
+
+
+def _tensor(x: Any) -> bool:
+    return isinstance(x, Tensor)
+
+
+def _ids(x: Any) -> bool:
+    return isinstance(x, Tensor) and not x.is_floating_point() and not x.is_complex()
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _group(x: Any) -> bool:
+    return dist.is_available() and isinstance(x, dist.ProcessGroup)
+
+
+def _int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _names(x: Any) -> bool:
+    return isinstance(x, (tuple, list)) and all(isinstance(name, str) for name in x)
+
+
+# argument -> (test, what it must be, whether None is accepted)
+_RULES: dict[str, tuple[Callable[[Any], bool], str, bool]] = {
+    **dict.fromkeys(("logits", "hidden", "weight", "advantages"), (_tensor, "a torch.Tensor", False)),
+    "targets": (_ids, "int64 or int32 token ids (a torch.Tensor)", False),
+    **dict.fromkeys(
+        ("old_logp", "ref_logp", "mask", "is_ratio", "sampling_logp", "token_weights", "sequence_weights", "bias"),
+        (_tensor, "a torch.Tensor or None", True),
+    ),
+    **dict.fromkeys(("temperature", "logit_scale"), (_number, "a float", False)),
+    "final_logit_softcapping": (_number, "a float or None", True),
+    **dict.fromkeys(
+        ("with_entropy", "inplace", "check_finite", "return_sequence_losses"),
+        (lambda x: isinstance(x, bool), "a bool", False),
+    ),
+    **dict.fromkeys(("backend", "memory"), (lambda x: isinstance(x, str), "a str", False)),
+    "vocab_start": (_int, "an int or None", True),
+    "stats": (_names, "a sequence of names", False),
+    **dict.fromkeys(("process_group", "sequence_group"), (_group, "a torch.distributed.ProcessGroup or None", True)),
+}
+
+
+def check_argument_types(args: Mapping[str, Any]) -> None:
+    """The types of a public function's arguments (its `locals()`); a float argument must also be finite."""
+    for name, value in args.items():
+        if name not in _RULES:
+            continue
+        test, expected, optional = _RULES[name]
+        if value is None and optional:
+            continue
+        if not test(value):
+            got = f"{type(value).__name__} {shown(value)}" if not isinstance(value, Tensor) else f"{value.dtype} tensor"
+            raise TypeError(f"{name} must be {expected}, got {got}")
+        if isinstance(value, float) and not math.isfinite(value):  # each float argument must be > 0
+            raise ValueError(f"{name} must be > 0 and finite, got {value}")
+
+
+def cu_seqlens_tensor(value: Any, like: Tensor) -> Tensor | None:
+    """`cu_seqlens` as a tensor on `like`'s device (a list or tuple of ints converted); a TypeError otherwise."""
+    if value is None or isinstance(value, Tensor):
+        return value
+    if isinstance(value, (list, tuple)) and all(_int(v) for v in value):
+        return torch.tensor(value, dtype=torch.int64, device=like.device)
+    raise TypeError(f"cu_seqlens must be an integer torch.Tensor, a list or tuple of ints, or None, got {shown(value)}")
 
 
 def _shape(shape) -> str:
@@ -23,7 +100,6 @@ def _shape(shape) -> str:
 
 def check_logits(logits: Tensor, backend: str) -> None:
     """logits [B, T, V] with V >= 1, a dtype the backend computes in."""
-    check_tensor("logits", logits)
     if logits.dim() != 3 or logits.shape[-1] < 1:
         raise ValueError(f"logits must be [B, T, V] with V >= 1, got {_shape(logits.shape)}")
     dtypes = CAPABILITIES[backend].dtypes
@@ -35,7 +111,6 @@ def check_linear(hidden: Tensor, weight: Tensor, bias: Tensor | None, backend: s
     """hidden [B, T, H] and an lm_head weight [V, H] (bias [V]) of one float dtype, on one device."""
     if hidden.dim() != 3:
         raise ValueError(f"hidden must be [B, T, H] (or packed [N, H]), got {_shape(hidden.shape)}")
-    check_tensor("weight", weight)
     if weight.dim() != 2:
         raise ValueError(f"weight must be [V, H] (2-D), got {_shape(weight.shape)}")
     if weight.shape[1] != hidden.shape[-1]:
@@ -58,8 +133,8 @@ def check_linear(hidden: Tensor, weight: Tensor, bias: Tensor | None, backend: s
         raise ValueError(f"bias must be [V] = [{weight.shape[0]}], got {_shape(bias.shape)}")
 
 
-def _check_like(name: str, x: Tensor, shapes: tuple[tuple[int, ...], ...], labels: tuple[str, ...], device) -> None:
-    check_tensor(name, x)
+def check_like(name: str, x: Tensor, shapes: tuple[tuple[int, ...], ...], labels: tuple[str, ...], device) -> None:
+    """`x` (its type checked with the arguments') of one of `shapes`, on the device of logits."""
     if tuple(x.shape) not in shapes:
         expected = " or ".join(f"{label} = {_shape(s)}" for label, s in zip(labels, shapes, strict=True))
         raise ValueError(f"{name} must be {expected}, got {_shape(x.shape)}")
@@ -67,38 +142,18 @@ def _check_like(name: str, x: Tensor, shapes: tuple[tuple[int, ...], ...], label
         raise ValueError(f"{name} must be on {device} (the device of logits), got {x.device}")
 
 
-def check_per_token_float(name: str, x: Tensor | None, B: int, T: int, device, per_sequence: bool = False) -> None:
-    """A float tensor [B, T] (or [B] when `per_sequence`) on the device of logits; None passes."""
+def _check_float(name: str, x: Tensor | None, *expected: tuple[tuple[int, ...], str], device) -> None:
+    """A float tensor of one of the `expected` (shape, label) pairs on the device of logits; None passes."""
     if x is None:
         return
-    shapes, labels = ((B, T), (B,)), ("[B, T]", "[B]")
-    n = 2 if per_sequence else 1
-    _check_like(name, x, shapes[:n], labels[:n], device)
-    if not x.is_floating_point():
-        raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
-
-
-def check_packed(name: str, x: Tensor | None, shapes, labels, device, floating: bool = True) -> None:
-    """A packed-layout tensor of one of `shapes` on the device of logits (float unless told); None passes."""
-    if x is None:
-        return
-    _check_like(name, x, shapes, labels, device)
-    if floating and not x.is_floating_point():
-        raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
-
-
-def check_per_sequence_float(name: str, x: Tensor | None, B: int, device) -> None:
-    """A float tensor [B] on the device of logits; None passes."""
-    if x is None:
-        return
-    _check_like(name, x, ((B,),), ("[B]",), device)
+    check_like(name, x, tuple(shape for shape, _ in expected), tuple(label for _, label in expected), device)
     if not x.is_floating_point():
         raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
 
 
 def check_mask(mask: Tensor, B: int, T: int, device) -> None:
     """A [B, T] bool tensor, or numbers that are all 0 or 1 (a value check: see `one_sync`)."""
-    _check_like("mask", mask, ((B, T),), ("[B, T]",), device)
+    check_like("mask", mask, ((B, T),), ("[B, T]",), device)
     if mask.dtype != torch.bool:
         check_value(((mask != 0) & (mask != 1)).any(), fail_with("mask must be bool or hold only 0 and 1"))
 
@@ -107,7 +162,7 @@ def check_targets(targets: Tensor, mask: Tensor, vocab: int, device) -> None:
     """Integer token ids [B, T], inside [0, V) wherever the mask keeps the token (padding is never read; the range
     is a value check: see `one_sync`)."""
     B, T = mask.shape
-    _check_like("targets", targets, ((B, T),), ("[B, T]",), device)
+    check_like("targets", targets, ((B, T),), ("[B, T]",), device)
     if targets.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"targets must be int64 or int32 token ids, got {targets.dtype}")
     outside = (targets.clamp(0, vocab - 1) != targets) & mask  # [B, T]
@@ -184,14 +239,18 @@ def check_stats(stats: object, backend: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(stats))
 
 
-def check_loss_inputs(given, *, B: int, T: int, device, options: LossOptions) -> None:
-    """A padded loss call's per-token and per-sequence inputs (`inputs.LossTensors`), and the normaliser option."""
-    check_tensor("advantages", given.advantages)
-    check_per_token_float("advantages", given.advantages, B, T, device, per_sequence=True)
-    check_per_token_float("old_logp", given.old_logp, B, T, device)
-    check_per_token_float("ref_logp", given.ref_logp, B, T, device)
-    check_per_token_float("sampling_logp", given.sampling_logp, B, T, device)
-    check_per_token_float("is_ratio", given.is_ratio, B, T, device, per_sequence=True)
+def check_side_inputs(given, *, token: tuple, sequence: tuple, device, options: LossOptions) -> None:
+    """A loss call's tensors besides targets and mask (`inputs.LossTensors`), each per token (`token`: the layout's
+    shape and its label, `[B, T]` or `[N]`) or per sequence (`[B]` or `[S]`); the normaliser option; ref_logp when
+    the KL term needs it."""
+    _check_float("advantages", given.advantages, token, sequence, device=device)
+    for name in ("old_logp", "ref_logp", "sampling_logp"):
+        _check_float(name, getattr(given, name), token, device=device)
+    _check_float("is_ratio", given.is_ratio, token, sequence, device=device)
+    _check_float("token_weights", given.token_weights, token, device=device)
+    _check_float("sequence_weights", given.sequence_weights, sequence, device=device)
     items = options.num_items_in_batch
     if isinstance(items, Tensor) and items.numel() != 1:
         raise ValueError(f"num_items_in_batch must be a number or a 1-element tensor, got {_shape(items.shape)}")
+    if options.beta != 0.0 and given.ref_logp is None:
+        raise ValueError(f"ref_logp is required when beta != 0 (beta={options.beta})")

@@ -32,8 +32,6 @@ from grpo_kernels.kernels.protocol import compute_dtype
 # compute-bound. Measured on 2 cores, B·T = 2048, H = 896, fused-linear forward + backward: V = 151,936 took
 # 23.2 / 17.3 / 12.4 / 10.4 / 11.8 s with 16 / 32 / 64 / 128 / 256 MiB chunks (55 to 438 rows); V = 32,000
 # 2.5 / 2.5 / 1.8 / 2.1 / 1.9 s (128 to 2,048 rows).
-CPU_CHUNK_ROWS = 512
-CPU_CHUNK_BYTES = 1 << 28  # at most 256 MiB of logits per chunk
 
 
 def gemm_mode(device: torch.device) -> str:
@@ -89,23 +87,12 @@ def accumulate(acc: Tensor, a: Tensor, b: Tensor, mode: str) -> None:
         acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
 
 
-def chunk_rows(num_rows: int, vocab: int, hidden: int, device: torch.device, chunk_size: int | None, dtype) -> int:
-    """Rows per chunk: `chunk_size`, else what a chunk's logits [rows, V] and hidden rows [rows, H] in `dtype`
-    (plus their float32 copies where `gemm_mode` upcasts) take of a memory budget (CUDA: a quarter of free memory,
-    at most 1 GiB, and 1 GiB inside a graph capture; CPU: 256 MiB and at most 512 rows), at least 1 and at most
-    `num_rows`."""
-    if chunk_size is not None:
-        return max(1, min(chunk_size, num_rows))
-    itemsize = dtype.itemsize
-    if gemm_mode(device) == "upcast" and itemsize < 4:
-        itemsize += 4
-    row_bytes = itemsize * (vocab + hidden)
-    if device.type == "cuda":  # inside a CUDA graph capture the free memory is not asked: the 1 GiB cap
-        free = 1 << 32 if torch.cuda.is_current_stream_capturing() else torch.cuda.mem_get_info(device)[0]
-        rows = min(free // 4, 1 << 30) // row_bytes
-    else:
-        rows = min(CPU_CHUNK_BYTES // row_bytes, CPU_CHUNK_ROWS)
-    return max(1, min(rows, num_rows))
+def rows_per_chunk(opts: PassOptions, num_rows: int) -> int:
+    """The chunk's rows the engine chose (`PassOptions.chunk_size`, from `engine/memory.chunk_rows`), at least 1 and
+    at most `num_rows`."""
+    if opts.chunk_size is None:
+        raise ValueError("the fused lm_head needs PassOptions.chunk_size: its rows per chunk (engine/memory.py)")
+    return max(1, min(opts.chunk_size, num_rows))
 
 
 def _chunks(num_rows: int, rows: int):
@@ -176,7 +163,7 @@ class _FusedLinearLogprobsFunction(torch.autograd.Function):
         kernels = backend_kernels(opts.backend)
         M, V = targets.shape[0], weight.shape[0]
         w, b = head_precision.operands(weight, bias, opts.head_precision)
-        rows = chunk_rows(M, V, weight.shape[1], hidden.device, opts.chunk_size, w.dtype)
+        rows = rows_per_chunk(opts, M)
         masks = _row_masks(rows, row_mask, hidden.device)
         buffer = w.new_empty(rows, V)  # [rows, V]
         logps, lses, entropies = [], [], []
@@ -253,7 +240,7 @@ class _FusedLinearTokenLossFunction(torch.autograd.Function):
         kernels = backend_kernels(opts.backend)
         M, V = targets.shape[0], weight.shape[0]
         w, b = head_precision.operands(weight, bias, opts.head_precision)
-        rows = chunk_rows(M, V, weight.shape[1], hidden.device, opts.chunk_size, w.dtype)
+        rows = rows_per_chunk(opts, M)
         masks = _row_masks(rows, row_mask, hidden.device)
         sink = _GradientSink(hidden, weight, bias, ctx.needs_input_grad[:3])
         loss = torch.zeros((), dtype=compute_dtype(w.dtype), device=hidden.device)  # float64 stays float64
@@ -310,21 +297,16 @@ class _FusedLinearTokenLossFunction(torch.autograd.Function):
         return (*sink.result(weight, bias, scale=grad_loss), None, None, None, None)
 
 
-def _logprobs_function(opts: PassOptions):
-    """The Function of `opts.memory`: row chunks ("fast") or 2-D tiles ("lean")."""
-    if opts.memory == "lean":
-        from grpo_kernels.kernels.fused_linear_lean import _LeanLinearLogprobsFunction  # it builds on this module
-
-        return _LeanLinearLogprobsFunction
-    return _FusedLinearLogprobsFunction
-
-
 def fused_linear_logprobs(
     hidden, weight, bias, targets, *, opts: PassOptions, row_mask: Tensor | None = None
 ) -> dict[str, Tensor]:
-    """{"logp", "entropy" (if asked), each of `opts.stats`}, all [M], of the rows (0 where `row_mask` drops one);
-    differentiable in hidden, weight, bias (the statistics are not)."""
-    logp, entropy, *stats = _logprobs_function(opts).apply(hidden, weight, bias, targets, row_mask, opts)
+    """{"logp", "entropy" (if asked), each of `opts.stats`}, all [M], of the rows (0 where `row_mask` drops one), in
+    row chunks ("fast" memory); differentiable in hidden, weight, bias (the statistics are not)."""
+    return named_outputs(opts, *_FusedLinearLogprobsFunction.apply(hidden, weight, bias, targets, row_mask, opts))
+
+
+def named_outputs(opts: PassOptions, logp: Tensor, entropy: Tensor, *stats: Tensor) -> dict[str, Tensor]:
+    """A log-prob Function's outputs by name: "logp", "entropy" (if asked), each of `opts.stats`."""
     out = {"logp": logp} | ({"entropy": entropy} if opts.with_entropy else {})
     return out | dict(zip(opts.stats, stats, strict=True))
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import warnings
 
 import torch
@@ -22,7 +21,8 @@ from torch import Tensor
 from grpo_kernels.kernels import backend as backends
 from grpo_kernels.kernels import head_precision
 from grpo_kernels.kernels.function import checked_rows
-from grpo_kernels.kernels.fused_linear import accumulate, chunk_rows, gemm_mode
+from grpo_kernels.kernels.fused_linear import accumulate, gemm_mode, named_outputs
+from grpo_kernels.kernels.pass_options import PassOptions
 from grpo_kernels.kernels.protocol import compute_dtype
 
 # Tile budget: the [rows, vocab] logits in the weight's dtype (plus their float32 copy where `gemm_mode` upcasts, and
@@ -106,33 +106,6 @@ def tile_shape(rows: int, vocab: int, hidden: int, dtype: torch.dtype, device: t
     return plan.rows, plan.columns
 
 
-def available_bytes(device: torch.device) -> int | None:
-    """Free memory of the device (CPU: available physical pages); None inside a CUDA graph capture (not asked)."""
-    if device.type == "cuda":
-        return None if torch.cuda.is_current_stream_capturing() else torch.cuda.mem_get_info(device)[0]
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def resolve_memory(memory: str, backend: str, rows: int, weight: Tensor, chunk_size: int | None, tile=None) -> str:
-    """The mode, "fast" or "lean", of `memory`. "auto" is "lean" when `tile` is given, "fast" when `chunk_size`
-    is; else "lean" when what "fast" adds beyond the gradients would not fit in half the free memory (CPU: the
-    available physical memory): its float32 dW accumulator [V, H] (plus the cast to bf16/fp16 weights) and one
-    chunk of logits [chunk rows, V]. "fast" inside a CUDA graph capture (free memory is not asked there) and on the
-    "cuda" backend (no tile pass)."""
-    if memory != "auto":
-        return memory
-    if tile is not None:
-        return "lean"
-    free = available_bytes(weight.device)
-    if chunk_size is not None or backends.CAPABILITIES[backend].tile_module is None or free is None:
-        return "fast"
-    V, H = weight.shape
-    dtype = weight.dtype
-    chunk = chunk_rows(rows, V, H, weight.device, None, dtype) * V * dtype.itemsize
-    dw = V * H * (4 + (dtype.itemsize if dtype.itemsize < 4 else 0))
-    return "fast" if dw + chunk <= free // 2 else "lean"
-
-
 def _tiles(n: int, step: int):
     for start in range(0, n, step):
         yield slice(start, min(start + step, n))
@@ -148,14 +121,7 @@ def _tile_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, buffer: Te
 
 def _tile_pass(backend: str):
     """The module with `TileStats` and `tile_grad_` for `backend`."""
-    if backends.CAPABILITIES[backend].tile_module is None:
-        raise ValueError(f"memory='lean' runs on backends {lean_backends()}, got backend={backend!r}")
     return backends.kernels_of(backend, "tile_module")
-
-
-def lean_backends() -> tuple[str, ...]:
-    """The backends with a tile pass (`Capabilities.tile_module`)."""
-    return tuple(name for name, caps in backends.CAPABILITIES.items() if caps.tile_module is not None)
 
 
 def cast_in_place(acc: Tensor, dtype: torch.dtype) -> Tensor:
@@ -224,7 +190,7 @@ class _LeanLinearLogprobsFunction(torch.autograd.Function):
         if needs_w and M > rows and weight.dtype != acc_dtype:
             w_acc = torch.empty(vocab, H, dtype=acc_dtype, device=weight.device)
         buffer = weight.new_empty(rows * vocab, dtype=head_precision.logits_dtype(opts.head_precision, weight.dtype))
-        scaled: dict[int, Tensor] = {}  # row tile -> its hidden rows times the row factor σ (`lean_torch.row_scale`)
+        scaled: dict[int, Tensor] = {}  # row tile -> hidden rows × row factor σ (torch/lean.row_scale)
         for v in _tiles(V, vocab):
             w_v, b_v = weight[v], None if bias is None else bias[v]
             for i, r in enumerate(_tiles(M, rows)):
@@ -267,3 +233,10 @@ class _LeanLinearLogprobsFunction(torch.autograd.Function):
         if d_bias is not None:
             d_bias = d_bias.to(bias.dtype)
         return d_hidden, d_weight, d_bias, None, None, None
+
+
+def lean_linear_logprobs(
+    hidden, weight, bias, targets, *, opts: PassOptions, row_mask: Tensor | None = None
+) -> dict[str, Tensor]:
+    """As `fused_linear.fused_linear_logprobs`, in 2-D tiles at the memory floor ("lean" memory)."""
+    return named_outputs(opts, *_LeanLinearLogprobsFunction.apply(hidden, weight, bias, targets, row_mask, opts))

@@ -143,7 +143,7 @@ def merge_stats(
 
 
 def onehot_slope(x: Tensor, temperature: float, logit_scale: float, softcap: float | None) -> Tensor:
-    """dz/dx of the logit transform (`token_logprobs_torch.transform_`) at raw logits x, float32."""
+    """dz/dx of the logit transform (`torch/token_logprobs.transform_`) at raw logits x, float32."""
     slope = logit_scale / temperature
     if softcap is None:
         return torch.full_like(x, slope, dtype=torch.float32)

@@ -16,7 +16,7 @@ from torch import Tensor
 from grpo_kernels.kernels import backend as backends
 from grpo_kernels.kernels import head_precision
 from grpo_kernels.kernels.function import backend_kernels, checked_rows
-from grpo_kernels.kernels.fused_linear import accumulate, chunk_rows, gemm_mode
+from grpo_kernels.kernels.fused_linear import accumulate, gemm_mode, rows_per_chunk
 from grpo_kernels.kernels.parallel import VocabShard, merge_stats, reduce_hidden_grad, remove_foreign_onehot
 from grpo_kernels.kernels.pass_options import PassOptions
 from grpo_kernels.kernels.protocol import compute_dtype
@@ -29,7 +29,7 @@ def _chunk_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, buffer: T
 
 
 def _row_chunks(hidden: Tensor, weight: Tensor, opts: PassOptions):
-    rows = chunk_rows(hidden.shape[0], weight.shape[0], weight.shape[1], hidden.device, opts.chunk_size, weight.dtype)
+    rows = rows_per_chunk(opts, hidden.shape[0])
     return rows, [slice(s, min(s + rows, hidden.shape[0])) for s in range(0, hidden.shape[0], rows)]
 
 

@@ -1,11 +1,13 @@
-"""The backend protocol: the functions a backend's modules provide, named in its capability record
-(`backend.CAPABILITIES`). Every tensor is on the logits' device; statistics are float32 (float64 for float64
-logits). `kernels/README.md` walks through adding a backend.
+"""The backend protocol: a backend's capability record (`Capabilities`, one per backend subpackage, gathered in
+`backend.CAPABILITIES`) and the functions its modules provide. Every tensor is on the logits' device; statistics
+are float32 (float64 for float64 logits). `kernels/README.md` walks through adding a backend.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -14,6 +16,32 @@ from torch import Tensor
 VOCAB_PASS = ("token_logprobs_fwd", "token_logprobs_bwd")  # `Capabilities.module`
 EPILOGUE = ("grpo_loss_fwd",)  # `Capabilities.epilogue_module`
 TILES = ("TileStats", "tile_grad_")  # `Capabilities.tile_module` (the lean fused lm_head)
+EPILOGUE_KL = ("k1", "k2", "k3", "low_var_kl")  # the KL estimators a fused epilogue may implement, in kernel order
+HALF_AND_SINGLE = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def always_usable(device: torch.device) -> tuple[bool, str]:
+    return True, ""
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What one backend computes, and the modules that compute it (imported on first use). `module` follows the
+    protocol below: `token_logprobs_fwd` / `token_logprobs_bwd`; `epilogue_module` adds
+    `grpo_loss_fwd` (a token-level loss formed in the forward kernel's epilogue), `tile_module` the lean fused
+    lm_head's `TileStats` / `tile_grad_`."""
+
+    name: str
+    module: str
+    dtypes: tuple[torch.dtype, ...]  # of the logits / hidden states it computes on
+    usable: Callable[[torch.device], tuple[bool, str]] = always_usable  # (ok, why not) on a device
+    stats: bool = False  # the extra per-token statistics (`function.TOKEN_STATS`)
+    contiguous_vocab: bool = False  # reads logits with stride 1 along V (others are copied first)
+    epilogue_module: str | None = None
+    epilogue_kl: tuple[str, ...] = ()  # the KL estimators its epilogue implements
+    epilogue_needs_grad: bool = False  # its epilogue pays only when a gradient is taken (else the two-phase route)
+    tile_module: str | None = None
+    before_import: Callable[[], None] | None = None  # a check to run before its modules are imported
 
 
 @functools.cache

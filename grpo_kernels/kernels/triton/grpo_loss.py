@@ -1,6 +1,6 @@
 """Token-level GRPO losses fused into the Triton forward pass: one online pass over V per row, then an epilogue
 that forms the token's weighted loss and dL/dlogp, so the backward only has to scale them. When the rows cannot fill
-the GPU, the pass runs as V-blocks (token_logprobs_triton.launch_partials) and the epilogue after their merge.
+the GPU, the pass runs as V-blocks (`token_logprobs.launch_partials`) and the epilogue after their merge.
 
 The epilogue is a transcription of `grpo_kernels/losses/` (policy.py, kl.py) for the token-level terms; those
 PyTorch functions stay the specification, and the tests hold this kernel to the float64 oracle.
@@ -12,7 +12,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from grpo_kernels.kernels.token_logprobs_triton import (
+from grpo_kernels.kernels.protocol import EPILOGUE_KL
+from grpo_kernels.kernels.triton.token_logprobs import (
     launch_partials,
     merged_partials,
     row_logprob_stats,
@@ -21,7 +22,7 @@ from grpo_kernels.kernels.token_logprobs_triton import (
 )
 
 EPILOGUES = {"clip": 0, "cispo": 1, "sapo": 2, "gpg": 3}  # PolicyLoss.epilogue -> the kernel's POLICY constant
-KL_KINDS = {"k1": 0, "k2": 1, "k3": 2, "low_var_kl": 3}
+KL_KINDS = {kind: i for i, kind in enumerate(EPILOGUE_KL)}  # estimator -> the kernel's KL_KIND constant
 LOG_RATIO_CLAMP = tl.constexpr(20.0)  # as losses/terms.py
 
 

@@ -1,5 +1,5 @@
 """Vocabulary pass in CUDA C++ (the extension grpo_kernels._C, built from csrc/): launchers with the signatures of
-token_logprobs_triton.token_logprobs_fwd / token_logprobs_bwd and grpo_loss_triton.grpo_loss_fwd, calling
+triton/token_logprobs.py's token_logprobs_fwd / token_logprobs_bwd and triton/grpo_loss.py's grpo_loss_fwd, calling
 torch.ops.grpo_kernels.*.
 
 The extension is loaded on first use, never at import; without it `ops()` raises an error naming the build command.

@@ -9,11 +9,11 @@ import torch
 import triton
 from torch import Tensor
 
-from grpo_kernels.kernels import token_logprobs_triton as k
+from grpo_kernels.kernels.triton import token_logprobs as k
 
 
 class TileStats:
-    """The Triton counterpart of `lean_torch.TileStats`: `add` each vocabulary tile, then `finish`."""
+    """The Triton counterpart of `torch/lean.py`'s `TileStats`: `add` each vocabulary tile, then `finish`."""
 
     def __init__(self, targets: Tensor, mask: Tensor | None, dtype: torch.dtype, opts):
         if mask is None:
@@ -56,7 +56,7 @@ class TileStats:
 
 def tile_grad_(x: Tensor, v0: int, targets: Tensor, mask: Tensor, lse: Tensor, entropy: Tensor | None,
                grad_logp: Tensor, grad_entropy: Tensor | None, opts) -> None:  # fmt: skip
-    """Overwrite the tile x [rows, w] (last stride 1) with dL/dx, as `lean_torch.tile_grad_` (no row factor left)."""
+    """Overwrite the tile x [rows, w] (last stride 1) with dL/dx, as torch/lean.tile_grad_ (no row factor left)."""
     rel = (targets - v0).to(torch.int32)[None]
     if mask is None:
         mask = torch.ones(targets.shape, dtype=torch.bool, device=targets.device)

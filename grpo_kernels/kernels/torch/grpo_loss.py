@@ -2,7 +2,7 @@
 derivative dL/dlogp in closed form, so that the backward is the vocabulary pass's alone, with no autograd graph of
 the loss algebra to build in the forward and to walk in the backward.
 
-The same transcription of `grpo_kernels/losses/` (policy.py, kl.py) as the Triton epilogue (`grpo_loss_triton.py`),
+The same transcription of `grpo_kernels/losses/` (policy.py, kl.py) as the Triton epilogue (`triton/grpo_loss.py`),
 in whole-tensor ops; those PyTorch functions stay the specification, and the tests hold this one to the float64
 oracle. Where the specification's autograd takes a derivative through clamp, min or where, this takes the same one:
 clamp passes the gradient inside its bounds (inclusive), and a tie of min splits it in half.
@@ -10,12 +10,15 @@ clamp passes the gradient inside its bounds (inclusive), and a tie of min splits
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
-from grpo_kernels.kernels.token_logprobs_torch import token_logprobs_fwd
+from grpo_kernels.kernels.protocol import EPILOGUE_KL
+from grpo_kernels.kernels.torch.token_logprobs import token_logprobs_fwd
 
-KL_KINDS = ("k1", "k2", "k3", "low_var_kl")  # the estimators `_kl` implements
+KL_KINDS = EPILOGUE_KL  # the estimators `_kl` implements
 LOG_RATIO_CLAMP = 20.0  # as losses/terms.py
 LOW_VAR_KL_CLAMP = 10.0  # as losses/kl.py
 
@@ -143,3 +146,23 @@ def grpo_loss_fwd(
     )
     loss, dlogp = token_loss(logp, mask, weights, advantages, old_logp, ref_logp, is_ratio, epilogue)
     return logp, lse, entropy, loss, dlogp
+
+
+def closed_form_share(
+    omega: Tensor, side: dict[str, Tensor | None], row_mask: Tensor | None, epilogue, dtype
+) -> Callable[[slice, Tensor, Tensor | None], tuple[Tensor, Tensor, None]]:
+    """The fused lm_head's chunk share of a token-level loss in closed form: `(rows, logp, entropy) -> (the share
+    of the loss, dL/dlogp, None)` of the kept rows `rows` of `omega` and `side` (advantages, old_logp, ref_logp,
+    is_ratio, [M] each or None); `row_mask` [M] drops padding rows (None: none)."""
+    side = {name: None if x is None else x.to(dtype) for name, x in side.items()}  # [M] each
+
+    def share(rows: slice, logp: Tensor, entropy: Tensor | None) -> tuple[Tensor, Tensor, None]:
+        pick = lambda x: None if x is None else x[rows]  # noqa: E731  [c]
+        mask = None if row_mask is None else row_mask[rows]
+        loss, dlogp = token_loss(
+            logp, mask, omega[rows], *(pick(side[k]) for k in ("advantages", "old_logp", "ref_logp", "is_ratio")),
+            epilogue,
+        )  # fmt: skip
+        return loss.sum(), dlogp, None
+
+    return share

@@ -1,0 +1,77 @@
+"""Every `python -m benchmarks.<module> ...` command that README.md and docs/*.md cite, in a code block or inline, runs
+at a smoke size: its own arguments, then the module's smoke arguments (`SMOKE`, which override the sizes and
+rounds; argparse keeps the last value). A module without a smoke size says why in `NO_SMOKE`; a cited module in
+neither table fails, so a new citation is classified when it is written."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+CITED = re.compile(r"python -m (benchmarks\.[a-z_]+)([^`\n#]*)")
+
+SMOKE = {
+    "benchmarks.check_finite_cost": ["--smoke", "--rounds", "1"],
+    "benchmarks.head_precision_gap": ["--tokens", "8", "--hidden", "16", "--vocab", "64"],
+    "benchmarks.host_overhead": ["--repeats", "1", "--warmup", "0", "--no-peers"],
+    "benchmarks.lean_memory": ["--smoke", "--rounds", "1"],
+}
+NO_SMOKE = {
+    "benchmarks.gpu_parity": "a GPU (real vocabularies on CUDA)",
+    "benchmarks.headline": "a GPU",
+    "benchmarks.interleaved": "TRL's step at its CPU size (minutes)",
+    "benchmarks.trl_step": "TRL's step at its CPU size (minutes)",
+    "benchmarks.packing_step": "a model forward per layout at its CPU size (minutes)",
+    "benchmarks.vocab_parallel_memory": "fresh processes and gloo ranks at Qwen2.5-0.5B's lm_head",
+    "benchmarks.report": "the JSON of a benchmark run",
+}
+
+
+def cited() -> list[tuple[str, str, list[str]]]:
+    """(file:line, module, its arguments) of every cited command, in order, without repeats."""
+    found, seen = [], set()
+    for path in FILES:
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            for match in CITED.finditer(line):
+                module, args = match.group(1), shlex.split(match.group(2))
+                if (module, tuple(args)) not in seen:
+                    seen.add((module, tuple(args)))
+                    found.append((f"{path.relative_to(ROOT).as_posix()}:{number}", module, args))
+    return found
+
+
+COMMANDS = cited()
+
+
+def test_every_cited_module_is_classified():
+    unknown = sorted({module for _, module, _ in COMMANDS} - set(SMOKE) - set(NO_SMOKE))
+    assert not unknown, f"cited benchmark modules with neither a smoke size nor a reason: {unknown}"
+    assert "benchmarks.check_finite_cost" in {module for _, module, _ in COMMANDS}
+
+
+@pytest.mark.filterwarnings("ignore:.*found in sys.modules:RuntimeWarning")
+@pytest.mark.parametrize("where, module, args", COMMANDS, ids=[f"{w} {m}" for w, m, _ in COMMANDS])
+def test_cited_command_runs_at_a_smoke_size(where, module, args, monkeypatch, tmp_path, capsys):
+    import importlib
+
+    if module in NO_SMOKE:
+        pytest.skip(f"{module} needs {NO_SMOKE[module]}")
+    if "--against" in args:
+        pytest.skip("--against needs a second checkout (tests/test_host_overhead.py runs it on this one)")
+    if "cuda" in args:
+        pytest.skip("a GPU")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))  # the fresh processes some modules start import this checkout
+    monkeypatch.setattr(sys, "argv", [module, *args, *SMOKE[module]])
+    main = importlib.import_module(module).main
+    try:
+        main([*args, *SMOKE[module]])
+    except SystemExit as stop:
+        assert stop.code in (0, None), f"{where}: `python -m {module} {shlex.join(args)}` exited with {stop.code}"
+    assert capsys.readouterr().out, f"{where}: `python -m {module}` printed nothing"
