@@ -16,8 +16,7 @@ def _worker(rank: int, world: int, store: str, root: str) -> None:
 
     import trl
 
-    import grpo_kernels.engine.plan as plan
-    import grpo_kernels.kernels.fused_linear_lean as lean
+    import grpo_kernels.engine.memory as memory
     from grpo_kernels.integrations import trl as drop_in
     from grpo_kernels.trainer.model import build_tokenizer
     from tests.rendezvous import join
@@ -26,10 +25,10 @@ def _worker(rank: int, world: int, store: str, root: str) -> None:
     torch.set_num_threads(1)
     join(rank, world, store)
     if rank == 1:
-        lean.available_bytes = lambda device: 1  # almost no free memory on this rank
+        memory.available_bytes = lambda device: 1  # almost no free memory on this rank
     routes = []
-    resolve = plan.resolve_memory
-    plan.resolve_memory = lambda *args, **kwargs: routes.append(resolve(*args, **kwargs)) or routes[-1]
+    resolve = memory.resolve_memory
+    memory.resolve_memory = lambda *args, **kwargs: routes.append(resolve(*args, **kwargs)) or routes[-1]
     characters = build_tokenizer("abcdefghij")
     stock = build(trl.GRPOTrainer, root, characters, loss_type="dapo")
     ours = build(drop_in.GRPOTrainer, root, characters, loss_type="dapo")

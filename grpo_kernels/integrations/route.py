@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from grpo_kernels.kernels.backend import resolve_backend
-from grpo_kernels.kernels.fused_linear_lean import resolve_memory
+from grpo_kernels.engine.memory import resolve_memory
 
 
 def agreed_memory(weight: Tensor, mask: Tensor, backend: str = "auto") -> str:
