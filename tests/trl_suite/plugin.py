@@ -22,6 +22,7 @@ LIGER_ON_CPU = (
 )
 
 _outcomes: dict[str, dict[str, str]] = {}
+_fused_loss_calls: list[int] = []
 
 
 def pytest_configure(config) -> None:
@@ -40,9 +41,21 @@ def pytest_configure(config) -> None:
     if trainer == "drop-in":
         import trl
 
-        from grpo_kernels.integrations.trl import GRPOTrainer
+        from grpo_kernels.integrations import trl as drop_in
 
-        trl.GRPOTrainer = GRPOTrainer  # TRL's test file imports it from `trl` after this
+        trl.GRPOTrainer = drop_in.GRPOTrainer  # TRL's test file imports it from `trl` after this
+        drop_in._FusedHead._compute_loss = _counted(drop_in._FusedHead._compute_loss)
+
+
+def _counted(compute_loss):
+    """The drop-in's loss, counting its calls: a drop-in run that never reached it would prove nothing."""
+
+    @functools.wraps(compute_loss)
+    def counted(self, *args, **kwargs):
+        _fused_loss_calls.append(1)
+        return compute_loss(self, *args, **kwargs)
+
+    return counted
 
 
 def _on_cpu(post_init):
@@ -126,4 +139,5 @@ def _first_line(report) -> str:
 
 
 def pytest_sessionfinish(session) -> None:
-    Path(os.environ[OUTCOMES]).write_text(json.dumps(_outcomes, indent=1, sort_keys=True))
+    report = {"tests": _outcomes, "fused_loss_calls": len(_fused_loss_calls)}
+    Path(os.environ[OUTCOMES]).write_text(json.dumps(report, indent=1, sort_keys=True))

@@ -26,6 +26,7 @@ class Outcome:
 class SuiteResult:
     origin: str  # where TRL's test file came from
     outcomes: dict[str, dict[str, Outcome]]  # trainer ("stock", "drop-in") -> test id -> outcome
+    fused_loss_calls: int  # how often the drop-in run computed its loss through the fused head
 
     def pairs(self) -> dict[str, tuple[Outcome, Outcome]]:
         """test id -> (stock's outcome, the drop-in's), over the tests either run reported."""
@@ -61,28 +62,41 @@ def run_suite(selection: list[str] | None, timeout_s: float, pytest_args: tuple[
         environment.pop("TRITON_INTERPRET", None)  # TRL's Triton kernels are for GPUs; under the interpreter they fail
         if selection is not None:
             environment[plugin.SELECTION] = json.dumps(selection)
-        runs = {}
-        for trainer in plugin.TRAINERS:
-            outcomes = work / f"{trainer}.json"
-            command = [sys.executable, "-m", "pytest", str(test_file), "-q", "-p", "tests.trl_suite.plugin"]
-            command += ["-p", "no:cacheprovider", "-p", "no:xdist", "-c", str(work / "pytest.ini")]
-            command += ["--rootdir", str(package_root), "-o", "addopts=", *pytest_args]
-            run_environment = {**environment, plugin.TRAINER: trainer, plugin.OUTCOMES: str(outcomes)}
-            log = (work / f"{trainer}.log").open("w")
-            runs[trainer] = (subprocess.Popen(command, cwd=ROOT, env=run_environment, stdout=log, stderr=log), outcomes)
-        results = {}
-        for trainer, (process, outcomes) in runs.items():
-            try:
-                process.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                for other, _ in runs.values():
-                    other.kill()
-                raise RuntimeError(
-                    f"the {trainer} run of TRL's GRPO tests did not finish in {timeout_s:.0f} s"
-                ) from None
-            if not outcomes.is_file() or not json.loads(outcomes.read_text()):
-                tail = (work / f"{trainer}.log").read_text()[-3000:]
-                raise RuntimeError(f"the {trainer} run of TRL's GRPO tests reported nothing:\n{tail}")
-            reported = json.loads(outcomes.read_text())
-            results[trainer] = {test: Outcome(**entry) for test, entry in reported.items()}
-    return SuiteResult(origin, results)
+        processes = {}
+        try:
+            for trainer in plugin.TRAINERS:
+                processes[trainer] = _launch(trainer, test_file, package_root, work, environment, pytest_args)
+            reports = {trainer: _report(trainer, process, work, timeout_s) for trainer, process in processes.items()}
+        finally:
+            for process in processes.values():
+                if process.poll() is None:
+                    process.kill()
+                    process.wait()
+    outcomes = {
+        trainer: {test: Outcome(**entry) for test, entry in r["tests"].items()} for trainer, r in reports.items()
+    }
+    return SuiteResult(origin, outcomes, reports["drop-in"]["fused_loss_calls"])
+
+
+def _launch(trainer: str, test_file: Path, package_root: Path, work: Path, environment: dict, pytest_args: tuple):
+    """One pytest process on TRL's test file, its output in `<work>/<trainer>.log`."""
+    command = [sys.executable, "-m", "pytest", str(test_file), "-q", "-p", "tests.trl_suite.plugin"]
+    command += ["-p", "no:cacheprovider", "-p", "no:xdist", "-c", str(work / "pytest.ini")]
+    command += ["--rootdir", str(package_root), "-o", "addopts=", *pytest_args]
+    environment = {**environment, plugin.TRAINER: trainer, plugin.OUTCOMES: str(work / f"{trainer}.json")}
+    with (work / f"{trainer}.log").open("w") as log:
+        return subprocess.Popen(command, cwd=ROOT, env=environment, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _report(trainer: str, process: subprocess.Popen, work: Path, timeout_s: float) -> dict:
+    """The plugin's report of a run: {"tests": {test id: {outcome, message}}, "fused_loss_calls": n}."""
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"the {trainer} run of TRL's GRPO tests did not finish in {timeout_s:.0f} s") from None
+    outcomes = work / f"{trainer}.json"
+    report = json.loads(outcomes.read_text()) if outcomes.is_file() else {}
+    if not report.get("tests"):
+        tail = (work / f"{trainer}.log").read_text()[-3000:]
+        raise RuntimeError(f"the {trainer} run of TRL's GRPO tests reported nothing:\n{tail}")
+    return report
