@@ -56,7 +56,7 @@ def test_outcomes_pair_per_test():
 def test_checkout_without_tests_is_unavailable(tmp_path, monkeypatch):
     monkeypatch.setenv("GRPO_KERNELS_TRL_SOURCE", str(tmp_path))
     with pytest.raises(source.Unavailable, match="has no tests/test_grpo_trainer.py"):
-        source.test_package()
+        source.fetch_tests()
 
 
 def test_ci_selection_names_each_test_once():

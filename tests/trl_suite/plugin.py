@@ -91,8 +91,8 @@ def pytest_collection_modifyitems(config, items) -> None:
     if SELECTION not in os.environ:
         return
     selection = set(json.loads(os.environ[SELECTION]))
-    items[:] = [item for item in items if test_id(item.nodeid) in selection]
-    for test in selection - {test_id(item.nodeid) for item in items}:
+    items[:] = [item for item in items if short_id(item.nodeid) in selection]
+    for test in selection - {short_id(item.nodeid) for item in items}:
         _outcomes[test] = {"outcome": "not run", "message": "not in this TRL's test file"}
 
 
@@ -102,7 +102,7 @@ def _needs_liger_kernels(item) -> bool:
     return params.get("use_liger_kernel") is True or re.match(r"test_(train|compute)_\w*liger", item.name) is not None
 
 
-def test_id(nodeid: str) -> str:
+def short_id(nodeid: str) -> str:
     """`Class::test[params]`: the node id without its file."""
     return nodeid.split("::", 1)[1]
 
@@ -110,7 +110,7 @@ def test_id(nodeid: str) -> str:
 def pytest_runtest_logreport(report) -> None:
     """A test's outcome: its call's, or its setup's when that failed or skipped ("error" for a failed setup or
     teardown), with the first line of the failure."""
-    test = test_id(report.nodeid)
+    test = short_id(report.nodeid)
     entry = _outcomes.get(test)
     if report.when == "call" or (report.when == "setup" and not report.passed):
         outcome = "error" if report.when == "setup" and report.failed else report.outcome

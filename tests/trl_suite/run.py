@@ -41,7 +41,7 @@ class SuiteResult:
 def run_suite(selection: list[str] | None, timeout_s: float, pytest_args: tuple[str, ...] = ()) -> SuiteResult:
     """Both runs of TRL's test file (only the `selection`'s test ids when given). Raises source.Unavailable when
     TRL's test file cannot be had, RuntimeError when a run does not finish in `timeout_s` or reports nothing."""
-    package_root, origin = source.test_package()
+    package_root, origin = source.fetch_tests()
     test_file = package_root / source.PACKAGE / "test_grpo_trainer.py"
     with tempfile.TemporaryDirectory(prefix="grpo_kernels_trl_suite_") as work:
         work = Path(work)

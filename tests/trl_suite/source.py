@@ -32,7 +32,7 @@ def cache_root() -> Path:
     return Path(os.environ.get("GRPO_KERNELS_TRL_TESTS") or Path.home() / ".cache" / "grpo-kernels" / "trl-tests")
 
 
-def test_package() -> tuple[Path, str]:
+def fetch_tests() -> tuple[Path, str]:
     """(the folder holding the `trl_tests` package, where its files came from). Raises Unavailable."""
     checkout = os.environ.get("GRPO_KERNELS_TRL_SOURCE")
     if checkout:
