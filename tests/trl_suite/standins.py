@@ -77,6 +77,12 @@ MODELS: dict[str, tuple[type, type, dict]] = {
         dict(head_dim=2, num_labels=1),
     ),
     "tiny-Qwen3MoeForCausalLM": (transformers.Qwen3MoeForCausalLM, transformers.Qwen3MoeConfig, _moe(head_dim=2)),
+    "tiny-GptOssForCausalLM": (
+        transformers.GptOssForCausalLM,
+        transformers.GptOssConfig,
+        dict(num_local_experts=4, num_experts_per_tok=2),
+    ),
+    "tiny-Cohere2ForCausalLM": (transformers.Cohere2ForCausalLM, transformers.Cohere2Config, {}),
     "tiny-LlamaForCausalLM-3.2": (transformers.LlamaForCausalLM, transformers.LlamaConfig, {}),
     "tiny-LlamaForSequenceClassification-3.2": (
         transformers.LlamaForSequenceClassification,
