@@ -20,12 +20,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.trl_suite", description=__doc__)
     parser.add_argument("--ci", action="store_true", help="only the CI selection (tests.trl_suite.selection.CI)")
     parser.add_argument("--skip-unavailable", action="store_true", help="exit 0 when TRL's test file cannot be had")
-    parser.add_argument("--timeout", type=float, help="seconds per run (default 900 with --ci, else 7200)")
+    parser.add_argument("--timeout", type=float, help="seconds per run (default 1200 with --ci, else 7200)")
     parser.add_argument("pytest_args", nargs="*", help="passed to both pytest runs (after --), e.g. -k peft")
     args = parser.parse_args(argv)
     start = time.monotonic()
     try:
-        timeout_s = args.timeout or (900.0 if args.ci else 7200.0)
+        timeout_s = args.timeout or (1200.0 if args.ci else 7200.0)
         result = run_suite(list(selection.CI) if args.ci else None, timeout_s, tuple(args.pytest_args))
     except source.Unavailable as error:
         if args.skip_unavailable:
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     pairs = result.pairs()
     for test, (stock, ours) in pairs.items():
         mark = "  " if stock.outcome == ours.outcome else "≠ "
-        print(f"{mark}{stock.outcome:>8} {ours.outcome:>8}  {test}")
+        print(f"{mark}{stock.outcome:>8} {ours.outcome:>8} {stock.seconds:6.1f} s {ours.seconds:6.1f} s  {test}")
         for name, outcome in (("stock", stock), ("drop-in", ours)):
             if outcome.outcome in ("failed", "error") or (mark != "  " and outcome.message):
                 print(f"      {name}: {outcome.message}")

@@ -93,7 +93,7 @@ def pytest_collection_modifyitems(config, items) -> None:
     selection = set(json.loads(os.environ[SELECTION]))
     items[:] = [item for item in items if short_id(item.nodeid) in selection]
     for test in selection - {short_id(item.nodeid) for item in items}:
-        _outcomes[test] = {"outcome": "not run", "message": "not in this TRL's test file"}
+        _outcomes[test] = {"outcome": "not run", "message": "not in this TRL's test file", "seconds": 0.0}
 
 
 def _needs_liger_kernels(item) -> bool:
@@ -114,9 +114,9 @@ def pytest_runtest_logreport(report) -> None:
     entry = _outcomes.get(test)
     if report.when == "call" or (report.when == "setup" and not report.passed):
         outcome = "error" if report.when == "setup" and report.failed else report.outcome
-        entry = {"outcome": outcome, "message": _first_line(report)}
+        entry = {"outcome": outcome, "message": _first_line(report), "seconds": round(report.duration, 2)}
     elif report.when == "teardown" and report.failed and entry is not None:
-        entry = {"outcome": "error", "message": _first_line(report)}
+        entry = {**entry, "outcome": "error", "message": _first_line(report)}
     if entry is not None:
         _outcomes[test] = entry
 
@@ -124,7 +124,11 @@ def pytest_runtest_logreport(report) -> None:
 def pytest_collectreport(report) -> None:
     """A file that fails to import is one "error" under its path: nothing in it ran."""
     if report.failed:
-        _outcomes[report.nodeid or "<collection>"] = {"outcome": "error", "message": _first_line(report)}
+        _outcomes[report.nodeid or "<collection>"] = {
+            "outcome": "error",
+            "message": _first_line(report),
+            "seconds": 0.0,
+        }
 
 
 def _first_line(report) -> str:

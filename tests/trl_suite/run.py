@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]  # the project: `tests.trl_suite.plug
 class Outcome:
     outcome: str  # passed, failed, skipped, error, or "not run" (selected but absent from this TRL's file)
     message: str = ""
+    seconds: float = 0.0  # the test's call (setup and teardown not counted)
 
 
 @dataclass(frozen=True)
