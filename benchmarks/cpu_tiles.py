@@ -96,7 +96,7 @@ def sweep(shape: Shape, configs: list[str], rounds: int) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> Path:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.cpu_tiles", description=__doc__.split("\n\n")[0])
     parser.add_argument("--n", type=int, default=2048, help="tokens")
     parser.add_argument("--v", type=int, default=151936, help="vocabulary")
     parser.add_argument("--h", type=int, default=896, help="hidden size")
@@ -105,7 +105,10 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--out", type=Path, help="JSON path (default: benchmarks/results/cpu/<date>-tiles.json)")
     args = parser.parse_args(argv)
     for tile in args.tiles:
-        tile_arguments(tile)  # a bad tile name stops here, before any work
+        try:
+            tile_arguments(tile)  # a bad tile name stops here, before any work
+        except ValueError as error:
+            parser.error(str(error))
     shape = Shape(args.n, args.v, args.h, torch.float32)
     records = sweep(shape, ["trl", *args.tiles], args.rounds)
     out = args.out or Path("benchmarks/results/cpu") / f"{datetime.date.today()}-tiles.json"
