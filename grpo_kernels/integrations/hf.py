@@ -10,6 +10,8 @@ row of every sequence's real tokens (`attention.py`: flash-attn's varlen kernels
 
 from __future__ import annotations
 
+import sys
+
 from torch import Tensor, nn
 
 from grpo_kernels.api import fused_linear_token_logprobs
@@ -43,13 +45,27 @@ def logit_transform(model: nn.Module) -> tuple[float, float | None]:
 def lm_head(model: nn.Module) -> tuple[Tensor, Tensor | None]:
     """The output projection's (weight [V, H], bias [V] | None); tied embeddings give the embedding matrix.
 
-    The logits are this projection followed by `logit_transform(model)`. Raises ValueError when the output
-    embeddings are not an nn.Linear.
+    The logits are this projection followed by `logit_transform(model)`. A PEFT `ModulesToSaveWrapper` around the
+    head (`modules_to_save=["lm_head"]`) gives the copy its forward would run (`saved_module_in_use`). Raises
+    ValueError when the output embeddings are not an nn.Linear.
     """
-    head = model.get_output_embeddings()
+    head = saved_module_in_use(model.get_output_embeddings())
     if not isinstance(head, nn.Linear):
         raise ValueError(f"{type(model).__name__}'s output embeddings are {type(head).__name__}, not an nn.Linear")
     return head.weight, head.bias
+
+
+def saved_module_in_use(module: nn.Module) -> nn.Module:
+    """The module a PEFT `ModulesToSaveWrapper` would run now: the active adapter's trained copy, or the frozen
+    original while adapters are disabled (a reference pass) or the active adapter has no copy; any other module
+    as it is. Reading the copy (not the wrapper's forwarded attributes) sends the gradient to the trained weight."""
+    peft_utils = sys.modules.get("peft.utils.other")  # no PEFT imported: no wrapper can exist
+    if peft_utils is None or not isinstance(module, peft_utils.ModulesToSaveWrapper):
+        return module
+    active = module.active_adapters
+    if module.disable_adapters or not active or any(name not in module.modules_to_save for name in active):
+        return module.original_module
+    return module.modules_to_save[active[0]]
 
 
 def completion_hidden_states(
