@@ -1,14 +1,17 @@
-"""Every Triton launch compiled for sm_90a against an older triton than the one installed, without a GPU.
+"""Every Triton launch the API can reach compiled for sm_90a, without a GPU, against an older triton than the
+installed one (or against the installed one, with no other on PYTHONPATH).
 
     pip install --no-deps --target ~/.cache/grpo-kernels/triton/3.6.0 triton==3.6.0
     PYTHONPATH=~/.cache/grpo-kernels/triton/3.6.0 python -m benchmarks.older_triton --out FILE
 
 torch 2.10 and 2.11 pin triton 3.6, while CI runs the newest triton, whose interpreter compiles nothing: a triton API
-the kernels use that an older release lacks (as `tl.math.fdiv(..., approx=True)`, new in 3.9) shows only here. The
-launches are the launchers' own, recorded and specialised as in `benchmarks.static_report` (its `ci` subset); each is
-only compiled (PTX and cubin), since the budgets there are measured with the newest triton. The report lists every
-launch with the compiler's error, or None. tests/test_triton_compile.py runs this in a subprocess with the older
-triton first on PYTHONPATH, for each version in `OLDER_TRITONS` that is installed under `older_triton_path`.
+the kernels use that an older release lacks (as `tl.math.fdiv(..., approx=True)`, new in 3.9), or a pass of an older
+release that fails on one configuration (3.6 and 3.7's thread-locality pass on the float32 forward with the mean logit
+and top-1), shows only here. The launches are the launchers' own, for every configuration of
+`benchmarks.launch_space`, recorded and specialised as in `benchmarks.static_report`; each is only compiled (PTX and
+cubin), since the budgets there are measured with the newest triton. The report lists every launch with the
+compiler's error, or None. tests/test_triton_compile.py runs this in a subprocess for the installed triton and, with
+the older triton first on PYTHONPATH, for each version in `OLDER_TRITONS` installed under `older_triton_path`.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import os
 import sys
 from pathlib import Path
 
-from benchmarks import static_report
+from benchmarks import launch_space, static_report
 
 OLDER_TRITONS = ("3.6.0", "3.7.1")  # torch 2.10 / 2.11's pin (the oldest the backend accepts), 2.12 / 2.13's
 ARCHS = ("sm_90a",)
@@ -35,7 +38,7 @@ def older_triton_path(version: str) -> Path:
 def compile_launches(arch: str, case: str, dtype: str, vocab: str) -> list[dict]:
     """One row per launch of the case, compiled for `arch`, with the compiler's error (None when it compiled)."""
     rows = []
-    for launch in static_report.launches_of(case, dtype, vocab):
+    for launch in launch_space.launches_of(case, dtype, vocab):
         row = {"arch": arch, "kernel": launch.kernel.__name__, "case": case, "dtype": dtype, "vocab": vocab}
         try:
             static_report.compile_launch(launch, static_report.ARCHS[arch])
@@ -60,7 +63,7 @@ def report(jobs: int) -> dict:
         "triton": triton.__version__,
         "triton_path": str(Path(triton.__file__).parent),
         "command": "python -m benchmarks.older_triton",
-        "launches": static_report.run("ci", jobs, ARCHS, worker=_worker),
+        "launches": static_report.run(launch_space.matrix(ARCHS), jobs, ARCHS, worker=_worker),
     }
 
 

@@ -316,11 +316,12 @@ def _init_worker(cache_root: str) -> None:
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(dir=cache_root)
 
 
-def run(subset: str, jobs: int, archs: tuple[str, ...] = tuple(ARCHS), worker: Callable = _worker) -> list[dict]:
-    """`worker(arch, case, dtype, vocab)` rows for each item of the subset on `archs`, in `jobs` fresh processes."""
+def run(subset: str | list, jobs: int, archs: tuple[str, ...] = tuple(ARCHS), worker: Callable = _worker) -> list[dict]:
+    """`worker(arch, case, dtype, vocab)` rows for each item of the subset (or of a list of items) on `archs`, in `jobs`
+    fresh processes."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("unset TRITON_INTERPRET: the interpreter replaces the JIT functions that are compiled here")
-    items = [item for item in matrix(subset) if item[0] in archs]
+    items = [item for item in (matrix(subset) if isinstance(subset, str) else subset) if item[0] in archs]
     with tempfile.TemporaryDirectory(prefix="triton-static-") as cache:
         spawn = multiprocessing.get_context("spawn")  # each worker imports triton after _init_worker
         with ProcessPoolExecutor(jobs, mp_context=spawn, initializer=_init_worker, initargs=(cache,)) as pool:
