@@ -35,10 +35,29 @@ def older_triton_path(version: str) -> Path:
     return Path(root) / version
 
 
-def compile_launches(arch: str, case: str, dtype: str, vocab: str) -> list[dict]:
-    """One row per launch of the case, compiled for `arch`, with the compiler's error (None when it compiled)."""
+def distinct_launches(archs: tuple[str, ...]) -> list[tuple[tuple[str, str, str, str], list[int]]]:
+    """(item, indices of its launches to compile) for each item of `launch_space.matrix(archs)`: a launch whose
+    specialisation (kernel, signature, constexprs, attributes, options) an earlier one had is compiled once."""
+    seen, out = set(), []
+    for item in launch_space.matrix(archs):
+        arch, case, dtype, vocab = item
+        fresh = []
+        for index, launch in enumerate(launch_space.launches_of(case, dtype, vocab)):
+            key = (launch.kernel.__name__, repr(static_report.specialise(launch, static_report.ARCHS[arch])))
+            if key not in seen:
+                seen.add(key)
+                fresh.append(index)
+        out.append((item, fresh))
+    return out
+
+
+def compile_launches(arch: str, case: str, dtype: str, vocab: str, indices: list[int] | None = None) -> list[dict]:
+    """One row per launch of the case (those at `indices`, default all), compiled for `arch`, with the compiler's
+    error (None when it compiled)."""
     rows = []
-    for launch in launch_space.launches_of(case, dtype, vocab):
+    for index, launch in enumerate(launch_space.launches_of(case, dtype, vocab)):
+        if indices is not None and index not in indices:
+            continue
         row = {"arch": arch, "kernel": launch.kernel.__name__, "case": case, "dtype": dtype, "vocab": vocab}
         try:
             static_report.compile_launch(launch, static_report.ARCHS[arch])
@@ -52,18 +71,21 @@ def compile_launches(arch: str, case: str, dtype: str, vocab: str) -> list[dict]
     return rows
 
 
-def _worker(item: tuple[str, str, str, str]) -> list[dict]:
-    return compile_launches(*item)
+def _worker(job: tuple[tuple[str, str, str, str], list[int]]) -> list[dict]:
+    return compile_launches(*job[0], job[1])
 
 
 def report(jobs: int) -> dict:
     import triton
 
+    plan = distinct_launches(ARCHS)
+    work = sorted((job for job in plan if job[1]), key=lambda job: -len(job[1]))  # the longest first
     return {
         "triton": triton.__version__,
         "triton_path": str(Path(triton.__file__).parent),
         "command": "python -m benchmarks.older_triton",
-        "launches": static_report.run(launch_space.matrix(ARCHS), jobs, ARCHS, worker=_worker),
+        "items": [list(item) for item, _ in plan],
+        "launches": static_report.run(work, jobs, ARCHS, worker=_worker, item_arch=lambda job: job[0][0]),
     }
 
 

@@ -148,5 +148,5 @@ def test_marked_commands_say_why_they_are_skipped(command):
 def test_the_extraction_sees_every_kind_of_command():
     readme = commands(ROOT / "README.md")
     assert {c.kind for c in readme} == {"shell", "python"}
-    assert any("--preset dapo --output-dir runs/dapo --steps 300" in c.text and c.needs is None for c in readme)
+    assert any("--preset dapo --output-dir runs/dapo --steps 100" in c.text and c.needs is None for c in readme)
     assert all(c.needs for c in readme if c.text.startswith(("pip ", "python -m pytest")))

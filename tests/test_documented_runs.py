@@ -1,0 +1,75 @@
+"""Every command of README.md and docs/*.md runs to completion, with the step counts written there, and the demo's
+numbers that the docs quote are those of the README's demo run.
+
+This is the long form of tests/test_docs_commands.py, which runs the same lines capped at one step: here no cap
+(`GRPO_KERNELS_MAX_STEPS` is removed), so a run that breaks at step 559 fails here. A line whose run would not fit
+in CI says so in the docs (`# needs: ...`) or is written with fewer steps; nothing is capped behind the reader's back.
+A command without a run directory of its own (the demo, a comparison into a new directory) that another file
+already ran as written is not run again.
+
+The tests run only with `--documented-runs` (.ci/run's separate step: `python -m pytest -q -n 2 --documented-runs
+tests/test_documented_runs.py`); without it they skip saying so. The README's demo then gives the numbers of
+docs/trainer.md's passage (`benchmarks.documented_numbers`), which must equal the page's.
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks import documented_numbers
+from tests.test_docs_commands import FILES, ROOT, _run_shell, _runnable
+
+pytestmark = pytest.mark.documented_runs
+_already_run: set[str] = set()
+
+
+def _needs_nothing_before(words: list[str]) -> bool:
+    """A command that makes its own new run directory and reads none: it may be run once for every file."""
+    return not any(word in ("--output-dir", "--resume", "--model") for word in words)
+
+
+@pytest.mark.filterwarnings("ignore:.*found in sys.modules:RuntimeWarning")  # runpy of an imported module
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_documented_runs_finish(path, tmp_path, monkeypatch, capsys):
+    """The file's commands, in order, in a fresh directory, to completion; for README.md, then the demo's numbers."""
+    runnable = _runnable(path)
+    if not runnable:
+        pytest.skip(f"{path.name}: no command CI can run")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("GRPO_KERNELS_MAX_STEPS", raising=False)
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))  # bash lines import this checkout
+    threads = torch.get_num_threads()
+    try:
+        for command in runnable:
+            if command.kind == "python":
+                exec(compile(command.text, command.where, "exec"), {"__name__": "__main__"})
+                continue
+            words = shlex.split(command.text, comments=True)
+            if _needs_nothing_before(words) and shlex.join(words) in _already_run:
+                continue
+            status, stderr = _run_shell(command, tmp_path, monkeypatch, capsys)
+            _already_run.add(shlex.join(words))
+            if command.error is None:
+                assert status == 0, f"{command.where}: `{command.text}` exited with {status}: {stderr[-2000:]}"
+            else:
+                assert status == 2, f"{command.where}: `{command.text}` should fail with exit status 2, got {status}"
+    finally:
+        torch.set_num_threads(threads)  # the trainer sets its own
+    if path.name == "README.md":
+        _check_the_demos_numbers(tmp_path)
+
+
+def _check_the_demos_numbers(directory: Path) -> None:
+    demos = sorted((directory / "runs").glob("demo-*"))
+    assert len(demos) == 1, f"the README's demo line should make one runs/demo-<timestamp>/, found {demos}"
+    fresh = documented_numbers.wrapped(documented_numbers.passage(documented_numbers.measure(demos[0])))
+    page = documented_numbers.PAGE.relative_to(ROOT)
+    assert documented_numbers.documented() == fresh, (
+        f"{page}'s demo numbers differ from a fresh run of the demo: regenerate them with "
+        f"`python -m grpo_kernels.train --output-dir runs/demo && python -m benchmarks.documented_numbers runs/demo "
+        f"--write`. The fresh run gives:\n{fresh}"
+    )
