@@ -2,11 +2,12 @@
 
 A launch's compiled code depends on its constexprs, its dtype and the alignment of its row stride. The options that
 shape the vocabulary pass (entropy, soft-capping, each subset of `function.TOKEN_STATS`) change its loops and
-reductions: they are crossed with each other and with every dtype. The fused loss's epilogue options (`EPILOGUES`,
-`KL_KINDS` and the flags of `TokenEpilogue`: δ, dual clip, two-sided CISPO, an importance ratio, bias-corrected KL)
-are per-row arithmetic after the pass: each value is taken once, crossed with the pass options and every dtype.
-tests/test_triton_compile.py compiles all of them for sm_90a on each supported triton (benchmarks/older_triton.py):
-{3 dtypes} × (8 subsets of the statistics, 7 more forward, 4 backward and 15 fused-loss configurations).
+reductions: each subset of the statistics and each combination of entropy and soft-capping is taken, at every dtype.
+The fused loss's epilogue options (`EPILOGUES`, `KL_KINDS` and the flags of `TokenEpilogue`: δ, dual clip, two-sided
+CISPO, an importance ratio, bias-corrected KL) are float32 arithmetic on each row after the pass: each value is taken
+once, at bf16, over the pass with entropy. tests/test_triton_compile.py compiles all of them for sm_90a on each
+supported triton (benchmarks/older_triton.py): 3 dtypes × (8 subsets of the statistics, 7 more forward, 4 backward
+and 4 fused-loss configurations), and 11 epilogues; a launch whose specialisation another had is compiled once.
 """
 
 from __future__ import annotations
@@ -68,10 +69,16 @@ def reachable_cases() -> dict[str, Callable]:
 
 
 def matrix(archs: tuple[str, ...]) -> list[tuple[str, str, str, str]]:
-    """(arch, case, dtype, vocab): every reachable configuration above at every dtype (V = 151,936), and the `ci`
-    subset of benchmarks/static_report.py, which adds the row stride that is no multiple of 16 bytes (V = 151,939)."""
-    reachable = itertools.product(archs, reachable_cases(), static_report.DTYPES, ["aligned"])
-    return list(reachable) + [item for item in static_report.matrix("ci") if item[0] in archs]
+    """(arch, case, dtype, vocab): every reachable configuration above at every dtype (V = 151,936), but the fused
+    loss's epilogues at bf16 only (they see float32 row values, whatever the logits' dtype; the pass under them is
+    crossed with every dtype in `grpo_loss_fwd[clip,...]`), and the `ci` subset of benchmarks/static_report.py, which
+    adds the row stride that is no multiple of 16 bytes (V = 151,939)."""
+    out = []
+    for arch, case in itertools.product(archs, reachable_cases()):
+        epilogue = case.startswith("grpo_loss_fwd[") and not case.startswith("grpo_loss_fwd[clip,entropy")
+        epilogue = epilogue and case not in ("grpo_loss_fwd[clip]", "grpo_loss_fwd[clip,softcap]")
+        out += [(arch, case, dtype, "aligned") for dtype in (["bf16"] if epilogue else static_report.DTYPES)]
+    return out + [item for item in static_report.matrix("ci") if item[0] in archs]
 
 
 def launches_of(case: str, dtype: str, vocab: str) -> list[static_report.Launch]:
