@@ -24,10 +24,18 @@ def test_version_on_every_command_and_the_package_lists_its_commands(capsys, mon
         with pytest.raises(SystemExit) as stop:
             runpy.run_module(module, run_name="__main__", alter_sys=True)
         assert (stop.value.code, capsys.readouterr().out) == (0, f"grpo-kernels {grpo_kernels.__version__}\n")
+    monkeypatch.setattr(sys, "argv", ["grpo_kernels"])
     runpy.run_module("grpo_kernels", run_name="__main__")
     out = capsys.readouterr().out
     for command in ("train", "compare", "evaluate"):
         assert sum(f"python -m grpo_kernels.{command} " in line for line in out.splitlines()) == 1
+    monkeypatch.setattr(sys, "argv", ["grpo_kernels", "--version"])
+    runpy.run_module("grpo_kernels", run_name="__main__")
+    assert capsys.readouterr().out == f"grpo-kernels {grpo_kernels.__version__}\n"
+    monkeypatch.setattr(sys, "argv", ["grpo_kernels", "--verison"])
+    with pytest.raises(SystemExit) as stop:
+        runpy.run_module("grpo_kernels", run_name="__main__")
+    assert stop.value.code == 2 and capsys.readouterr().err.startswith("error: python -m grpo_kernels takes --version")
 
 
 def test_runs_without_output_dir_get_new_directories(tmp_path, monkeypatch):
@@ -113,3 +121,23 @@ def test_the_round_limit_may_change_on_resume():
     saved = parse_args(["--preset", "dapo", "--output-dir", "x"])
     assert config_differences(saved, dataclasses.replace(saved, max_num_gen_batches=0)) == []
     assert config_differences(saved, dataclasses.replace(saved, learning_rate=1.0)) != []  # the check still works
+
+
+def test_mistyped_options_and_presets_and_a_missing_run_directory_say_what_was_meant(tmp_path, monkeypatch, capsys):
+    from grpo_kernels.evaluate import main as evaluate_main
+    from grpo_kernels.trainer.cli import run
+
+    with pytest.raises(SystemExit) as stop:
+        parse_args(["--stpes", "3"])
+    assert stop.value.code == 2
+    assert "unrecognized arguments: --stpes 3; did you mean --steps?" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"unknown preset 'dapoo' \(did you mean 'dapo'\?\)"):
+        parse_args(["--preset", "dapoo", "--output-dir", "x"])
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "demo").mkdir(parents=True)
+    with pytest.raises(SystemExit):
+        run(evaluate_main, ["--model", "runs/nope"])
+    assert capsys.readouterr().err == (
+        "error: model 'runs/nope': no such directory (in 'runs': demo); give a run directory or one of its "
+        "checkpoints/step_NNNNNN\n"
+    )
