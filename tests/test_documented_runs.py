@@ -14,51 +14,30 @@ docs/trainer.md's passage (`benchmarks.documented_numbers`), which must equal th
 
 from __future__ import annotations
 
-import shlex
 from pathlib import Path
 
 import pytest
-import torch
 
 from benchmarks import documented_numbers
-from tests.test_docs_commands import FILES, ROOT, _run_shell, _runnable
+from tests.test_docs_commands import FILES, ROOT, _runnable, run_commands
 
 pytestmark = pytest.mark.documented_runs
-_already_run: set[str] = set()
 
 
 def _needs_nothing_before(words: list[str]) -> bool:
-    """A command that makes its own new run directory and reads none: it may be run once for every file."""
-    return not any(word in ("--output-dir", "--resume", "--model") for word in words)
+    """A training or comparison that makes its own new run directory and reads none: run once for every file."""
+    commands = (["python", "-m", "grpo_kernels.train"], ["python", "-m", "grpo_kernels.compare"])
+    return words[:3] in commands and not any(word in ("--output-dir", "--resume", "--model") for word in words)
 
 
 @pytest.mark.filterwarnings("ignore:.*found in sys.modules:RuntimeWarning")  # runpy of an imported module
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_documented_runs_finish(path, tmp_path, monkeypatch, capsys):
     """The file's commands, in order, in a fresh directory, to completion; for README.md, then the demo's numbers."""
-    runnable = _runnable(path)
-    if not runnable:
+    if not _runnable(path):
         pytest.skip(f"{path.name}: no command CI can run")
-    monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("GRPO_KERNELS_MAX_STEPS", raising=False)
-    monkeypatch.setenv("PYTHONPATH", str(ROOT))  # bash lines import this checkout
-    threads = torch.get_num_threads()
-    try:
-        for command in runnable:
-            if command.kind == "python":
-                exec(compile(command.text, command.where, "exec"), {"__name__": "__main__"})
-                continue
-            words = shlex.split(command.text, comments=True)
-            if _needs_nothing_before(words) and shlex.join(words) in _already_run:
-                continue
-            status, stderr = _run_shell(command, tmp_path, monkeypatch, capsys)
-            _already_run.add(shlex.join(words))
-            if command.error is None:
-                assert status == 0, f"{command.where}: `{command.text}` exited with {status}: {stderr[-2000:]}"
-            else:
-                assert status == 2, f"{command.where}: `{command.text}` should fail with exit status 2, got {status}"
-    finally:
-        torch.set_num_threads(threads)  # the trainer sets its own
+    run_commands(path, tmp_path, monkeypatch, capsys, _needs_nothing_before)
     if path.name == "README.md":
         _check_the_demos_numbers(tmp_path)
 
