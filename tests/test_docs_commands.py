@@ -106,9 +106,9 @@ def _runnable(path: Path) -> list[Command]:
     return [c for c in commands(path) if c.needs is None]
 
 
-def run_commands(path: Path, tmp_path: Path, monkeypatch, capsys, repeatable: Callable[[list[str]], bool]) -> None:
-    """The file's runnable commands, in order, in `tmp_path`; a command `repeatable` accepts that any file already ran
-    as written is not run again."""
+def run_commands(path: Path, tmp_path: Path, monkeypatch, capsys, skip: Callable[[list[str]], bool]) -> None:
+    """The file's runnable commands, in order, in `tmp_path`, but those `skip` (of the command's words) says were run
+    elsewhere."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("PYTHONPATH", str(ROOT))  # bash lines import this checkout
     threads = torch.get_num_threads()
@@ -118,7 +118,7 @@ def run_commands(path: Path, tmp_path: Path, monkeypatch, capsys, repeatable: Ca
                 exec(compile(command.text, command.where, "exec"), {"__name__": "__main__"})
                 continue
             words = shlex.split(command.text, comments=True)
-            if repeatable(words) and shlex.join(words) in _already_run:
+            if skip(words):
                 continue
             status, stderr = _run_shell(command, tmp_path, monkeypatch, capsys)
             _already_run.add(shlex.join(words))
@@ -139,7 +139,11 @@ def test_documented_commands_run(path, tmp_path, monkeypatch, capsys):
     if not _runnable(path):
         pytest.skip(f"{path.name}: no command CI can run")
     monkeypatch.setenv("GRPO_KERNELS_MAX_STEPS", MAX_STEPS)
-    run_commands(path, tmp_path, monkeypatch, capsys, lambda words: shlex.join(words).startswith(REPEATABLE))
+    run_commands(path, tmp_path, monkeypatch, capsys, _already_ran)
+
+
+def _already_ran(words: list[str]) -> bool:
+    return shlex.join(words).startswith(REPEATABLE) and shlex.join(words) in _already_run
 
 
 MARKED = [c for path in FILES for c in commands(path) if c.needs is not None]

@@ -4,8 +4,8 @@ numbers that the docs quote are those of the README's demo run.
 This is the long form of tests/test_docs_commands.py, which runs the same lines capped at one step: here no cap
 (`GRPO_KERNELS_MAX_STEPS` is removed), so a run that breaks at step 559 fails here. A line whose run would not fit
 in CI says so in the docs (`# needs: ...`) or is written with fewer steps; nothing is capped behind the reader's back.
-A command without a run directory of its own (the demo, a comparison into a new directory) that another file
-already ran as written is not run again.
+A training or comparison without a run directory of its own (the demo, a comparison into a new directory) that
+several files hold runs once, with the first of them.
 
 The tests run only with `--documented-runs` (.ci/run's separate step: `python -m pytest -q -n 2 --documented-runs
 tests/test_documented_runs.py`); without it they skip saying so. The README's demo then gives the numbers of
@@ -14,6 +14,7 @@ docs/trainer.md's passage (`benchmarks.documented_numbers`), which must equal th
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,21 @@ def _needs_nothing_before(words: list[str]) -> bool:
     return words[:3] in commands and not any(word in ("--output-dir", "--resume", "--model") for word in words)
 
 
+def _first_files() -> dict[str, Path]:
+    """Each command that needs nothing before it -> the first file that holds it (the one that runs it, whichever
+    worker runs the other files)."""
+    first: dict[str, Path] = {}
+    for path in FILES:
+        for command in _runnable(path):
+            words = shlex.split(command.text, comments=True) if command.kind == "shell" else []
+            if _needs_nothing_before(words):
+                first.setdefault(shlex.join(words), path)
+    return first
+
+
+FIRST_FILES = _first_files()
+
+
 @pytest.mark.filterwarnings("ignore:.*found in sys.modules:RuntimeWarning")  # runpy of an imported module
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_documented_runs_finish(path, tmp_path, monkeypatch, capsys):
@@ -37,7 +53,7 @@ def test_documented_runs_finish(path, tmp_path, monkeypatch, capsys):
     if not _runnable(path):
         pytest.skip(f"{path.name}: no command CI can run")
     monkeypatch.delenv("GRPO_KERNELS_MAX_STEPS", raising=False)
-    run_commands(path, tmp_path, monkeypatch, capsys, _needs_nothing_before)
+    run_commands(path, tmp_path, monkeypatch, capsys, lambda words: FIRST_FILES.get(shlex.join(words), path) != path)
     if path.name == "README.md":
         _check_the_demos_numbers(tmp_path)
 
