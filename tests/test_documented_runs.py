@@ -9,11 +9,14 @@ several files hold runs once, with the first of them.
 
 The tests run only with `--documented-runs` (.ci/run's separate step: `python -m pytest -q -n 2 --documented-runs
 tests/test_documented_runs.py`); without it they skip saying so. The README's demo then gives the numbers of
-docs/trainer.md's passage (`benchmarks.documented_numbers`), which must equal the page's.
+docs/trainer.md's passage (`benchmarks.documented_numbers`), which must equal the page's, and the README's comparison
+(100 steps) the first rewards of docs/compare.md's runs of the same presets (500 steps, ~40 minutes: too long for CI
+whole), which must equal docs/compare.json's curves.
 """
 
 from __future__ import annotations
 
+import json
 import shlex
 from pathlib import Path
 
@@ -56,6 +59,7 @@ def test_documented_runs_finish(path, tmp_path, monkeypatch, capsys):
     run_commands(path, tmp_path, monkeypatch, capsys, lambda words: FIRST_FILES.get(shlex.join(words), path) != path)
     if path.name == "README.md":
         _check_the_demos_numbers(tmp_path)
+        _check_the_comparisons_curves(tmp_path)
 
 
 def _check_the_demos_numbers(directory: Path) -> None:
@@ -68,3 +72,21 @@ def _check_the_demos_numbers(directory: Path) -> None:
         f"`python -m grpo_kernels.train --output-dir runs/demo && python -m benchmarks.documented_numbers runs/demo "
         f"--write`. The fresh run gives:\n{fresh}"
     )
+
+
+def _check_the_comparisons_curves(directory: Path) -> None:
+    """docs/compare.md's runs (500 steps each) begin as the README's comparison of the same presets does: the same
+    seed and budget give the same rewards step by step (to the table's three decimals), or compare.md is stale."""
+    (fresh,) = sorted((directory / "runs").glob("compare-*/compare.json"))
+    fresh_runs = {run["preset"]: run["curve"] for run in json.loads(fresh.read_text())["runs"]}
+    documented = {
+        run["preset"]: run["curve"] for run in json.loads((ROOT / "docs" / "compare.json").read_text())["runs"]
+    }
+    for preset, curve in fresh_runs.items():
+        theirs = [(step, round(reward, 3)) for step, reward in documented[preset][: len(curve)]]
+        ours = [(step, round(reward, 3)) for step, reward in curve]
+        differ = next((a for a, b in zip(ours, theirs, strict=True) if a != b), None)
+        assert differ is None, (
+            f"docs/compare.md's {preset} run differs from a fresh one at step {differ[0]}: rerun the command in "
+            "docs/compare.md and copy its compare.md table, compare.json and compare.svg into docs/"
+        )
