@@ -247,13 +247,10 @@ def uncovered_kernels() -> list[str]:
     return sorted(set(jit_kernels()) - reached)
 
 
-def compile_launch(launch: Launch, capability: int):
-    """Compile a recorded launch for `capability` as JITFunction.run would on such a GPU: (kernel, ptxas log,
-    constexprs)."""
-    import triton
+def specialise(launch: Launch, capability: int) -> tuple:
+    """(signature, constexprs, attrs, options) of a recorded launch for `capability`, as JITFunction.run binds it."""
     from triton import knobs
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
     from triton.compiler.compiler import make_backend
     from triton.runtime.jit import create_function_from_signature
 
@@ -267,6 +264,19 @@ def compile_launch(launch: Launch, capability: int):
     binder = create_function_from_signature(fn.signature, fn.params, backend)
     bound, specialization, options = binder(*launch.args, **kwargs)
     options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
+    return signature, constexprs, attrs, options
+
+
+def compile_launch(launch: Launch, capability: int):
+    """Compile a recorded launch for `capability` as JITFunction.run would on such a GPU: (kernel, ptxas log,
+    constexprs)."""
+    import triton
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature, constexprs, attrs, options = specialise(launch, capability)
+    target, fn = GPUTarget("cuda", capability, 32), launch.kernel
     log = io.StringIO()
     knobs.nvidia.dump_ptxas_log = True  # the cache is fresh (main), so ptxas runs and prints its -v report
     with contextlib.redirect_stdout(log):
@@ -316,11 +326,18 @@ def _init_worker(cache_root: str) -> None:
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(dir=cache_root)
 
 
-def run(subset: str, jobs: int, archs: tuple[str, ...] = tuple(ARCHS), worker: Callable = _worker) -> list[dict]:
-    """`worker(arch, case, dtype, vocab)` rows for each item of the subset on `archs`, in `jobs` fresh processes."""
+def run(
+    subset: str | list,
+    jobs: int,
+    archs: tuple[str, ...] = tuple(ARCHS),
+    worker: Callable = _worker,
+    item_arch: Callable = lambda item: item[0],
+) -> list[dict]:
+    """`worker(item)` rows for each (arch, case, dtype, vocab) item of the subset (or each item of a list, whose arch
+    `item_arch` gives) on `archs`, in `jobs` fresh processes."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("unset TRITON_INTERPRET: the interpreter replaces the JIT functions that are compiled here")
-    items = [item for item in matrix(subset) if item[0] in archs]
+    items = [item for item in (matrix(subset) if isinstance(subset, str) else subset) if item_arch(item) in archs]
     with tempfile.TemporaryDirectory(prefix="triton-static-") as cache:
         spawn = multiprocessing.get_context("spawn")  # each worker imports triton after _init_worker
         with ProcessPoolExecutor(jobs, mp_context=spawn, initializer=_init_worker, initargs=(cache,)) as pool:

@@ -14,6 +14,7 @@ from the same weights and seed, so they sample the same completions while their 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import tempfile
 import time
@@ -103,6 +104,8 @@ def main() -> None:
     warnings.filterwarnings("ignore", category=UserWarning)
     transformers_logging.set_verbosity_error()
     transformers_logging.disable_progress_bar()
+    quiet_deepspeed = lambda record: record.levelno >= logging.ERROR
+    logging.getLogger("DeepSpeed").addFilter(quiet_deepspeed)  # "Setting accelerator to CPU", as accelerate loads it
 
     tokenizer = build_tokenizer(ALPHABET)
     with tempfile.TemporaryDirectory() as directory:

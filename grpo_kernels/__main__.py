@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from grpo_kernels import __version__
 
 COMMANDS = {
@@ -11,7 +13,15 @@ COMMANDS = {
 }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """The command list; `--version` prints the version alone, `--help` the list; anything else is an error."""
+    args = sys.argv[1:] if argv is None else argv
+    if args == ["--version"]:
+        print(f"grpo-kernels {__version__}")
+        return
+    if args and args != ["--help"] and args != ["-h"]:
+        print(f"error: python -m grpo_kernels takes --version or --help, got {' '.join(args)}", file=sys.stderr)
+        raise SystemExit(2)
     print(f"grpo-kernels {__version__}: fused GRPO loss kernels and a small trainer. Commands:")
     for name, what in COMMANDS.items():
         print(f"  python -m grpo_kernels.{name:<9} {what}")

@@ -39,6 +39,7 @@ TypeError listing the valid ones; a bad value is LossOptions' ValueError).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import inspect
 import math
 import os
@@ -214,7 +215,11 @@ def load(name_or_path: str | os.PathLike) -> Preset:
     else:
         path = Path(name_or_path)
         if not path.is_file():
-            raise ValueError(f"unknown preset {shown(str(name_or_path))}: no such file, and not one of {available()}")
+            close = difflib.get_close_matches(str(name_or_path), available(), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(
+                f"unknown preset {shown(str(name_or_path))}{hint}: no such file, and not one of {available()}"
+            )
         try:
             text, where = path.read_text(encoding="utf-8"), str(path)
         except UnicodeDecodeError as error:

@@ -70,16 +70,18 @@ class DAPOBatchFiller:
     verl semantics (recipe/dapo, spec §6): each `add` is one generation batch. Its kept groups join the training
     batch until `target_groups` prompts are kept. The round that fills the batch keeps only the groups it needs,
     first-come in batch order. If `max_num_gen_batches` > 0 rounds were generated and the batch is still not full,
-    `add` raises ValueError, as verl does. 0 means no limit. After a full batch the filler starts a new one.
+    `add` raises ValueError, as verl does, or with `short_batches` ends the batch with the groups it kept
+    (`generate_more` False, `num_kept` < `target_groups`). 0 means no limit. After a batch the filler starts a new one.
     """
 
-    def __init__(self, target_groups: int, max_num_gen_batches: int = 0) -> None:
+    def __init__(self, target_groups: int, max_num_gen_batches: int = 0, short_batches: bool = False) -> None:
         if target_groups < 1:
             raise ValueError(f"target_groups must be >= 1, got {target_groups}")
         if max_num_gen_batches < 0:
             raise ValueError(f"max_num_gen_batches must be >= 0 (0: no limit), got {max_num_gen_batches}")
         self.target_groups = target_groups
         self.max_num_gen_batches = max_num_gen_batches
+        self.short_batches = short_batches
         self.num_gen_batches = 0
         self.num_kept = 0
 
@@ -95,7 +97,11 @@ class DAPOBatchFiller:
         self.num_gen_batches += 1
         self.num_kept += int(kept.sum())
         num_kept, rounds = self.num_kept, self.num_gen_batches
-        if num_kept < self.target_groups and 0 < self.max_num_gen_batches <= rounds:
+        limit_reached = num_kept < self.target_groups and 0 < self.max_num_gen_batches <= rounds
+        if limit_reached and self.short_batches:
+            self.num_gen_batches = self.num_kept = 0
+            return DAPORound(kept[index], False, num_kept)
+        if limit_reached:
             self.num_gen_batches = self.num_kept = 0
             raise ValueError(
                 f"max_num_gen_batches={self.max_num_gen_batches} generation rounds kept {num_kept} of "

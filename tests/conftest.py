@@ -53,3 +53,20 @@ def launches():
     """The launch counter, reset: tests assert the requested backend ran (or that nothing ran)."""
     backends.launches.clear()
     return backends.launches
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--documented-runs",
+        action="store_true",
+        help="run the docs' commands to completion (tests/test_documented_runs.py: minutes; a step of .ci/run)",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--documented-runs"):
+        return
+    skip = pytest.mark.skip(reason="the documented runs take minutes: pass --documented-runs (a step of .ci/run)")
+    for item in items:
+        if "documented_runs" in item.keywords:
+            item.add_marker(skip)

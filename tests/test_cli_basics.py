@@ -24,10 +24,18 @@ def test_version_on_every_command_and_the_package_lists_its_commands(capsys, mon
         with pytest.raises(SystemExit) as stop:
             runpy.run_module(module, run_name="__main__", alter_sys=True)
         assert (stop.value.code, capsys.readouterr().out) == (0, f"grpo-kernels {grpo_kernels.__version__}\n")
+    monkeypatch.setattr(sys, "argv", ["grpo_kernels"])
     runpy.run_module("grpo_kernels", run_name="__main__")
     out = capsys.readouterr().out
     for command in ("train", "compare", "evaluate"):
         assert sum(f"python -m grpo_kernels.{command} " in line for line in out.splitlines()) == 1
+    monkeypatch.setattr(sys, "argv", ["grpo_kernels", "--version"])
+    runpy.run_module("grpo_kernels", run_name="__main__")
+    assert capsys.readouterr().out == f"grpo-kernels {grpo_kernels.__version__}\n"
+    monkeypatch.setattr(sys, "argv", ["grpo_kernels", "--verison"])
+    with pytest.raises(SystemExit) as stop:
+        runpy.run_module("grpo_kernels", run_name="__main__")
+    assert stop.value.code == 2 and capsys.readouterr().err.startswith("error: python -m grpo_kernels takes --version")
 
 
 def test_runs_without_output_dir_get_new_directories(tmp_path, monkeypatch):
@@ -77,9 +85,7 @@ def test_max_num_gen_batches_sets_the_samplers_limit_and_their_errors_name_it():
     assert SAMPLERS["gpg_valid"](unlimited).max_rounds == 0
     assert parse_args(["--max-num-gen-batches", "50", "--output-dir", "x"]).max_num_gen_batches == 50
     two = dataclasses.replace(config, max_num_gen_batches=2)
-    with pytest.raises(ValueError, match="max_num_gen_batches=2 .*--max-num-gen-batches N raises the limit"):
-        SAMPLERS["dapo_dynamic"](two)(FakeSource([[1.0] * 4] * 2))  # every group all right: none is kept
-    with pytest.raises(ValueError, match="gpg_valid: 2 rounds .*--max-num-gen-batches N raises the limit"):
+    with pytest.raises(ValueError, match=r"gpg_valid: 2 rounds .*--max-num-gen-batches N raises the limit \(0: none"):
         SAMPLERS["gpg_valid"](two)(FakeSource([[1.0] * 4] * 2))
     source = FakeSource([[1.0] * 4] * 25 + [[0.0, 1.0, 0.0, 1.0]])  # past GPG's own 20 rounds, then valid groups
     assert SAMPLERS["gpg_valid"](unlimited)(source).metrics["sampling/rounds"] == 26
@@ -90,3 +96,48 @@ def test_the_step_cap_of_quick_checks(monkeypatch, capsys):
     assert parse_args(["--steps", "300", "--output-dir", "x"]).steps == 3
     assert "GRPO_KERNELS_MAX_STEPS=3: steps 300 capped at 3" in capsys.readouterr().out
     assert parse_args(["--steps", "2", "--output-dir", "x"]).steps == 2
+
+
+def test_dynamic_sampling_that_runs_out_of_rounds_trains_on_what_it_kept(capsys):
+    """A solved task (every group all right) does not stop the run: after max_num_gen_batches rounds the step trains
+    on the groups it kept, or on the last round whole (zero advantages), says so once and logs it every step."""
+    sampler = SAMPLERS["dapo_dynamic"](TrainConfig(prompts_per_step=2, max_num_gen_batches=2))
+    kept_one = sampler(FakeSource([[1.0] * 4, [0.0, 1.0, 1.0, 1.0]]))  # round 2 keeps its first group only
+    assert kept_one.round.scores.rewards.tolist() == [0.0, 1.0]
+    assert kept_one.metrics["sampling/short_batch"] == 1.0 and kept_one.metrics["sampling/groups_kept"] == 1
+    line = capsys.readouterr().out
+    assert "2 generation rounds kept 1 of 2 prompts" in line and "train on the 1 it kept" in line
+    assert "--max-num-gen-batches N sets the limit (0: none; it may change on --resume)" in line
+    kept_none = sampler(FakeSource([[1.0] * 4, [0.0] * 4]))  # nothing kept: the last round, all wrong
+    assert kept_none.round.scores.verdict.tolist() == [False] * 4 and kept_none.metrics["sampling/short_batch"] == 1
+    assert capsys.readouterr().out == ""  # said once
+    full = sampler(FakeSource([[0.0, 1.0, 1.0, 0.0]]))
+    assert full.metrics["sampling/short_batch"] == 0.0 and full.metrics["sampling/rounds"] == 1
+
+
+def test_the_round_limit_may_change_on_resume():
+    from grpo_kernels.trainer.run_dir import config_differences
+
+    saved = parse_args(["--preset", "dapo", "--output-dir", "x"])
+    assert config_differences(saved, dataclasses.replace(saved, max_num_gen_batches=0)) == []
+    assert config_differences(saved, dataclasses.replace(saved, learning_rate=1.0)) != []  # the check still works
+
+
+def test_mistyped_options_and_presets_and_a_missing_run_directory_say_what_was_meant(tmp_path, monkeypatch, capsys):
+    from grpo_kernels.evaluate import main as evaluate_main
+    from grpo_kernels.trainer.cli import run
+
+    with pytest.raises(SystemExit) as stop:
+        parse_args(["--stpes", "3"])
+    assert stop.value.code == 2
+    assert "unrecognized arguments: --stpes 3; did you mean --steps?" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"unknown preset 'dapoo' \(did you mean 'dapo'\?\)"):
+        parse_args(["--preset", "dapoo", "--output-dir", "x"])
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "demo").mkdir(parents=True)
+    with pytest.raises(SystemExit):
+        run(evaluate_main, ["--model", "runs/nope"])
+    assert capsys.readouterr().err == (
+        "error: model 'runs/nope': no such directory (in 'runs': demo); give a run directory or one of its "
+        "checkpoints/step_NNNNNN\n"
+    )

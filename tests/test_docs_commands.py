@@ -19,6 +19,7 @@ import runpy
 import shlex
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,24 +106,19 @@ def _runnable(path: Path) -> list[Command]:
     return [c for c in commands(path) if c.needs is None]
 
 
-@pytest.mark.filterwarnings("ignore:.*found in sys.modules:RuntimeWarning")  # runpy of an imported module
-@pytest.mark.parametrize("path", FILES, ids=lambda p: p.relative_to(ROOT).as_posix())
-def test_documented_commands_run(path, tmp_path, monkeypatch, capsys):
-    """The file's commands, in order, in a fresh directory; training runs capped at MAX_STEPS steps."""
-    runnable = _runnable(path)
-    if not runnable:
-        pytest.skip(f"{path.name}: no command CI can run")
+def run_commands(path: Path, tmp_path: Path, monkeypatch, capsys, skip: Callable[[list[str]], bool]) -> None:
+    """The file's runnable commands, in order, in `tmp_path`, but those `skip` (of the command's words) says were run
+    elsewhere."""
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("GRPO_KERNELS_MAX_STEPS", MAX_STEPS)
     monkeypatch.setenv("PYTHONPATH", str(ROOT))  # bash lines import this checkout
     threads = torch.get_num_threads()
     try:
-        for command in runnable:
+        for command in _runnable(path):
             if command.kind == "python":
                 exec(compile(command.text, command.where, "exec"), {"__name__": "__main__"})
                 continue
             words = shlex.split(command.text, comments=True)
-            if command.text.startswith(REPEATABLE) and shlex.join(words) in _already_run:
+            if skip(words):
                 continue
             status, stderr = _run_shell(command, tmp_path, monkeypatch, capsys)
             _already_run.add(shlex.join(words))
@@ -134,6 +130,20 @@ def test_documented_commands_run(path, tmp_path, monkeypatch, capsys):
                 assert f"error: {expected}" in stderr, f"{command.where}: expected `error: {expected}`, got {stderr}"
     finally:
         torch.set_num_threads(threads)  # the trainer sets its own
+
+
+@pytest.mark.filterwarnings("ignore:.*found in sys.modules:RuntimeWarning")  # runpy of an imported module
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_documented_commands_run(path, tmp_path, monkeypatch, capsys):
+    """The file's commands, in order, in a fresh directory; training runs capped at MAX_STEPS steps."""
+    if not _runnable(path):
+        pytest.skip(f"{path.name}: no command CI can run")
+    monkeypatch.setenv("GRPO_KERNELS_MAX_STEPS", MAX_STEPS)
+    run_commands(path, tmp_path, monkeypatch, capsys, _already_ran)
+
+
+def _already_ran(words: list[str]) -> bool:
+    return shlex.join(words).startswith(REPEATABLE) and shlex.join(words) in _already_run
 
 
 MARKED = [c for path in FILES for c in commands(path) if c.needs is not None]
@@ -148,5 +158,5 @@ def test_marked_commands_say_why_they_are_skipped(command):
 def test_the_extraction_sees_every_kind_of_command():
     readme = commands(ROOT / "README.md")
     assert {c.kind for c in readme} == {"shell", "python"}
-    assert any("--preset dapo --output-dir runs/dapo --steps 300" in c.text and c.needs is None for c in readme)
+    assert any("--preset dapo --output-dir runs/dapo --steps 100" in c.text and c.needs is None for c in readme)
     assert all(c.needs for c in readme if c.text.startswith(("pip ", "python -m pytest")))

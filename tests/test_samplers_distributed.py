@@ -78,7 +78,12 @@ def test_dapo_resamples_an_all_wrong_group_whose_shaped_rewards_differ():
     source = ScriptedSource(None)
     collected = DynamicSampling(target_groups=PROMPTS)(source)
     kept = collected.round
-    assert collected.metrics == {"sampling/groups_generated": 8, "sampling/groups_kept": 4, "sampling/rounds": 2}
+    assert collected.metrics == {
+        "sampling/groups_generated": 8,
+        "sampling/groups_kept": 4,
+        "sampling/rounds": 2,
+        "sampling/short_batch": 0.0,
+    }
     # round 0 keeps prompts 1 and 3 (0 < #correct < G): prompt 0 is all wrong with lengths 1, 2, prompt 2 all right
     assert [kept.prompts[i].text for i in kept.batch.group_ids.unique().tolist()] == ["0:1", "0:3", "1:0", "1:2"]
     assert kept.scores.correct.view(-1, G).sum(1).tolist() == [1, 1, 1, 1]

@@ -72,6 +72,11 @@ def test_dapo_filler_raises_at_max_num_gen_batches_and_zero_means_no_limit():
     filler.add(t([1, 0, 1, 1]), ids([0, 0, 1, 1]))  # 1 kept
     with pytest.raises(ValueError, match=r"max_num_gen_batches=2 generation rounds kept 2 of target_groups=5"):
         filler.add(t([0, 1, 0, 0]), ids([0, 0, 1, 1]))  # 2 kept after 2 rounds
+    short = DAPOBatchFiller(target_groups=5, max_num_gen_batches=2, short_batches=True)
+    short.add(t([1, 0, 1, 1]), ids([0, 0, 1, 1]))
+    ended = short.add(t([0, 1, 0, 0]), ids([0, 0, 1, 1]))  # the limit ends the batch with the 2 groups kept
+    assert (ended.keep.tolist(), ended.generate_more, ended.num_kept) == ([True, True, False, False], False, 2)
+    assert short.add(t([1, 0]), ids([0, 0])).num_kept == 1  # and the next round starts a new batch
     unlimited = DAPOBatchFiller(target_groups=2, max_num_gen_batches=0)
     for _ in range(10):
         assert unlimited.add(t([1, 1]), ids([0, 0])).generate_more

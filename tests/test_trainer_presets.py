@@ -183,13 +183,18 @@ def test_dapo_drops_equal_groups_and_fills_the_batch_over_rounds():
     source = FakeSource([[0.0, 1.0, 0.5, 0.5], [1.0, 1.0, 0.0, 1.0], [0.3, 0.1, 0.0, 0.0]])  # verdict: answer > 0.5
     collected = DynamicSampling(target_groups=2)(source)
     batch = collected.round.batch
-    assert collected.metrics == {"sampling/groups_generated": 4, "sampling/groups_kept": 2, "sampling/rounds": 2}
+    assert collected.metrics == {
+        "sampling/groups_generated": 4,
+        "sampling/groups_kept": 2,
+        "sampling/rounds": 2,
+        "sampling/short_batch": 0.0,
+    }
     assert batch.completions == ["0", "1", "2", "3"]  # round 1's first group, round 2's second
     assert batch.group_ids.tolist() == [0, 0, 3, 3] and collected.round.scores.rewards.tolist() == [0.0, 1.0, 0.0, 1.0]
     assert batch.prompt_mask.tolist() == [[False, True]] * 2 + [[True, True]] * 2  # round 1 left-padded
     assert batch.completion_ids.shape == (4, 3) and not batch.completion_mask[:2, 2].any()  # right-padded
-    with pytest.raises(ValueError, match="max_num_gen_batches=2"):
-        DynamicSampling(target_groups=2, max_num_gen_batches=2)(FakeSource([[1.0] * 4] * 2))
+    short = DynamicSampling(target_groups=2, max_num_gen_batches=2)(FakeSource([[1.0] * 4] * 2))
+    assert short.metrics["sampling/short_batch"] == 1.0 and short.metrics["sampling/groups_kept"] == 0  # not an error
 
 
 def test_gpg_resamples_until_enough_valid_rows_and_weighs_them_by_alpha():

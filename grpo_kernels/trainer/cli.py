@@ -9,7 +9,9 @@ instead. Warnings (a checkpoint skipped as unreadable, ...) print as one `warnin
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
+import re
 import sys
 import warnings
 from collections.abc import Callable, Sequence
@@ -35,8 +37,17 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         message = message if len(message) <= MAX_ERROR else message[: MAX_ERROR - 3] + "..."
-        print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
+        print(f"error: {message}{self._did_you_mean(message)} (see {self.prog} --help)", file=sys.stderr)
         sys.exit(EXIT_USER_ERROR)
+
+    def _did_you_mean(self, message: str) -> str:
+        """`; did you mean --steps?` for an unknown option close to a known one, else ''."""
+        unknown = re.search(r"unrecognized arguments: (--?[\w-]+)", message)
+        if unknown is None:
+            return ""
+        options = [option for action in self._actions for option in action.option_strings]
+        close = difflib.get_close_matches(unknown.group(1), options, n=1)
+        return f"; did you mean {close[0]}?" if close else ""
 
 
 def run(command: Callable[[Sequence[str]], object], argv: Sequence[str] | None = None) -> None:

@@ -66,7 +66,14 @@ def require_sources(model: str, dataset: str) -> None:
 def require_model(name: str) -> None:
     """`require_hub` for a model name that is not a local directory (a Hub id such as "Qwen/Qwen2.5-0.5B")."""
     hub_id = not name.startswith((".", "/", "~")) and name.count("/") <= 1
-    if hub_id and not Path(name).expanduser().exists():
+    path = Path(name).expanduser()
+    if hub_id and not path.exists() and "/" in name and path.parent.is_dir():  # runs/nope beside runs/: a local path
+        raise FileNotFoundError(
+            f"model {name!r}: no such directory (in {str(path.parent)!r}: "
+            f"{', '.join(sorted(p.name for p in path.parent.iterdir())[:10]) or 'nothing'}); give a run directory "
+            "or one of its checkpoints/step_NNNNNN"
+        )
+    if hub_id and not path.exists():
         local = f"no directory {name!r} either; give a local model directory (a run's checkpoints/step_NNNNNN, "
         local += "or for evaluate the run directory)"
         require_hub(f"model {name!r}", name, "model", local)

@@ -30,13 +30,15 @@ from grpo_kernels.trainer.logging import METRICS_FILE
 from grpo_kernels.trainer.parallel import ParallelState
 
 CONFIG_FILE = "config.yaml"  # <output_dir>/config.yaml: the run's configuration, what --resume continues with
-# the options a resumed run may change (where it stops, how it logs); any other difference is an error
+# the options a resumed run may change (where it stops, how it logs, how long dynamic sampling tries); any other
+# difference is an error
 RESUMABLE = (
     "output_dir",
     "resume",
     "overwrite",
     "start_if_no_checkpoint",
     "steps",
+    "max_num_gen_batches",
     "skip_nonfinite_steps",
     "checkpoint_every",
     "final_checkpoint",

@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from grpo_kernels.groups import group_first, group_index
 from grpo_kernels.sampling import DAPOBatchFiller, gpg_valid, xrpo_allocate
 from grpo_kernels.trainer.parallel import ParallelState
 from grpo_kernels.trainer.rollout import RolloutBatch
@@ -34,7 +35,7 @@ from grpo_kernels.trainer.tasks import Prompt, RewardBatch
 # batch (gen_prompt_bsz = 3 · train_prompt_bsz); a round here draws one training batch of prompts, so 30 rounds
 MAX_NUM_GEN_BATCHES = 30
 GPG_MAX_ROUNDS = 20  # GPG: resampling rounds before giving up (AMAP-ML/GPG's `max_gen`)
-RAISE_LIMIT = "--max-num-gen-batches N raises the limit (0: none), or the task may suit a higher --learning-rate"
+RAISE_LIMIT = "--max-num-gen-batches N raises the limit (0: none; it may change on --resume)"
 GLOBAL_SAMPLERS = ("dapo_dynamic", "gpg_valid")  # decide on the rounds of every rank (data parallelism)
 
 
@@ -88,10 +89,16 @@ class DynamicSampling:
     """DAPO dynamic sampling (`dapo_dynamic`, arXiv:2503.14476 §3.2): keep the groups with 0 < #correct < G (the
     task's verdicts, DAPO's `acc`: an all-wrong group is dropped whatever its shaped rewards) and generate more
     rounds until `target_groups` prompts are kept over all ranks (`DAPOBatchFiller`, verl's semantics: the filling
-    round keeps the groups it needs; after `max_num_gen_batches` rounds it is a ValueError)."""
+    round keeps the groups it needs).
+
+    After `max_num_gen_batches` rounds without a full batch, verl stops the run; here the step trains on the groups
+    it kept, and on the last round whole where it kept none (every group all right or all wrong: zero advantages, so
+    only the regularizers move the policy, as plain GRPO would do). A run whose task is solved, where few groups
+    differ, thus still finishes. The first such step prints one line; every step logs `sampling/short_batch`."""
 
     def __init__(self, target_groups: int, max_num_gen_batches: int = MAX_NUM_GEN_BATCHES) -> None:
-        self.filler = DAPOBatchFiller(target_groups, max_num_gen_batches)
+        self.filler = DAPOBatchFiller(target_groups, max_num_gen_batches, short_batches=True)
+        self.short_batches = 0
 
     def __call__(self, source: Source) -> Collected:
         parallel = getattr(source, "parallel", None)
@@ -99,15 +106,31 @@ class DynamicSampling:
         while True:
             round = gather_round(source.generate(source.draw(), source.num_generations), parallel)
             generated += round.num_groups
-            try:
-                verdict = self.filler.add(round.scores.verdict, round.batch.group_ids.cpu())
-            except ValueError as error:
-                raise ValueError(f"{error}; {RAISE_LIMIT}") from None
+            verdict = self.filler.add(round.scores.verdict, round.batch.group_ids.cpu())
             kept.append(select(round, verdict.keep))
             if not verdict.generate_more:
                 break
+        short = verdict.num_kept < self.filler.target_groups
+        batch = concat(kept) if verdict.num_kept else round
+        if short:
+            batch = _even_groups(batch, round, parallel)
+            self._say_short(verdict.num_kept, parallel)
         metrics = {"sampling/groups_generated": generated, "sampling/groups_kept": verdict.num_kept}
-        return Collected(local_share(concat(kept), parallel), None, {**metrics, "sampling/rounds": len(kept)})
+        metrics |= {"sampling/rounds": len(kept), "sampling/short_batch": float(short)}
+        return Collected(local_share(batch, parallel), None, metrics)
+
+    def _say_short(self, num_kept: int, parallel: ParallelState | None) -> None:
+        self.short_batches += 1
+        if self.short_batches == 1 and (parallel is None or parallel.is_main):
+            filler = self.filler
+            trains_on = f"the {num_kept} it kept" if num_kept else "the last round's, whose advantages are all zero"
+            print(
+                f"dynamic sampling: {filler.max_num_gen_batches} generation rounds kept {num_kept} of "
+                f"{filler.target_groups} prompts (most groups are all right or all wrong: the task may be solved, or "
+                f"too hard); this step and any like it train on {trains_on} (logged as sampling/short_batch). "
+                f"--max-num-gen-batches N sets the limit (0: none; it may change on --resume)",
+                flush=True,
+            )
 
 
 class GPGResampling:
@@ -186,6 +209,19 @@ def gather_round(round: Round, parallel: ParallelState | None) -> Round:
     device = round.batch.group_ids.device
     fields = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in vars(merged.batch).items()}
     return Round(merged.prompts, RolloutBatch(**fields), merged.scores)
+
+
+def _even_groups(short: Round, last: Round, parallel: ParallelState | None) -> Round:
+    """A short batch's first groups, as many as split evenly over the ranks; the last (global) round whole where
+    there are fewer groups than ranks."""
+    if parallel is None or parallel.world_size == 1:
+        return short
+    groups = short.batch.group_ids.cpu()  # [B]
+    firsts = group_first(group_index(groups, len(groups))).sort().values  # [P] each group's first row, batch order
+    count = len(firsts) // parallel.world_size * parallel.world_size
+    if count == 0:
+        return last
+    return select(short, torch.isin(groups, groups[firsts[:count]]))
 
 
 def local_share(round: Round, parallel: ParallelState | None) -> Round:

@@ -167,7 +167,8 @@ def _next_tile(ptrs, BLOCK_V: tl.constexpr):
 @triton.jit
 def _fold(v, v_mean, st, k, WITH_ENTROPY: tl.constexpr, WITH_SUM_SQ: tl.constexpr, WITH_MEAN: tl.constexpr):
     """Fold a tile v [ROWS, VEC] (masked entries −inf; v_mean: 0 there) into its tile rows' statistics
-    st = (m, s, t, Σ e², Σ v), each [ROWS], relative to m."""
+    st = (m, s, t, Σ e², Σ v): m, s, t, Σ e² [ROWS], relative to m; Σ v [ROWS], or [ROWS, VEC] for float32 logits
+    (`_mean_start`)."""
     m, s, t, sq, vsum = st
     m_new = tl.maximum(m, tl.max(v, axis=1))
     dm = (m - m_new) * k
@@ -179,7 +180,10 @@ def _fold(v, v_mean, st, k, WITH_ENTROPY: tl.constexpr, WITH_SUM_SQ: tl.constexp
     if WITH_SUM_SQ:
         sq = sq * (scale * scale) + tl.sum(e * e, axis=1)
     if WITH_MEAN:
-        vsum += tl.sum(v_mean, axis=1)
+        if len(vsum.shape) == 2:
+            vsum += v_mean
+        else:
+            vsum += tl.sum(v_mean, axis=1)
     return m_new, s * scale + tl.sum(e, axis=1), t, sq, vsum
 
 
@@ -215,7 +219,7 @@ def _range_stats(row_ptr, c0, c1, target, k, a2, b2, HAS_SOFTCAP: tl.constexpr, 
     pos = tl.arange(0, ROWS)[:, None] * VEC + tl.arange(0, VEC)[None, :]  # [ROWS, VEC] column in a tile, int32
     ninf = tl.full((ROWS,), -float("inf"), tl.float32)
     zero = tl.zeros((ROWS,), tl.float32)
-    st = (tl.full((ROWS,), _FLOAT32_LOWEST, tl.float32), zero, zero, zero, zero)
+    st = (tl.full((ROWS,), _FLOAT32_LOWEST, tl.float32), zero, zero, zero, _mean_start(row_ptr, ROWS, VEC))
     top = (ninf, ninf)
     head = ((-(row_ptr + c0).to(tl.int64)) & 15).to(tl.int32) // (16 // VEC)  # columns before a 16-byte boundary
     body = c0 + head  # that boundary (past c1 in a range shorter than the head)
@@ -247,12 +251,33 @@ def _range_stats(row_ptr, c0, c1, target, k, a2, b2, HAS_SOFTCAP: tl.constexpr, 
         HAS_SOFTCAP, WITH_ENTROPY, WITH_SUM_SQ, WITH_MEAN, WITH_TOP1,
     )  # fmt: skip
     ninf, zero = tl.full((1,), -float("inf"), tl.float32), tl.zeros((1,), tl.float32)
-    rest = ((tl.full((1,), _FLOAT32_LOWEST, tl.float32), zero, zero, zero, zero), (ninf, ninf))
+    rest = (tl.full((1,), _FLOAT32_LOWEST, tl.float32), zero, zero, zero, _mean_start(row_ptr, 1, VEC))
     rest = _fold_masked(
-        row_ptr + c0, tl.arange(0, VEC)[None, :], tl.minimum(head, c1 - c0), target - c0, rest, k, a2, b2,
-        HAS_SOFTCAP, WITH_ENTROPY, WITH_SUM_SQ, WITH_MEAN, WITH_TOP1,
+        row_ptr + c0, tl.arange(0, VEC)[None, :], tl.minimum(head, c1 - c0), target - c0, (rest, (ninf, ninf)),
+        k, a2, b2, HAS_SOFTCAP, WITH_ENTROPY, WITH_SUM_SQ, WITH_MEAN, WITH_TOP1,
     )  # fmt: skip
-    return _merged_pair(_merged(st, top, k), _merged(rest[0], rest[1], k), k)
+    return _merged_pair(_merged(_summed_mean(st), top, k), _merged(_summed_mean(rest[0]), rest[1], k), k)
+
+
+@triton.jit
+def _mean_start(row_ptr, ROWS: tl.constexpr, VEC: tl.constexpr):
+    """Σ v's start: [ROWS], or for float32 logits [ROWS, VEC], summed over VEC after the loops (`_summed_mean`). A
+    tile's sum added to a loop-carried [ROWS] is what triton 3.6 and 3.7's thread-locality pass rewrites this way where
+    the tile is a plain load (float32), and that pass fails once the top-1 loops follow."""
+    if row_ptr.dtype.element_ty == tl.float32:
+        vsum = tl.zeros((ROWS, VEC), tl.float32)
+    else:
+        vsum = tl.zeros((ROWS,), tl.float32)
+    return vsum
+
+
+@triton.jit
+def _summed_mean(st):
+    """`_fold`'s statistics with Σ v [ROWS], as the others."""
+    m, s, t, sq, vsum = st
+    if len(vsum.shape) == 2:
+        vsum = tl.sum(vsum, axis=1)
+    return m, s, t, sq, vsum
 
 
 @triton.jit
