@@ -31,3 +31,15 @@ def test_checkpoint_and_eval_options_leave_the_numbers_unchanged(tmp_path):
         "logging": ("--eval-every", "2", "--progress-every", "1", "--checkpoint-every", "2"),
     }.items():
         assert training_numbers(tmp_path / name, *flags) == default, name
+
+
+def test_the_demo_is_the_grpo_preset(tmp_path):
+    """The demo (no --preset) and `--preset grpo` train alike: the preset only writes the advantages' ε, at its
+    default, into the run's config."""
+    small = ["--steps", "2", "--prompts-per-step", "4", "--num-generations", "4", "--no-plot", "--no-progress"]
+
+    def numbers(name: str, *flags: str) -> list[dict]:
+        history = train(parse_args([*small, "--output-dir", str(tmp_path / name), *flags]))
+        return [{k: v for k, v in m.items() if k not in TIMING} for m in history]
+
+    assert numbers("preset", "--preset", "grpo") == numbers("demo")
