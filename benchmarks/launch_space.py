@@ -30,7 +30,7 @@ def _name(op: str, flags: list[str]) -> str:
 
 def _epilogues() -> dict[str, dict]:
     """Epilogue name -> `static_report._grpo_loss_fwd` keywords: each policy kind, each KL estimator, each flag."""
-    from grpo_kernels.kernels.grpo_loss_triton import EPILOGUES, KL_KINDS
+    from grpo_kernels.kernels.triton.grpo_loss import EPILOGUES, KL_KINDS
 
     out = {kind: {"kind": kind} for kind in EPILOGUES}
     out |= {f"clip,kl={kl}": {"kind": "clip", "beta": 0.04, "kl_estimator": kl} for kl in KL_KINDS}

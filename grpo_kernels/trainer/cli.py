@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 from grpo_kernels import __version__
+from grpo_kernels.trainer import run_names
 
 USER_ERRORS = (ValueError, TypeError, OSError, ImportError)  # a bad option, a missing file, a missing package
 EXIT_USER_ERROR = 2  # argparse's status for a bad command line
@@ -63,6 +64,7 @@ def run(command: Callable[[Sequence[str]], object], argv: Sequence[str] | None =
         try:
             command(argv)
         except USER_ERRORS as error:
+            run_names.release_unused()
             print(f"error: {one_line(error)}", file=sys.stderr)
             sys.exit(EXIT_USER_ERROR)
         except KeyboardInterrupt as interrupt:  # a command may say what it kept and how to continue

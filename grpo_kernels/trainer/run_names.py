@@ -3,6 +3,7 @@ run never collides with the first; `--resume` needs the directory named, and its
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
 import time
@@ -10,6 +11,7 @@ from pathlib import Path
 
 RUNS = "runs"  # the folder (in the working directory) that holds the runs named here
 CONFIG_FILE = "config.yaml"  # what marks a run directory (run_dir.CONFIG_FILE)
+_NAMED: list[Path] = []  # the run directories `new_run_dir` created in this process
 MAX_STEPS_VARIABLE = "GRPO_KERNELS_MAX_STEPS"  # caps every run's --steps (quick checks of documented commands)
 
 
@@ -20,15 +22,34 @@ def new_run_dir(name: str, root: str | Path = RUNS) -> str:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ValueError("under torchrun give --output-dir: every rank must write into the same run directory")
     base = Path(root) / f"{name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
-    base.parent.mkdir(parents=True, exist_ok=True)
     path, number = base, 1
     while True:
         try:
             path.mkdir()
-            return str(path)
+        except FileNotFoundError:  # no `root` yet (or another process just removed its empty one)
+            base.parent.mkdir(parents=True, exist_ok=True)
+            continue
         except FileExistsError:
             number += 1
             path = base.with_name(f"{base.name}-{number}")
+            continue
+        if not _NAMED:
+            atexit.register(release_unused)
+        _NAMED.append(path)
+        return str(path)
+
+
+def release_unused() -> None:
+    """Remove the run directories this process named and left empty, and their `runs/` where that leaves it empty:
+    a command that fails before its run starts (a bad option, a missing model) leaves nothing behind. A run that
+    started holds its lock file there, so it is never removed. Called on a user error and at exit."""
+    while _NAMED:
+        path = _NAMED.pop()
+        for folder in (path, path.parent):
+            try:
+                folder.rmdir()  # only an empty directory
+            except OSError:
+                break
 
 
 def latest_run_dir(root: str | Path = RUNS) -> Path | None:
