@@ -179,7 +179,7 @@ class LossOptions:
     @classmethod
     def from_kwargs(cls, **kwargs) -> LossOptions:
         """Build from keyword arguments; an unknown name is a TypeError listing the valid ones."""
-        names = {f.name for f in dataclasses.fields(cls)}
+        names = OPTION_NAMES
         unknown = sorted(set(kwargs) - names)
         if unknown:
             hints = [f"{name!r}: did you mean {close[0]!r}?" for name in unknown if (close := _closest(name, names))]
@@ -187,6 +187,9 @@ class LossOptions:
             raise TypeError(f"unknown loss option(s) {shown(unknown)}{hint}; valid options are {sorted(names)}")
         check_epsilon_names(kwargs)
         return cls(**kwargs)
+
+
+OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(LossOptions))  # a constant: compiled code reads it
 
 
 def _closest(name: str, names: set[str]) -> list[str]:

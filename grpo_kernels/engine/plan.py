@@ -129,12 +129,13 @@ def build_plan(*, source: Source, tensors: TokenTensors, request: Request, optio
                 check_finite=request.check_finite,
                 sequence_group=request.sequence_group,
             )
-        if source.weight is not None and not setup.all_rows:
+        gather = source.weight is not None and not setup.all_rows and not torch.compiler.is_compiling()
+        if gather:  # compiled, every row runs masked: a count read on the host would break the graph
             reads.read(mask.sum())  # the fused lm_head's kept-row count sizes its gather
     targets, invalid = safe_targets(targets.long(), mask, setup.vocab, request.check_finite)
     kept = None
     if source.weight is not None:
-        kept = KeptRows.of(mask, None if setup.all_rows else reads.numbers[0])
+        kept = KeptRows.of(mask, reads.numbers[0] if gather else None)
     needs_entropy = loss and (options.top_entropy_quantile < 1.0 or options.entropy_coef != 0.0)
     memory_mode = _memory_mode(source, request, setup, kept)
     opts = PassOptions(
