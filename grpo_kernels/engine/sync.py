@@ -50,6 +50,15 @@ def one_sync(enabled: bool = True) -> Iterator[ValueReads]:
     numbers asked by `ValueReads.read`, in one host sync on leaving, raising the first failed check's error.
     `enabled=False` skips the value checks (nothing is read unless a number was asked: no sync at all). An error
     raised inside (a shape or dtype check) leaves at once and reads nothing."""
+    with queued(enabled) as reads:
+        yield reads
+    read_queued(reads)
+
+
+@contextlib.contextmanager
+def queued(enabled: bool = True) -> Iterator[ValueReads]:
+    """`one_sync` without the read: the caller calls `read_queued` after the block. Under torch.compile the read,
+    outside the block, is where the graph breaks (a break inside a block would stop the compiler from tracing it)."""
     reads = ValueReads(enabled)
     if torch.compiler.is_compiling():
         _TRACED.append(reads)
@@ -63,6 +72,10 @@ def one_sync(enabled: bool = True) -> Iterator[ValueReads]:
             yield reads
         finally:
             READS.reset(token)
+
+
+def read_queued(reads: ValueReads) -> None:
+    """Read a block's queued checks and asked numbers with one host sync; raise the first failed check's error."""
     values = _read_once([flag for flag, _ in reads.checks] + reads.asked)
     for value, (_, fail) in zip(values, reads.checks, strict=False):
         if value:

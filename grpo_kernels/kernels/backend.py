@@ -29,6 +29,8 @@ def count_launch(name: str, passes: int = 1) -> None:
     side effect of the traced call that its graph does not hold."""
     if not torch.compiler.is_compiling():
         launches[name] += passes
+
+
 _loaded: dict[tuple[str, str], object] = {}
 
 
