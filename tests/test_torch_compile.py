@@ -1,15 +1,15 @@
-"""`torch.compile` over a small model and `grpo_loss` / `fused_linear_grpo_loss`: the same loss and gradients as
-eager, and the graph breaks counted.
+"""`torch.compile` over a small model and `grpo_loss` / `fused_linear_grpo_loss`: the same loss and gradients as eager,
+and the graph breaks counted.
 
-With check_finite=False (the capture-friendly mode; memory="auto") a call compiles whole, 0 graph breaks, measured
-with torch 2.13: the loss options are built from a constant list of names, the value-check block keeps its queue
-where the compiler sees it, the free host memory (memory="auto") and a backend module's import are read once while
-tracing, the torch pass takes every row's logsumexp where its target's log-prob is below −32 instead of reading that
-test on the host, and the fused lm_head runs every row masked instead of reading the kept-row count. With
-check_finite=True the value checks' one host read is the one break (the pass's row check, a second read in eager,
-gives way under compile to the unchecked mode's NaN loss over a non-finite row). Inductor compiles every graph with the host C++ compiler, so its test costs about a minute of CPU on two
-cores, whatever the model's size; the count test compiles with "aot_eager" (no code generated). The model is the
-smallest that has an embedding, a layer and a head.
+With check_finite=False (the capture-friendly mode; memory="auto") a call compiles whole, 0 graph breaks, measured with
+torch 2.13: the loss options are built from a constant list of names, the value-check block keeps its queue where the
+compiler sees it, the free host memory (memory="auto") and a backend module's import are read once while tracing, the
+torch pass takes every row's logsumexp where its target's log-prob is below −32 instead of reading that test on the
+host, and the fused lm_head runs every row masked instead of reading the kept-row count. With check_finite=True the
+value checks' one host read is the one break (the pass's row check, a second read in eager, gives way under compile to
+the unchecked mode's NaN loss over a non-finite row). Inductor compiles every graph with the host C++ compiler, so its
+test costs about a minute of CPU on two cores, whatever the model's size; the count test compiles with "aot_eager" (no
+code generated). The model is the smallest that has an embedding, a layer and a head.
 """
 
 import pytest
@@ -68,8 +68,6 @@ def test_inductor_matches_eager_and_counts_graph_breaks(tmp_path, monkeypatch):
     reasons = "\n".join(f"{n} x {r.splitlines()[0]}" for r, n in counters["graph_break"].items())
     assert breaks <= GRAPH_BREAKS, f"{breaks} graph breaks, {GRAPH_BREAKS} measured before:\n{reasons}"
     dynamo.reset()
-
-
 
 
 @pytest.mark.parametrize("check_finite", [False, True])
