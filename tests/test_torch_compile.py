@@ -46,52 +46,44 @@ def _problem(function: str = "fused_linear_grpo_loss", check_finite: bool = Fals
     return model, ids, step
 
 
-def test_inductor_matches_eager_and_counts_graph_breaks(tmp_path, monkeypatch):
+def _graph_breaks_against_eager(model, ids, step, compile_step) -> tuple[int, str]:
+    """Run `step` eagerly and `compile_step(step)`, forward and backward: the same loss and gradients; the graph
+    breaks counted while compiling, and their reasons."""
     dynamo = pytest.importorskip("torch._dynamo")
     from torch._dynamo.utils import counters
 
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # no cache of an earlier run
-    model, ids, step = _problem()
     params = list(model.parameters())
     eager_loss = step(ids)
     eager_grads = torch.autograd.grad(eager_loss, params)
     dynamo.reset()
     counters.clear()
-    with torch._inductor.config.patch(compile_threads=1):  # no worker pool to start on a 2-core machine
-        compiled = torch.compile(step, backend="inductor")
-        loss = compiled(ids)
-        grads = torch.autograd.grad(loss, params)
-    torch.testing.assert_close(loss, eager_loss, rtol=1e-6, atol=1e-7)
-    for name, got, want in zip(("embed", "layer.weight", "layer.bias", "head"), grads, eager_grads, strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"grad {n}: {m}")
-    breaks = sum(counters["graph_break"].values())
-    reasons = "\n".join(f"{n} x {r.splitlines()[0]}" for r, n in counters["graph_break"].items())
-    assert breaks <= GRAPH_BREAKS, f"{breaks} graph breaks, {GRAPH_BREAKS} measured before:\n{reasons}"
-    dynamo.reset()
-
-
-@pytest.mark.parametrize("check_finite", [False, True])
-@pytest.mark.parametrize("function", ["grpo_loss", "fused_linear_grpo_loss"])
-def test_compiled_call_matches_eager_and_counts_graph_breaks(function, check_finite):
-    dynamo = pytest.importorskip("torch._dynamo")
-    from torch._dynamo.utils import counters
-
-    model, ids, step = _problem(function, check_finite)
-    params = list(model.parameters())
-    eager_loss = step(ids)
-    eager_grads = torch.autograd.grad(eager_loss, params)
-    dynamo.reset()
-    counters.clear()
-    # checked, the value checks' one host read is the graph's one break; by default the compiler counts it once per
-    # frame it is nested in (the step, the public function, the plan builder: 3), resumed inside the frame, once
-    with dynamo.config.patch(nested_graph_breaks=check_finite):
-        loss = torch.compile(step, backend="aot_eager")(ids)
+    loss = compile_step(step)(ids)
     grads = torch.autograd.grad(loss, params)
     torch.testing.assert_close(loss, eager_loss, rtol=1e-6, atol=1e-7)
     for name, got, want in zip(("embed", "layer.weight", "layer.bias", "head"), grads, eager_grads, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"grad {n}: {m}")
     breaks = sum(counters["graph_break"].values())
     reasons = "\n".join(f"{n} x {r.splitlines()[0]}" for r, n in counters["graph_break"].items())
+    dynamo.reset()
+    return breaks, reasons
+
+
+def test_inductor_matches_eager_and_counts_graph_breaks(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # no cache of an earlier run
+    with torch._inductor.config.patch(compile_threads=1):  # no worker pool to start on a 2-core machine
+        breaks, reasons = _graph_breaks_against_eager(*_problem(), lambda step: torch.compile(step, backend="inductor"))
+    assert breaks <= GRAPH_BREAKS, f"{breaks} graph breaks, {GRAPH_BREAKS} measured before:\n{reasons}"
+
+
+@pytest.mark.parametrize("check_finite", [False, True])
+@pytest.mark.parametrize("function", ["grpo_loss", "fused_linear_grpo_loss"])
+def test_compiled_call_matches_eager_and_counts_graph_breaks(function, check_finite):
+    dynamo = pytest.importorskip("torch._dynamo")
+    # checked, the value checks' one host read is the graph's one break; by default the compiler counts it once per
+    # frame it is nested in (the step, the public function, the plan builder: 3), resumed inside the frame, once
+    with dynamo.config.patch(nested_graph_breaks=check_finite):
+        breaks, reasons = _graph_breaks_against_eager(
+            *_problem(function, check_finite), lambda step: torch.compile(step, backend="aot_eager")
+        )
     expected = 1 if check_finite else 0
     assert breaks <= expected, f"{breaks} graph breaks, {expected} measured before:\n{reasons}"
-    dynamo.reset()
