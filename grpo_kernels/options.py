@@ -180,7 +180,7 @@ class LossOptions:
     @classmethod
     def from_kwargs(cls, **kwargs) -> LossOptions:
         """Build from keyword arguments; an unknown name is a TypeError listing the valid ones."""
-        names = {f.name for f in dataclasses.fields(cls)}
+        names = OPTION_NAMES
         unknown = sorted(map(str, set(kwargs) - names))
         if unknown:
             first = unknown[:SHOWN_NAMES]  # a hint for each of the first few only: bounded work and message
@@ -191,6 +191,7 @@ class LossOptions:
         return cls(**kwargs)
 
 
+OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(LossOptions))  # a constant: compiled code reads it
 SHOWN_NAMES = 5  # unknown names an error lists (then their count)
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from grpo_kernels.engine.sync import READS, check_value, one_sync
+from grpo_kernels.engine.sync import check_value, one_sync, open_reads
 from grpo_kernels.tensor_checks import raise_first
 
 # Non-finite values (`check_finite=True`). A kept token's values must be finite; padding may hold anything, NaN
@@ -22,7 +22,7 @@ def check_finite_at_kept(named: Sequence[tuple[str, Tensor | None, Tensor]]) -> 
     set, with the value and its index in x; None tensors pass. Value checks (see `one_sync`): one host sync for all
     of them, also when called alone."""
     with contextlib.ExitStack() as stack:
-        if READS.get() is None:
+        if open_reads() is None:
             stack.enter_context(one_sync())
         for name, x, kept in named:
             if x is not None:

@@ -39,6 +39,12 @@ def available_bytes(device: torch.device) -> int | None:
     """Free memory of the device (CPU: available physical pages); None inside a CUDA graph capture (not asked)."""
     if device.type == "cuda":
         return None if torch.cuda.is_current_stream_capturing() else torch.cuda.mem_get_info(device)[0]
+    return _host_available_bytes()
+
+
+@torch.compiler.assume_constant_result
+def _host_available_bytes() -> int:
+    """The host's available physical memory; torch.compile reads it once while tracing (a call it cannot trace)."""
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 

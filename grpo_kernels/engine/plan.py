@@ -117,7 +117,7 @@ def build_plan(*, source: Source, tensors: TokenTensors, request: Request, optio
     setup = _setup(source, rows, request)
     device = source.x.device
     inputs = None
-    with sync.one_sync(request.check_finite) as reads:
+    with sync.queued(request.check_finite) as reads:
         layout, targets, mask = layout.checked_tokens(tensors.targets, tensors.mask, setup.vocab, device)
         if loss:
             inputs = LossInputs.check(
@@ -129,12 +129,14 @@ def build_plan(*, source: Source, tensors: TokenTensors, request: Request, optio
                 check_finite=request.check_finite,
                 sequence_group=request.sequence_group,
             )
-        if source.weight is not None and not setup.all_rows:
+        gather = source.weight is not None and not setup.all_rows and not torch.compiler.is_compiling()
+        if gather:  # compiled, every row runs masked: a count read on the host would break the graph
             reads.read(mask.sum())  # the fused lm_head's kept-row count sizes its gather
+    sync.read_queued(reads)  # the call's one host sync
     targets, invalid = safe_targets(targets.long(), mask, setup.vocab, request.check_finite)
     kept = None
     if source.weight is not None:
-        kept = KeptRows.of(mask, None if setup.all_rows else reads.numbers[0])
+        kept = KeptRows.of(mask, reads.numbers[0] if gather else None)
     needs_entropy = loss and (options.top_entropy_quantile < 1.0 or options.entropy_coef != 0.0)
     memory_mode = _memory_mode(source, request, setup, kept)
     opts = PassOptions(
@@ -149,8 +151,8 @@ def build_plan(*, source: Source, tensors: TokenTensors, request: Request, optio
         tile=setup.tile,
         head_precision=request.head_precision,
         with_entropy=request.with_entropy or needs_entropy,
-        row_check=finite.row_check(
-            request.check_finite,
+        row_check=finite.row_check(  # compiled: unchecked rows give a NaN loss; a second host read would break
+            request.check_finite and not torch.compiler.is_compiling(),
             linear=source.weight is not None,
             position=layout.position(None if kept is None else kept.index),
             loss=loss,

@@ -32,6 +32,16 @@ class ValueReads:
 
 
 READS: contextvars.ContextVar[ValueReads | None] = contextvars.ContextVar("grpo_kernels_value_reads", default=None)
+# Under torch.compile the open blocks live in this stack instead: the compiler traces one thread at a time and cannot
+# trace a ContextVar (each use would break the graph).
+_TRACED: list[ValueReads] = []
+
+
+def open_reads() -> ValueReads | None:
+    """The innermost open `one_sync` block's reads, or None outside every block."""
+    if torch.compiler.is_compiling():
+        return _TRACED[-1] if _TRACED else None
+    return READS.get()
 
 
 @contextlib.contextmanager
@@ -40,12 +50,32 @@ def one_sync(enabled: bool = True) -> Iterator[ValueReads]:
     numbers asked by `ValueReads.read`, in one host sync on leaving, raising the first failed check's error.
     `enabled=False` skips the value checks (nothing is read unless a number was asked: no sync at all). An error
     raised inside (a shape or dtype check) leaves at once and reads nothing."""
-    reads = ValueReads(enabled)
-    token = READS.set(reads)
-    try:
+    with queued(enabled) as reads:
         yield reads
-    finally:
-        READS.reset(token)
+    read_queued(reads)
+
+
+@contextlib.contextmanager
+def queued(enabled: bool = True) -> Iterator[ValueReads]:
+    """`one_sync` without the read: the caller calls `read_queued` after the block. Under torch.compile the read,
+    outside the block, is where the graph breaks (a break inside a block would stop the compiler from tracing it)."""
+    reads = ValueReads(enabled)
+    if torch.compiler.is_compiling():
+        _TRACED.append(reads)
+        try:
+            yield reads
+        finally:
+            _TRACED.pop()
+    else:
+        token = READS.set(reads)
+        try:
+            yield reads
+        finally:
+            READS.reset(token)
+
+
+def read_queued(reads: ValueReads) -> None:
+    """Read a block's queued checks and asked numbers with one host sync; raise the first failed check's error."""
     values = _read_once([flag for flag, _ in reads.checks] + reads.asked)
     for value, (_, fail) in zip(values, reads.checks, strict=False):
         if value:
@@ -68,7 +98,7 @@ def _read_once(xs: list[Tensor]) -> list[int]:
 
 def check_value(bad: Tensor, fail: Callable[[], None]) -> None:
     """A value check: `bad` a 0-dim bool tensor (set: failed), `fail` raises its error."""
-    reads = READS.get()
+    reads = open_reads()
     if reads is None:
         if bool(bad):
             fail()

@@ -5,6 +5,7 @@ which backend ran). `kernels/README.md` says how to add one."""
 from __future__ import annotations
 
 import importlib
+import sys
 from collections import Counter
 
 import torch
@@ -21,6 +22,15 @@ CAPABILITIES: dict[str, Capabilities] = {r.name: r for r in (torch_backend.RECOR
 
 
 BACKENDS = ("auto", *CAPABILITIES)
+
+
+def count_launch(name: str, passes: int = 1) -> None:
+    """Count `passes` launches of `name` in `launches`; not while torch.compile traces, where the count would be a
+    side effect of the traced call that its graph does not hold."""
+    if not torch.compiler.is_compiling():
+        launches[name] += passes
+
+
 _loaded: dict[tuple[str, str], object] = {}
 
 
@@ -33,10 +43,21 @@ def kernels_of(backend: str, part: str = "module"):
         name = getattr(caps, part)
         if name is None:
             raise ValueError(f"backend {backend!r} has no {part.replace('_module', '')} kernels")
-        if caps.before_import is not None:
-            caps.before_import()
-        module = _loaded[(backend, part)] = importlib.import_module(name)
+        module = sys.modules[_import(backend, name)]
+        if not torch.compiler.is_compiling():  # a write the compiler cannot hold inside an autograd Function
+            _loaded[(backend, part)] = module
     return module
+
+
+@torch.compiler.assume_constant_result
+def _import(backend: str, name: str) -> str:
+    """Import the backend's module `name` (after the record's `before_import`) and return its name; torch.compile
+    runs the import while tracing instead of breaking the graph on it."""
+    caps = CAPABILITIES[backend]
+    if caps.before_import is not None:
+        caps.before_import()
+    importlib.import_module(name)
+    return name
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:

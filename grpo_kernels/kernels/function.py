@@ -50,7 +50,7 @@ class _TokenLogprobsFunction(torch.autograd.Function):
             grad_entropy, entropy = None, None
         version = logits._version
         out = in_place_or_new(ctx, logits)
-        backends.launches[opts.backend] += 1
+        backends.count_launch(opts.backend)
         backend_kernels(opts.backend).token_logprobs_bwd(
             logits, targets, mask, lse, entropy, grad_logp, grad_entropy, opts.temperature, out, **opts.transform()
         )
@@ -61,7 +61,7 @@ class _TokenLogprobsFunction(torch.autograd.Function):
 def _pass_forward(logits: Tensor, targets: Tensor, mask: Tensor, opts: PassOptions):
     """The backend's forward pass, its rows checked: logp, lse, entropy or None, [the asked statistics]."""
     check_not_overwritten(logits)
-    backends.launches[opts.backend] += 1
+    backends.count_launch(opts.backend)
     logp, lse, entropy, stats = backend_kernels(opts.backend).token_logprobs_fwd(
         logits, targets, mask, opts.temperature, opts.with_entropy, **opts.transform(), stats=opts.stats
     )
@@ -113,8 +113,9 @@ def _byte_span(x: Tensor) -> tuple[int, int]:
 
 
 def mark_overwritten(ctx, logits: Tensor, version: int) -> None:
-    """After an in-place backward that found the logits at `version`: record what it overwrote."""
-    if not ctx.opts.inplace:
+    """After an in-place backward that found the logits at `version`: record what it overwrote (not under
+    torch.compile, which cannot trace the mark on the storage)."""
+    if not ctx.opts.inplace or torch.compiler.is_compiling():
         return
     storage = logits.untyped_storage()
     recorded, spans = getattr(storage, _OVERWRITTEN, (None, ()))
@@ -123,7 +124,10 @@ def mark_overwritten(ctx, logits: Tensor, version: int) -> None:
 
 
 def check_not_overwritten(logits: Tensor) -> None:
-    """ValueError if an in-place backward overwrote these logits with their gradient and nothing wrote them since."""
+    """ValueError if an in-place backward overwrote these logits with their gradient and nothing wrote them since.
+    Not under torch.compile, which cannot trace the mark on the storage (nor an in-place backward write it)."""
+    if torch.compiler.is_compiling():
+        return
     recorded, spans = getattr(logits.untyped_storage(), _OVERWRITTEN, (None, ()))
     if recorded != logits._version:
         return
@@ -175,8 +179,8 @@ class _FusedTokenLossFunction(torch.autograd.Function):
     def forward(ctx, logits, targets, mask, weights, advantages, old_logp, ref_logp, is_ratio, opts, epilogue):
         check_not_overwritten(logits)
         logits = contiguous_vocab(logits, opts.backend)
-        backends.launches[opts.backend] += 1
-        backends.launches["fused_epilogue"] += 1
+        backends.count_launch(opts.backend)
+        backends.count_launch("fused_epilogue")
         logp, lse, entropy, loss, dlogp = backends.kernels_of(opts.backend, "epilogue_module").grpo_loss_fwd(
             logits,
             targets,
@@ -210,7 +214,7 @@ class _FusedTokenLossFunction(torch.autograd.Function):
         logits, targets, mask, lse, dlogp = ctx.saved_tensors
         version = logits._version
         out = in_place_or_new(ctx, logits)
-        backends.launches[ctx.opts.backend] += 1
+        backends.count_launch(ctx.opts.backend)
         backend_kernels(ctx.opts.backend).token_logprobs_bwd(
             logits, targets, mask, lse, None, dlogp * grad_loss, None, ctx.opts.temperature, out, **ctx.opts.transform()
         )

@@ -138,7 +138,8 @@ class _GradientSink:
         """(grad_hidden, grad_weight, grad_bias), handed over: the sink keeps no reference, so autograd can
         take the buffers as the parameters' .grad instead of copying them."""
         grads = [self.hidden, self.weight, self.bias]
-        self.hidden = self.weight = self.bias = None
+        if not torch.compiler.is_compiling():  # compiled, the graph owns the buffers (and cannot trace the release)
+            self.hidden = self.weight = self.bias = None
         if scale is not None:  # in place: a second [V, H] buffer would double the memory floor
             grads = [None if g is None else g.mul_(scale.to(g.dtype)) for g in grads]
         cast = lambda g, like: None if g is None else g.to(like.dtype)  # noqa: E731
@@ -169,7 +170,7 @@ class _FusedLinearLogprobsFunction(torch.autograd.Function):
         logps, lses, entropies = [], [], []
         stats = {name: [] for name in opts.stats}
         for r in _chunks(M, rows):
-            backends.launches[opts.backend] += 1
+            backends.count_launch(opts.backend)
             z = _logits(hidden[r], w, b, buffer, opts.head_precision)  # [1, c, V]
             logp, lse, entropy, chunk_stats = kernels.token_logprobs_fwd(
                 z,
@@ -208,7 +209,7 @@ class _FusedLinearLogprobsFunction(torch.autograd.Function):
         w, b = head_precision.operands(weight, bias, opts.head_precision)
         buffer = w.new_empty(rows, weight.shape[0])  # [rows, V]
         for r in _chunks(targets.shape[0], rows):
-            backends.launches[opts.backend] += 1
+            backends.count_launch(opts.backend)
             z = _logits(hidden[r], w, b, buffer, opts.head_precision)  # [1, c, V], overwritten by its gradient
             kernels.token_logprobs_bwd(
                 z,
@@ -251,9 +252,9 @@ class _FusedLinearTokenLossFunction(torch.autograd.Function):
         gradient_sum = torch.zeros_like(loss)  # checked: Σ dL/dlogp + Σ dL/dentropy
         logps, lses, entropies = [], [], []
         buffer = w.new_empty(rows, V)  # [rows, V]
-        backends.launches["fused_linear_token_loss"] += 1
+        backends.count_launch("fused_linear_token_loss")
         for r in _chunks(M, rows):
-            backends.launches[opts.backend] += 2
+            backends.count_launch(opts.backend, 2)
             z = _logits(hidden[r], w, b, buffer, opts.head_precision)  # [1, c, V]
             mask = masks(r)  # [1, c]
             logp, lse, entropy, _ = kernels.token_logprobs_fwd(

@@ -150,7 +150,7 @@ class _LeanLinearLogprobsFunction(torch.autograd.Function):
             running = tiles.TileStats(targets[r], None if row_mask is None else row_mask[r], dtype, opts)
             h_r = head_precision.cast(hidden[r], dtype)
             for v in _tiles(V, vocab):
-                backends.launches[opts.backend] += 1
+                backends.count_launch(opts.backend)
                 z = _tile_logits(h_r, weight[v], None if bias is None else bias[v], buffer, opts.head_precision)
                 running.add(z, v.start)
             logp, lse, entropy, tile_stats = running.finish(V)
@@ -194,7 +194,7 @@ class _LeanLinearLogprobsFunction(torch.autograd.Function):
         for v in _tiles(V, vocab):
             w_v, b_v = weight[v], None if bias is None else bias[v]
             for i, r in enumerate(_tiles(M, rows)):
-                backends.launches[opts.backend] += 1
+                backends.count_launch(opts.backend)
                 g = _tile_logits(hidden[r], w_v, b_v, buffer, opts.head_precision)  # [c, w], overwritten by
                 sigma = tiles.tile_grad_(  # dL/dlogits (up to σ)
                     g, v.start, targets[r], None if row_mask is None else row_mask[r], lse[r],

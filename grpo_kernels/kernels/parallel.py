@@ -169,7 +169,7 @@ class _ParallelTokenLogprobsFunction(torch.autograd.Function):
         check_not_overwritten(logits)
         logits = contiguous_vocab(logits, opts.backend)
         local, owned = shard.local_targets(targets)
-        backends.launches[opts.backend] += 1
+        backends.count_launch(opts.backend)
         logp_r, lse_r, entropy_r, _ = backend_kernels(opts.backend).token_logprobs_fwd(
             logits, local, mask, opts.temperature, opts.with_entropy, **opts.transform()
         )
@@ -193,7 +193,7 @@ class _ParallelTokenLogprobsFunction(torch.autograd.Function):
         x0 = logits[..., 0].clone()  # [B, T]: column 0 before an in-place backward overwrites it
         version = logits._version
         out = in_place_or_new(ctx, logits)
-        backends.launches[opts.backend] += 1
+        backends.count_launch(opts.backend)
         backend_kernels(opts.backend).token_logprobs_bwd(
             logits, local, mask, lse, entropy, grad_logp, grad_entropy, opts.temperature, out, **opts.transform()
         )

@@ -49,7 +49,7 @@ class _ParallelFusedLinearFunction(torch.autograd.Function):
         logp_r, lse_r = hidden.new_zeros(M, dtype=torch.float32), hidden.new_zeros(M, dtype=torch.float32)
         entropy_r = hidden.new_zeros(M, dtype=torch.float32) if opts.with_entropy else None
         for r in chunks:
-            backends.launches[opts.backend] += 1
+            backends.count_launch(opts.backend)
             z = _chunk_logits(hidden[r], w, b, buffer, opts.head_precision)  # [1, c, V_r]
             logp, lse, entropy, _ = kernels.token_logprobs_fwd(
                 z, local[None, r], mask[None, r], opts.temperature, opts.with_entropy, **opts.transform()
@@ -85,7 +85,7 @@ class _ParallelFusedLinearFunction(torch.autograd.Function):
         buffer = w.new_empty(rows, weight.shape[0])  # [rows, V_r]
         pick = lambda x, r: None if x is None else x[None, r]  # noqa: E731  [1, c]
         for r in chunks:
-            backends.launches[opts.backend] += 1
+            backends.count_launch(opts.backend)
             z = _chunk_logits(hidden[r], w, b, buffer, opts.head_precision)  # [1, c, V_r], overwritten by its gradient
             x0 = z[..., 0].clone()  # [1, c]
             kernels.token_logprobs_bwd(

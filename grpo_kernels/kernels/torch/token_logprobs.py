@@ -124,7 +124,10 @@ def token_logprobs_fwd(
         logp = log_q.gather(1, target).masked_fill_(dropped_rows, 0)  # [C, 1]
         found = {"logp": logp, "lse": (z.gather(1, target) - logp).masked_fill_(dropped_rows, 0)}  # [C, 1]
         # lse = z_target − log q_target is as exact as lse itself while log q_target is small: recompute the others
-        if not bool((logp > -LSE_FROM_TARGET).all()):  # NaN too; masked rows are 0
+        if torch.compiler.is_compiling():  # no host read in a graph: every row's logsumexp, taken where needed
+            likely = logp > -LSE_FROM_TARGET  # [C, 1]; NaN too; masked rows are 0
+            found["lse"] = torch.where(likely, found["lse"], torch.logsumexp(z, dim=-1, keepdim=True))
+        elif not bool((logp > -LSE_FROM_TARGET).all()):  # NaN too; masked rows are 0
             unlikely = ~(logp > -LSE_FROM_TARGET)[:, 0]
             found["lse"][unlikely] = torch.logsumexp(z[unlikely], dim=-1, keepdim=True)
         more = {}  # the other statistics
