@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from grpo_kernels.kernels import fused_linear
-from grpo_kernels.kernels.backend import CAPABILITIES
+from grpo_kernels.kernels.backend import CAPABILITIES, constant_under_compile
 
 CPU_CHUNK_ROWS = 512
 CPU_CHUNK_BYTES = 1 << 28  # at most 256 MiB of logits per chunk
@@ -42,7 +42,7 @@ def available_bytes(device: torch.device) -> int | None:
     return _host_available_bytes()
 
 
-@torch.compiler.assume_constant_result
+@constant_under_compile
 def _host_available_bytes() -> int:
     """The host's available physical memory; torch.compile reads it once while tracing (a call it cannot trace)."""
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -49,7 +49,14 @@ def kernels_of(backend: str, part: str = "module"):
     return module
 
 
-@torch.compiler.assume_constant_result
+def constant_under_compile(fn):
+    """`torch.compiler.assume_constant_result(fn)`, without its import of torch._dynamo (which imports triton, and
+    the package imports nothing heavy): the mark that decorator sets, which torch.compile reads while tracing."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@constant_under_compile
 def _import(backend: str, name: str) -> str:
     """Import the backend's module `name` (after the record's `before_import`) and return its name; torch.compile
     runs the import while tracing instead of breaking the graph on it."""
