@@ -86,7 +86,7 @@ def test_dry_run(tmp_path):
     }
     headline = json.loads((tmp_path / "headline" / "headline.json").read_text())
     assert headline["size"] == "smoke" and set(headline["cases"]) == {"32", "64"}
-    peers = {"trl"} if importlib.util.find_spec("trl") else set()  # TRL's head is timed where the trl extra is installed
+    peers = {"trl"} if importlib.util.find_spec("trl") else set()  # TRL's head, where the trl extra is installed
     assert {"gemms", "ours", *peers} <= {p for p, r in headline["cases"]["32"].items() if "median_ms" in r}
     interleaved = json.loads((tmp_path / "bench" / "interleaved-trl.json").read_text())
     assert {b["extra_info"]["provider"] for b in interleaved["benchmarks"]} >= {"torch"}
