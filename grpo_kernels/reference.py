@@ -50,6 +50,45 @@ LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-tok
 LOG_CLAMP = 20.0  # |log ratio| and |ref - logp| bound (verl)
 
 
+def sampler_support(z: Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> Tensor:
+    """The tokens a truncated sampler keeps, bool `[..., V]`, from the logits `z` it samples from (already divided
+    by the temperature), in vLLM's order: min-p on the whole distribution, then top-k, then top-p on what is left.
+
+    - min-p keeps v where q_v >= min_p * max_u q_u (q = softmax(z));
+    - top-k keeps v where z_v is at least the k-th largest kept logit (ties at the k-th value all kept);
+    - top-p walks the kept tokens from the largest logit down and keeps each one whose predecessors' mass (of the
+      kept tokens' renormalised distribution) is below top_p; every token tied with the last one kept is kept too.
+    Off: top_k 0 (or >= V), top_p 1.0, min_p 0.0. A `-inf` logit is never kept; a row of them keeps nothing.
+    Ties are the one place this can differ from a sampler, which splits tokens tied at the top-p cut by its sort.
+    """
+    z = z.double()
+    keep = z > -math.inf  # [..., V]
+    if min_p > 0.0:
+        q = torch.softmax(z, dim=-1)  # [..., V]
+        keep &= q >= min_p * q.amax(dim=-1, keepdim=True)
+    if 0 < top_k < z.shape[-1]:
+        kth = z.masked_fill(~keep, -math.inf).topk(top_k, dim=-1).values[..., -1:]  # [..., 1]
+        keep &= z >= kth
+    if top_p < 1.0:
+        kept_z = z.masked_fill(~keep, -math.inf)  # [..., V]
+        values, _ = kept_z.sort(dim=-1, descending=True)  # [..., V]
+        q = torch.softmax(values, dim=-1).nan_to_num(0.0)  # [..., V]; a row of -inf: nothing kept
+        before = q.cumsum(dim=-1) - q  # [..., V]: the mass of the tokens ahead of each
+        cut = values.masked_fill(~(before < top_p), math.inf).amin(dim=-1, keepdim=True)  # [..., 1] last kept
+        keep &= kept_z >= cut
+    return keep
+
+
+def transformed_logits(
+    logits: Tensor, temperature: float = 1.0, logit_scale: float = 1.0, final_logit_softcapping: float | None = None
+) -> Tensor:
+    """float64 z = logit_scale * logits, then c * tanh(z / c) with c = final_logit_softcapping when set, then z / T."""
+    z = logits.double() * logit_scale  # [..., V]
+    if final_logit_softcapping is not None:
+        z = final_logit_softcapping * torch.tanh(z / final_logit_softcapping)  # [..., V]
+    return z / temperature  # [..., V]
+
+
 def token_logprobs(
     logits: Tensor,
     targets: Tensor,
@@ -57,16 +96,21 @@ def token_logprobs(
     temperature: float = 1.0,
     logit_scale: float = 1.0,
     final_logit_softcapping: float | None = None,
+    support: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Log-prob of `targets` and entropy under softmax(z / temperature); float64, shape `logits.shape[:-1]`.
 
     z = logit_scale * logits, then c * tanh(z / c) with c = final_logit_softcapping when set (TRL's order).
     Differentiable w.r.t. `logits` (autograd through the float64 ops). `-inf` logits are allowed: 0 * log 0 = 0.
+
+    `support` (bool `[..., V]`, e.g. `sampler_support`): the distribution renormalised over those tokens (the
+    target counted in it, as the engine counts a target the trainer's own rule would have cut), with the support
+    held fixed: the gradient is onehot - q_support inside it and 0 outside.
     """
-    z = logits.double() * logit_scale  # [..., V]
-    if final_logit_softcapping is not None:
-        z = final_logit_softcapping * torch.tanh(z / final_logit_softcapping)  # [..., V]
-    z = z / temperature  # [..., V]
+    z = transformed_logits(logits, temperature, logit_scale, final_logit_softcapping)  # [..., V]
+    if support is not None:
+        target_hot = torch.nn.functional.one_hot(targets.long(), z.shape[-1]).bool()  # [..., V]
+        z = z.masked_fill(~(support | target_hot), -math.inf)
     log_q = torch.log_softmax(z, dim=-1)  # [..., V]   log q_v = z_v - logsumexp_u z_u
     logp = log_q.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)  # [...]   log q_{target}
     q = log_q.exp()  # [..., V]
