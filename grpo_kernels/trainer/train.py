@@ -22,7 +22,9 @@ from torch import Tensor, nn
 from grpo_kernels.shown import shown
 from grpo_kernels.trainer import checkpoint, run_dir, run_lock
 from grpo_kernels.trainer.components import PresetComponents, StepSamples, gather_inputs, local_part
-from grpo_kernels.trainer.config import ROLLOUTS, TrainConfig, advantage_function, check_config, loss_options
+from grpo_kernels.trainer.config.algorithm import advantage_function, loss_options
+from grpo_kernels.trainer.config.checks import check_config
+from grpo_kernels.trainer.config.record import ROLLOUTS, TrainConfig
 from grpo_kernels.trainer.evaluate import evaluate
 from grpo_kernels.trainer.logging import MetricsLogger, read_metrics, start_line
 from grpo_kernels.trainer.model import (
