@@ -229,7 +229,15 @@ def test_daro_weights_follow_the_bin_losses_read_from_dl_dv():
     components = PresetComponents(config, AdditionTask(), ONE_PROCESS)
     round = make_round([1, 0, 0, 0, 1, 1, 0, 0, 1, 1, 1, 1], 4, length=3)  # pass rates 1/4, 2/4, 4/4
     rewards, terms = components.rewards(round)
-    step = StepSamples(round.batch, round.batch.group_ids, rewards, terms, round.scores.verdict, None, {})
+    step = StepSamples(
+        batch=round.batch,
+        group_ids=round.batch.group_ids,
+        rewards=rewards,
+        terms=terms,
+        correct=round.scores.verdict,
+        sequence_weights=None,
+        metrics={},
+    )
     weights = components.weights(step, torch.zeros(12, 3))
     lengths = round.batch.completion_mask.sum(1).float()  # 1, 2, 3, 1, 2, ...
     tokens = torch.tensor([lengths[:4].sum(), lengths[4:8].sum(), 0.0])  # bins 0, 1 (μ = 1/4, 2/4); group 3 drops
@@ -259,7 +267,13 @@ def _daro_step(rows: slice, parallel: ParallelState) -> torch.Tensor:
     round = make_round([float(c) for c in DARO_CORRECT], 4, length=3)
     batch = round.batch
     step = StepSamples(
-        batch, batch.group_ids, round.scores.rewards, round.scores.rewards[:, None], round.scores.verdict, None, {}
+        batch=batch,
+        group_ids=batch.group_ids,
+        rewards=round.scores.rewards,
+        terms=round.scores.rewards[:, None],
+        correct=round.scores.verdict,
+        sequence_weights=None,
+        metrics={},
     )
     step = StepSamples(
         **{k: v[rows] if isinstance(v, torch.Tensor) else v for k, v in vars(step).items()}

@@ -188,7 +188,16 @@ class PresetComponents:
         inputs = {} if self.reference is None else {"reference_value": self.reference.values(round)}  # [B]
         if isinstance(self.sampler, InfoRounds):
             inputs["augmented"] = self.sampler.augmented  # [B] bool
-        return StepSamples(round.batch, group_ids, rewards, terms, correctness(round.scores), weights, metrics, inputs)
+        return StepSamples(
+            batch=round.batch,
+            group_ids=group_ids,
+            rewards=rewards,
+            terms=terms,
+            correct=correctness(round.scores),
+            sequence_weights=weights,
+            metrics=metrics,
+            inputs=inputs,
+        )
 
     def advantage_inputs(self, step: StepSamples, old_logp: Tensor, entropy: Tensor) -> dict[str, Tensor]:
         """`rewards` ([B], or [B, K] for a matrix estimator), `group_ids` and the inputs the estimator names, on CPU."""
@@ -218,10 +227,10 @@ class PresetComponents:
         elif isinstance(self.policy, InfoPolicy):
             self.policy.set_step(step.inputs["augmented"])
         if self.learner is None:
-            return StepWeights(token, sequence, None)
+            return StepWeights(token=token, sequence=sequence, learned=None)
         learned, context = self.learner.weights(step, old_logp.device)  # [B]
         learned = learned if sequence is None else learned * sequence
-        return StepWeights(token, learned.detach().requires_grad_(), learned, context)
+        return StepWeights(token=token, sequence=learned.detach().requires_grad_(), learned=learned, context=context)
 
     def learn(self, weights: StepWeights) -> dict[str, float]:
         """One step of the learned weights' optimizer on dL/dw (left on `weights.sequence` by the update), averaged

@@ -1,5 +1,5 @@
 """The records of one training step's samples and weights, shared by the preset components (`components.py`) and the
-learned weights (`preset_weights.py`)."""
+learned weights (`preset_weights.py`); built by keyword only (several of their fields are float [B] tensors)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from torch import Tensor
 from grpo_kernels.trainer.rollout import RolloutBatch
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StepSamples:
     """The rollouts a step trains on, after the sampler, with their rewards (`rewards` and `advantages` stay apart)."""
 
@@ -25,7 +25,7 @@ class StepSamples:
     inputs: dict[str, Tensor] = field(default_factory=dict)  # [B] each: produced advantage inputs (PVPO's V̂)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StepWeights:
     """The regularizers' weights for `UpdateBatch`; `learned` is `sequence` attached to learned parameters."""
 
