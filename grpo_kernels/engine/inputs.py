@@ -81,7 +81,7 @@ class LossInputs:
         checks = []
         if check_finite:
             given_ones = [(name, x) for name, x in named.items() if x is not None]
-            user_mask = layout.mask.reshape(token)  # [B, T] / [N]
+            user_mask = layout.mask[0] if layout.flat else layout.mask  # [B, T] / [N]
             checks = finite.input_checks(given_ones, user_mask, keep, packed=layout.padded_index is not None)
         view = {name: x if per_sequence(x) or x is None else padded(layout, x) for name, x in named.items()}
         return cls(

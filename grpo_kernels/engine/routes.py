@@ -55,7 +55,7 @@ def vocab_pass(plan: Plan) -> dict[str, Tensor]:
 
 def logprobs(plan: Plan):
     """token_logprobs / fused_linear_token_logprobs: logp, (logp, entropy) or the dict with the statistics."""
-    out = {name: x.reshape(plan.layout.leading) for name, x in vocab_pass(plan).items()}  # [B, T] / [N]
+    out = {name: x[0] if plan.layout.flat else x for name, x in vocab_pass(plan).items()}  # [B, T] / [N]
     if plan.pass_options.stats:
         return out
     return (out["logp"], out["entropy"]) if plan.pass_options.with_entropy else out["logp"]
