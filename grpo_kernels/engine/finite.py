@@ -37,8 +37,6 @@ def input_checks(
     exact = lambda: [(name, x, kept(name, x)) for name, x in named]  # noqa: E731
     if packed:
         return at_kept_checks(exact())
-    if not named:
-        return []
     blame = lambda: raise_failed(at_kept_checks(exact()))  # noqa: E731
     return [(any_nonfinite_at_kept(named, mask, nan_ok="sampling_logp"), blame)]
 
