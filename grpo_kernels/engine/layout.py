@@ -22,10 +22,9 @@ class Layout:
     mask: Tensor  # [R, C] bool
     targets: Tensor  # [R, C] int64; unchecked (`check_finite=False`): ids outside [0, V) set to 0
     invalid: Tensor | None  # [R, C] kept tokens whose unchecked target lay outside [0, V): their logp becomes NaN
-    num_sequences: int  # B, or S packed (1: flat log-prob inputs)
     sequence_kept: Tensor | None  # [B] / [S] bool: the sequence has a kept token (loss calls)
     padded_index: tuple[Tensor, Tensor] | None  # packed: (sequence, position) of each token in [S, T_max]
-    padded_shape: tuple[int, ...]  # the loss algebra's view: (B, T), (S, T_max), or (1, N) flat
+    padded_shape: tuple[int, ...]  # the loss algebra's view, (sequences, length): (B, T), (S, T_max); flat (1, N)
     all_rows: bool  # the fused lm_head runs every row, masked (`all_rows`)
 
 
@@ -48,7 +47,7 @@ def lay_out(
     mask = torch.ones(leading, dtype=torch.bool, device=x.device) if mask is None else mask.bool()
     rows, mask, targets = (x[None], mask[None], targets[None]) if flat else (x, mask, targets)
     targets, invalid = _safe_targets(targets.long(), mask, vocab, check_finite)
-    num_sequences, kept, index, padded_shape = (1 if flat else leading[0]), None, None, mask.shape
+    kept, index, padded_shape = None, None, mask.shape
     if cu_seqlens is not None:
         starts = cu_seqlens.to(x.device).long()
         lengths = starts[1:] - starts[:-1]  # [S]
@@ -67,7 +66,6 @@ def lay_out(
         mask=mask,
         targets=targets,
         invalid=invalid,
-        num_sequences=num_sequences,
         sequence_kept=kept,
         padded_index=index,
         padded_shape=tuple(padded_shape),
