@@ -17,10 +17,9 @@ import time
 import torch
 
 import grpo_kernels as gk
-from grpo_kernels.engine import finite
+from grpo_kernels.engine import finite, sync
 from grpo_kernels.engine.inputs import LossInputs, LossTensors
-from grpo_kernels.engine.layout import Layout
-from grpo_kernels.options import LossOptions
+from grpo_kernels.engine.layout import lay_out
 
 SIZES = {"full": ((8, 256, 896), (32000, 151936)), "smoke": ((2, 4, 16), (64,))}  # (B, T, H), vocabularies
 
@@ -65,18 +64,15 @@ def make_step(case: str, V: int, B: int, T: int, H: int):
 
 
 def checks_alone(targets, adv, old, ref, mask, logp, repeats: int = 200) -> float:
-    """Seconds per call of the checks' own work: the side inputs and the row statistics."""
-    options = LossOptions(beta=0.04)
-    layout = Layout(leading=tuple(mask.shape), flat=False)
+    """Seconds per call of the checks' own work: the side inputs' value checks (read with one sync) and the row
+    statistics."""
     given = LossTensors(targets=targets, mask=mask, advantages=adv, old_logp=old, ref_logp=ref)
-    inputs = LossInputs.check(
-        given, layout=layout, mask=mask, device=mask.device, options=options, check_finite=False
-    )  # the value checks are timed below
-    kept = layout.sequence_kept(mask)  # [B]
+    rows = torch.empty(*mask.shape, 1)  # [B, T, 1]: the layout reads the logits' shape only
+    layout = lay_out(rows, targets, mask, None, vocab=1, check_finite=True, loss=True, linear=False)
     lse = torch.randn(mask.shape)
     start = time.perf_counter()
     for _ in range(repeats):
-        inputs.check_finite(options, kept)
+        sync.read_checks(LossInputs.of(given, layout, check_finite=True)[1])
         finite.check_row_stats(lse, logp, mask, finite.RowCheck(zero_prob_ok=False))
     return (time.perf_counter() - start) / repeats
 

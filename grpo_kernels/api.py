@@ -1,16 +1,15 @@
-"""The public functions: each builds one plan (`engine/plan.py`: checks, backend, layout, route) and runs it
-(`engine/routes.py`). Their keyword arguments reach the plan as records (`TokenTensors` / `LossTensors`,
-`Request`) whose fields bear the same names."""
+"""The public functions: each checks its arguments' types, builds one plan (`engine/plan.py`: backend, checks,
+layout, route) and runs it (`engine/routes.py`). Their arguments reach the plan by name, as records
+(`TokenTensors` / `LossTensors`, `Request`) whose fields bear the same names."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from grpo_kernels.engine.inputs import LossTensors, TokenTensors
-from grpo_kernels.engine.plan import Request, Source, build_plan
+from grpo_kernels.engine.plan import Source, build_plan
 from grpo_kernels.engine.routes import run
-from grpo_kernels.engine.validate import check_argument_types, cu_seqlens_tensor
+from grpo_kernels.engine.validate import check_argument_types
 from grpo_kernels.losses.loss import GRPOLossOutput
 from grpo_kernels.options import LossOptions, resolve_options
 
@@ -60,9 +59,8 @@ def token_logprobs(
     whole-vocabulary ids, and every rank gets the whole vocabulary's logp and entropy (`kernels.parallel`: O(N)
     statistics cross ranks, 16·R + 4·(3 + with_entropy)·B·T bytes per call; no stats).
     """
-    args = dict(locals())  # the call's arguments as one record (whole across a torch.compile graph break)
-    check_argument_types(args)
-    return run(build_plan(source=Source(logits), tensors=TokenTensors.named(args), request=Request.named(args)))
+    args = check_argument_types(locals())  # the call's arguments as one record
+    return run(build_plan(source=Source(logits), arguments=args))
 
 
 def fused_linear_token_logprobs(
@@ -103,10 +101,8 @@ def fused_linear_token_logprobs(
     of the lm_head: dW of the shard, dH summed over the group; 16·R + (4·(3 + with_entropy) + H·itemsize)·M bytes
     per forward + backward, M the kept tokens. `head_precision` ("auto": the weight's dtype, "bf16", "tf32",
     "fp32") is the logits GEMM's precision; the gradient GEMMs stay in the weight's dtype (docs/head_precision.md)."""
-    args = dict(locals())  # the call's arguments as one record (whole across a torch.compile graph break)
-    check_argument_types(args)
-    source = Source(hidden, weight, bias)
-    return run(build_plan(source=source, tensors=TokenTensors.named(args), request=Request.named(args)))
+    args = check_argument_types(locals())  # the call's arguments as one record
+    return run(build_plan(source=Source(hidden, weight, bias), arguments=args))
 
 
 def grpo_loss(
@@ -164,12 +160,9 @@ def grpo_loss(
     per-sequence sums and batch totals are all-reduced (`losses.reduce`), so the ranks' losses sum to the unsplit
     loss and each token gets its unsplit gradient.
     """
-    args = dict(locals())  # the call's arguments as one record (whole across a torch.compile graph break)
-    check_argument_types(args)
-    args["cu_seqlens"] = cu_seqlens_tensor(cu_seqlens, logits)  # a list or tuple of ints becomes a tensor
+    args = check_argument_types(locals())  # the call's arguments as one record, cu_seqlens a tensor
     options = resolve_options(options, loss_options)
-    tensors, request = LossTensors.named(args), Request.named(args)
-    return run(build_plan(source=Source(logits), tensors=tensors, request=request, options=options))
+    return run(build_plan(source=Source(logits), arguments=args, options=options))
 
 
 def fused_linear_grpo_loss(
@@ -214,9 +207,6 @@ def fused_linear_grpo_loss(
     of the lm_head) as in `fused_linear_token_logprobs`, `sequence_group` as in `grpo_loss`; either runs the
     4-GEMM route. `head_precision` as in `fused_linear_token_logprobs`.
     """
-    args = dict(locals())  # the call's arguments as one record (whole across a torch.compile graph break)
-    check_argument_types(args)
-    args["cu_seqlens"] = cu_seqlens_tensor(cu_seqlens, hidden)  # a list or tuple of ints becomes a tensor
+    args = check_argument_types(locals())  # the call's arguments as one record, cu_seqlens a tensor
     options = resolve_options(options, loss_options)
-    tensors, request, source = LossTensors.named(args), Request.named(args), Source(hidden, weight, bias)
-    return run(build_plan(source=source, tensors=tensors, request=request, options=options))
+    return run(build_plan(source=Source(hidden, weight, bias), arguments=args, options=options))

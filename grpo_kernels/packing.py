@@ -1,5 +1,5 @@
 """Packed (varlen) sequences: concatenated without padding, delimited by `cu_seqlens` (the loss's side of that
-layout, `PackedLayout`, is the engine's: `engine/layout.py`).
+layout is the engine's: `engine/layout.py`).
 
 `PackedSequences` is the model-side layout of padding-free training: prompt ‖ completion sequences in one row, with
 the positions and `cu_seqlens` a packed decoder forward takes and the completion tokens' `cu_seqlens` the loss takes.

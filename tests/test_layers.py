@@ -68,7 +68,7 @@ def test_each_backend_module_follows_the_protocol(name):
     "name", ["grpo_loss", "fused_linear_grpo_loss", "token_logprobs", "fused_linear_token_logprobs"]
 )
 def test_every_public_argument_reaches_the_plan(name):
-    """The public functions hand their arguments to the plan by name (`NamedRecord.named(locals())`): each one is a
+    """The public functions hand their arguments to the plan by name (their `locals()`): each one is a
     field of `LossTensors` or `Request`, or one the function passes itself."""
     import dataclasses
     import inspect

@@ -2,52 +2,74 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from grpo_kernels.engine.sync import check_value, one_sync, open_reads
+from grpo_kernels.engine.sync import ValueCheck
 from grpo_kernels.tensor_checks import raise_first
 
 # Non-finite values (`check_finite=True`). A kept token's values must be finite; padding may hold anything, NaN
 # included, because it is never read. O(B·T) values, never a pass over [N, V].
 
-
-def check_finite_at_kept(named: Sequence[tuple[str, Tensor | None, Tensor]]) -> None:
-    """ValueError naming the first `(name, x, kept)` whose x holds NaN or ±inf where `kept` (bool, x's shape) is
-    set, with the value and its index in x; None tensors pass. Value checks (see `one_sync`): one host sync for all
-    of them, also when called alone."""
-    with contextlib.ExitStack() as stack:
-        if open_reads() is None:
-            stack.enter_context(one_sync())
-        for name, x, kept in named:
-            if x is not None:
-                bad = nonfinite(x) & kept
-                check_value(bad.any(), lambda name=name, x=x, bad=bad: raise_first(name, x, bad, FINITE_AT_KEPT))
-
-
 FINITE_AT_KEPT = "be finite where the mask keeps a token"
 
 
-def any_nonfinite_at_kept(
-    named: Sequence[tuple[str, Tensor]], mask: Tensor, blame: Callable[[], None], nan_ok: str = ""
-) -> None:
-    """One value check for all of `named` ([B, T], or [B] counted at its row's kept tokens; `nan_ok`'s NaN passes):
-    their sum at the kept tokens is finite unless one of them is not there (or the sum overflowed). Set, `blame`
-    runs the exact per-tensor checks, which name the tensor and index, or pass after an overflow. A handful of ops
-    for every tensor together: at small shapes the checks' op count is their cost."""
+def input_checks(
+    named: Sequence[tuple[str, Tensor]], mask: Tensor, sequence_kept: Tensor, *, packed: bool
+) -> list[ValueCheck]:
+    """The value checks of a loss call's tensors `named` (`[B, T]` / `[N]` per token, `[B]` / `[S]` per sequence):
+    NaN or ±inf at a kept token (`mask`, the user's shape) or, per sequence, at a sequence with a kept token
+    (`sequence_kept`) names the tensor and its first such index. sampling_logp may hold NaN: TRL's mark of a token
+    the sampler could not score (no off-policy evidence).
+
+    Padded inputs get one flag for all of them (`any_nonfinite_at_kept`), whose error path runs the exact
+    per-tensor checks; packed ones a flag each."""
+
+    def kept(name: str, x: Tensor) -> Tensor:
+        if name == "sampling_logp":  # NaN: a token the sampler could not score
+            return mask & ~torch.isnan(x)
+        return mask if x.shape == mask.shape else sequence_kept
+
+    exact = lambda: [(name, x, kept(name, x)) for name, x in named]  # noqa: E731
+    if packed:
+        return at_kept_checks(exact())
+    blame = lambda: raise_failed(at_kept_checks(exact()))  # noqa: E731
+    return [(any_nonfinite_at_kept(named, mask, nan_ok="sampling_logp"), blame)]
+
+
+def at_kept_checks(named: Sequence[tuple[str, Tensor, Tensor]]) -> list[ValueCheck]:
+    """A check for each `(name, x, kept)`: x holds NaN or ±inf where `kept` (bool, x's shape) is set; its error
+    names x, the value and its index in x."""
+    checks = []
+    for name, x, kept in named:
+        bad = nonfinite(x) & kept
+        checks.append((bad.any(), lambda name=name, x=x, bad=bad: raise_first(name, x, bad, FINITE_AT_KEPT)))
+    return checks
+
+
+def raise_failed(checks: Sequence[ValueCheck]) -> None:
+    """Raise the first failed check's error (each flag read on its own: an error path)."""
+    for flag, fail in checks:
+        if bool(flag):
+            fail()
+
+
+def any_nonfinite_at_kept(named: Sequence[tuple[str, Tensor]], mask: Tensor, nan_ok: str = "") -> Tensor:
+    """One flag for all of `named` ([B, T], or [B] counted at its row's kept tokens; `nan_ok`'s NaN passes): their
+    sum at the kept tokens is not finite, so one of them is not there (or the sum overflowed: the exact per-tensor
+    checks then find nothing). A handful of ops for every tensor together: at small shapes the checks' op count is
+    their cost."""
     total = None
     for name, x in named:
         x = x.detach() if x.requires_grad else x
         x = x.nan_to_num(nan=0.0, posinf=math.inf, neginf=-math.inf) if name == nan_ok else x
         x = x if x.dim() == mask.dim() else x[:, None]
         total = x if total is None else total + x
-    if total is not None:
-        check_value(nonfinite_sum(total, mask), blame)
+    return nonfinite_sum(total, mask)
 
 
 def nonfinite_sum(x: Tensor, kept: Tensor | None) -> Tensor:
@@ -73,30 +95,28 @@ LINEAR_CAUSES = "NaN or inf in hidden, weight or bias, or their product overflow
 @dataclass(frozen=True)
 class RowCheck:
     """How `check_row_stats` blames a bad row of the vocabulary pass: `source` (the logits' name) and `causes`;
-    `position` turns a flat row index into the user's index (None: the index in the statistics' shape);
-    `zero_prob_ok` lets a target of probability 0 (its logit −inf, so logp = −inf) pass. Called by the kernels
-    with the pass's (lse, logp, kept rows) after the forward."""
+    the user's index of a row: the statistics' `[B, T]` index, `n` where `flat`, through `kept` (r, c) when the pass
+    saw only those rows; `zero_prob_ok` lets a target of probability 0 (its logit −inf, so logp = −inf) pass (a
+    log-prob call's; a loss refuses it). Called by the kernels with the pass's (lse, logp, kept rows) after the
+    forward."""
 
     source: str = "logits"
     causes: str = LOGITS_CAUSES
-    position: Callable[[int], object] | None = None
+    flat: bool = False
+    kept: tuple[Tensor, Tensor] | None = None
     zero_prob_ok: bool = True
 
     def __call__(self, lse: Tensor, logp: Tensor, kept: Tensor | None) -> None:
         check_row_stats(lse, logp, kept, self)
 
-
-def row_check(
-    check_finite: bool, *, linear: bool, position: Callable[[int], object] | None, loss: bool = False
-) -> RowCheck | None:
-    """The vocabulary pass's row check (None: `check_finite=False`), naming a bad row by the user's index
-    (`position`: `Layout.position`); the fused lm_head (`linear`) blames its inputs. A loss refuses a target of
-    probability 0 (logp = -inf)."""
-    if not check_finite:
-        return None
-    if linear:
-        return RowCheck(LINEAR_SOURCE, LINEAR_CAUSES, position, zero_prob_ok=not loss)
-    return RowCheck(position=position, zero_prob_ok=not loss)
+    def position(self, flat: int, index: list[int]) -> object:
+        """The user's index of the statistics' `flat`-th entry, whose index in their shape is `index`."""
+        if self.kept is not None:
+            r, c = (int(i[flat]) for i in self.kept)
+            return c if self.flat else (r, c)
+        if self.flat:
+            return flat
+        return index[0] if len(index) == 1 else tuple(index)
 
 
 def check_row_stats(lse: Tensor, logp: Tensor, kept: Tensor | None, rows: RowCheck) -> None:
@@ -119,7 +139,7 @@ def check_row_stats(lse: Tensor, logp: Tensor, kept: Tensor | None, rows: RowChe
     for size in reversed(bad.shape):
         rest, i = divmod(rest, size)
         index.insert(0, i)
-    where = rows.position(flat) if rows.position is not None else (index[0] if len(index) == 1 else tuple(index))
+    where = rows.position(flat, index)
     row_lse, row_logp = lse.reshape(-1)[flat].item(), logp.reshape(-1)[flat].item()
     if math.isfinite(row_lse) and not math.isnan(row_logp):
         raise ValueError(

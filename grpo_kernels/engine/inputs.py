@@ -8,30 +8,21 @@ shape `[R, C]` (`[B, T]`, or `[1, N]` packed); the loss algebra sees the padded 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from grpo_kernels.engine import finite, sync, validate
+from grpo_kernels.engine import finite
 from grpo_kernels.engine.layout import Layout
+from grpo_kernels.engine.sync import ValueCheck
 from grpo_kernels.losses.terms import TokenTerms, build_terms
 from grpo_kernels.options import LossOptions
 
 
-class NamedRecord:
-    """A record built from a call's named arguments (`locals()` of a public function): each field takes the argument
-    of the same name; absent ones keep their defaults."""
-
-    @classmethod
-    def named(cls, arguments: dict[str, Any]):
-        return cls(**{name: arguments[name] for name in cls.__dataclass_fields__ if name in arguments})
-
-
 @dataclass(frozen=True)
-class TokenTensors(NamedRecord):
+class TokenTensors:
     """The per-token tensors every call has, as the caller passed them (unchecked)."""
 
     targets: Tensor
@@ -54,10 +45,11 @@ class LossTensors(TokenTensors):
 
 @dataclass(frozen=True)
 class LossInputs:
-    """A loss call's tensors, checked: the mask as the pass's `[R, C]` rows, the others in the user's shapes."""
+    """A loss call's tensors, checked, in the loss algebra's padded view (`[B, T]`, packed `[S, T_max]`); per-sequence
+    ones `[B]` / `[S]`."""
 
     layout: Layout
-    mask: Tensor  # [R, C] bool
+    mask: Tensor  # padded view, bool
     advantages: Tensor
     old_logp: Tensor | None
     ref_logp: Tensor | None
@@ -68,84 +60,59 @@ class LossInputs:
     sequence_group: Any = None  # the process group the sequences are split across (context parallel)
 
     @classmethod
-    def check(
-        cls,
-        given: LossTensors,
-        *,
-        layout: Layout,
-        mask: Tensor,
-        device: torch.device,
-        options: LossOptions,
-        check_finite: bool,
-        sequence_group: Any = None,
-    ) -> LossInputs:
-        """Check the tensors besides targets and mask (checked with the layout: `Layout.checked_tokens`) against the
-        layout, and with `check_finite` for non-finite values at kept tokens; value checks are read by the caller's
-        `sync.one_sync`."""
-        token, sequence = layout.side_shapes()
-        validate.check_side_inputs(given, token=token, sequence=sequence, device=device, options=options)
-        keep = layout.sequence_kept(mask)  # [B] / [S]
-        per_sequence = lambda x: x is not None and tuple(x.shape) != token[0]  # noqa: E731
-        inputs = cls(
-            layout=layout,
-            mask=mask,
-            advantages=_neutral(given.advantages, keep, 0.0) if per_sequence(given.advantages) else given.advantages,
-            old_logp=given.old_logp,
-            ref_logp=given.ref_logp,
-            is_ratio=_neutral(given.is_ratio, keep, 1.0) if per_sequence(given.is_ratio) else given.is_ratio,
-            token_weights=given.token_weights,
-            sequence_weights=_neutral(given.sequence_weights, keep, 0.0),
-            sampling_logp=given.sampling_logp,
-            sequence_group=sequence_group,
-        )
+    def of(
+        cls, given: LossTensors, layout: Layout, *, check_finite: bool, sequence_group: Any = None
+    ) -> tuple[LossInputs, list[ValueCheck]]:
+        """The tensors `given` (their shapes checked: `validate.check_call`) in the padded view of `layout`, and with
+        `check_finite` the checks of their values at kept tokens, to be read with the call's one host sync."""
+        keep, token = layout.sequence_kept, layout.leading  # [B] / [S]; the per-token shape
+        per_sequence = lambda x: x is not None and tuple(x.shape) != token  # noqa: E731
+        advantages = _neutral(given.advantages, keep, 0.0) if per_sequence(given.advantages) else given.advantages
+        is_ratio = _neutral(given.is_ratio, keep, 1.0) if per_sequence(given.is_ratio) else given.is_ratio
+        named = {
+            "advantages": advantages,
+            "old_logp": given.old_logp,
+            "ref_logp": given.ref_logp,
+            "sampling_logp": given.sampling_logp,
+            "is_ratio": is_ratio,
+            "token_weights": given.token_weights,
+            "sequence_weights": _neutral(given.sequence_weights, keep, 0.0),
+        }
+        checks = []
         if check_finite:
-            inputs.check_finite(options, keep)
-        return inputs
-
-    def check_finite(self, options: LossOptions, sequence_kept: Tensor) -> None:
-        """ValueError naming the first tensor with NaN or ±inf at a kept token (a per-sequence one: at a sequence
-        with a kept token), and its index; padding may hold anything. One host sync (`check_finite=True`).
-        sampling_logp may hold NaN: TRL's mark of a token the sampler could not score (no off-policy evidence).
-
-        Padded inputs queue one flag for all of them (`finite.any_nonfinite_at_kept`); its error path names the
-        tensor with the exact per-tensor checks."""
-        mask = self.layout.from_rows(self.mask)
-        names = ("advantages", "old_logp", "ref_logp", "sampling_logp", "is_ratio", "token_weights", "sequence_weights")
-
-        def kept(name: str, x: Tensor) -> Tensor:
-            if name == "sampling_logp":  # NaN: a token the sampler could not score
-                return mask & ~torch.isnan(x)
-            return mask if x.shape == mask.shape else sequence_kept
-
-        given = [(name, x) for name in names if (x := getattr(self, name)) is not None]
-        blame = lambda: finite.check_finite_at_kept([(name, x, kept(name, x)) for name, x in given])  # noqa: E731
-        if self.layout.packed is None:  # a per-sequence [B] value counts at its row's kept tokens
-            finite.any_nonfinite_at_kept(given, mask, blame, nan_ok="sampling_logp")
-        else:
-            blame()
-        for name in ("num_items_in_batch", "num_sequences_in_batch"):  # normalisers: finite, > 0
-            value = getattr(options, name, None)
-            if isinstance(value, Tensor):
-                flat = value.reshape(-1)
-                finite.check_finite_at_kept([(name, flat, torch.ones_like(flat, dtype=torch.bool))])
-                sync.check_positive_count(name, value)
-            elif value is not None and not math.isfinite(value):
-                raise ValueError(f"{name} must be finite, got {value}")
+            given_ones = [(name, x) for name, x in named.items() if x is not None]
+            user_mask = layout.mask[0] if layout.flat else layout.mask  # [B, T] / [N]
+            checks = finite.input_checks(given_ones, user_mask, keep, packed=layout.padded_index is not None)
+        view = {name: x if per_sequence(x) or x is None else padded(layout, x) for name, x in named.items()}
+        return cls(
+            layout=layout, mask=padded(layout, layout.mask, False), sequence_group=sequence_group, **view
+        ), checks
 
     def terms(self, logp: Tensor, entropy: Tensor | None, options: LossOptions) -> TokenTerms:
         """TokenTerms of the loss algebra from the pass's logp / entropy [R, C], in the padded view: the one way
         every route builds them."""
-        names = ("old_logp", "ref_logp", "advantages", "is_ratio", "token_weights", "sampling_logp")
-        views = self.layout.padded_views(
-            rows={"logp": logp, "entropy": entropy, "mask": self.mask}, given={n: getattr(self, n) for n in names}
-        )
         return build_terms(
-            **views, options=options, sequence_weights=self.sequence_weights, sequence_group=self.sequence_group
+            padded(self.layout, logp),
+            entropy=None if entropy is None else padded(self.layout, entropy),
+            mask=self.mask,
+            old_logp=self.old_logp,
+            ref_logp=self.ref_logp,
+            advantages=self.advantages,
+            is_ratio=self.is_ratio,
+            token_weights=self.token_weights,
+            sampling_logp=self.sampling_logp,
+            options=options,
+            sequence_weights=self.sequence_weights,
+            sequence_group=self.sequence_group,
         )
 
-    def padded_mask(self) -> Tensor:
-        """The mask in the loss algebra's padded view, [B, T] or [S, T_max]."""
-        return self.layout.padded_rows(self.mask, False)
+
+def padded(layout: Layout, x: Tensor, fill: float | bool = 0) -> Tensor:
+    """A per-token tensor, the user's `[B, T]` / `[N]` or the pass's `[R, C]`, in the padded view `[B, T]` /
+    `[S, T_max]` (packed: `fill` where a sequence is shorter); differentiable."""
+    if layout.padded_index is None:
+        return x
+    return x.new_full(layout.padded_shape, fill).index_put(layout.padded_index, x.reshape(-1))  # [S, T_max]
 
 
 def _neutral(x: Tensor | None, keep: Tensor, fill: float) -> Tensor | None:

@@ -1,6 +1,7 @@
-"""Plan: one call, decided once. Building it checks everything (the value checks inside one host sync), resolves the
-backend and its capabilities, lays the rows out, cleans the targets, gathers the kept rows, sets the row-blame
-policy and chooses the route; `routes.run` runs that route (`engine/routes.py`) and undoes the layout.
+"""Plan: one call, decided once. Building it resolves the backend, checks everything (`validate.check_call`, one
+call), lays the tokens out (`layout.lay_out`, one call), reads every value check with one host sync, gathers the kept
+rows, sets the row-blame policy and chooses the route; `routes.run` runs that route (`engine/routes.py`) and gives
+the results the user's shapes back.
 
 A public function is "build the plan, run it": `routes.run(build_plan(...))`, a loss call's plan with its
 LossOptions; `Source` says whether logits or an lm_head feed the pass.
@@ -16,12 +17,11 @@ import torch
 from torch import Tensor
 
 from grpo_kernels.engine import finite, memory, sync, validate
-from grpo_kernels.engine import layout as layout_module
-from grpo_kernels.engine.inputs import LossInputs, NamedRecord, TokenTensors
-from grpo_kernels.engine.layout import KeptRows, Layout, safe_targets
+from grpo_kernels.engine.inputs import LossInputs, LossTensors, TokenTensors
+from grpo_kernels.engine.layout import Layout, lay_out
 from grpo_kernels.kernels import parallel
 from grpo_kernels.kernels.backend import CAPABILITIES, resolve_backend
-from grpo_kernels.kernels.head_precision import check_head_precision, logits_dtype
+from grpo_kernels.kernels.head_precision import logits_dtype
 from grpo_kernels.kernels.pass_options import PassOptions
 from grpo_kernels.losses import epilogue
 from grpo_kernels.options import LossOptions
@@ -62,7 +62,7 @@ class Source:
 
 
 @dataclass(frozen=True)
-class Request(NamedRecord):
+class Request:
     """How the caller asked the call to run: the public functions' keywords besides the tensors and loss options.
     A log-prob call gives the logit transform here; a loss call takes it from its LossOptions."""
 
@@ -85,16 +85,21 @@ class Request(NamedRecord):
 
 
 @dataclass(frozen=True)
+class KeptRows:
+    """The rows the fused lm_head runs: `index` (r, c) into the [R, C] rows, in order; `row_mask` [M] None when
+    only kept rows were gathered, else every row runs and it marks the kept ones (`routes.py` takes and scatters)."""
+
+    index: tuple[Tensor, Tensor]
+    row_mask: Tensor | None
+
+
+@dataclass(frozen=True)
 class Plan:
     """Everything a call decided before any kernel runs."""
 
     route: Route
     source: Source
-    layout: Layout
-    rows: Tensor  # [R, C, V] logits or [R, C, H] hidden states: padded [B, T, ·]; packed or [N, ·] as [1, N, ·]
-    targets: Tensor  # [R, C], checked (or, unchecked, ids outside [0, V) set to 0)
-    mask: Tensor  # [R, C] bool
-    invalid: Tensor | None  # [R, C] kept tokens whose unchecked target lay outside [0, V): their logp is NaN
+    layout: Layout  # the rows, mask and targets the pass reads, and the padded view
     kept: KeptRows | None  # the rows the fused lm_head runs; None: logits in
     shard: parallel.VocabShard | None  # this rank's vocabulary shard (process_group)
     pass_options: PassOptions
@@ -103,79 +108,93 @@ class Plan:
     return_sequence_losses: bool = False
 
 
-def build_plan(*, source: Source, tensors: TokenTensors, request: Request, options: LossOptions | None = None) -> Plan:
-    """The plan of a public call: a loss call (`options` given, `tensors` a `LossTensors`) or a log-prob call. It
-    checks the source, builds the layout, reads every value check with one host sync, sets the pass's options and
-    chooses the route."""
+def build_plan(*, source: Source, arguments: dict[str, Any], options: LossOptions | None = None) -> Plan:
+    """The plan of a public call from its `arguments` (the public function's, types checked), a loss call's with its
+    `options`. It resolves the backend, checks the call (`validate.check_call`), lays the tokens out once
+    (`layout.lay_out`), reads every value check with one host sync, sets the pass's options and chooses the route."""
     loss = options is not None
+    tensors = _named(LossTensors if loss else TokenTensors, arguments)
+    request = _named(Request, arguments)
     transform = options if loss else request  # where the logit transform comes from
-    if not loss:  # a loss call's transform was checked with its LossOptions
-        validate.check_temperature(request.temperature)
-        validate.check_logit_transform(request.logit_scale, request.final_logit_softcapping)
-    layout = Layout.of(source.name, source.x, tensors.cu_seqlens, flat_ok=not loss)
-    rows = layout.rows(source.x)
-    setup = _setup(source, rows, request)
-    device = source.x.device
-    inputs = None
-    with sync.queued(request.check_finite) as reads:
-        layout, targets, mask = layout.checked_tokens(tensors.targets, tensors.mask, setup.vocab, device)
-        if loss:
-            inputs = LossInputs.check(
-                tensors,
-                layout=layout,
-                mask=mask,
-                device=device,
-                options=options,
-                check_finite=request.check_finite,
-                sequence_group=request.sequence_group,
-            )
-        gather = source.weight is not None and not setup.all_rows and not torch.compiler.is_compiling()
-        if gather:  # compiled, every row runs masked: a count read on the host would break the graph
-            reads.read(mask.sum())  # the fused lm_head's kept-row count sizes its gather
-    sync.read_queued(reads)  # the call's one host sync
-    targets, invalid = safe_targets(targets.long(), mask, setup.vocab, request.check_finite)
-    kept = None
-    if source.weight is not None:
-        kept = KeptRows.of(mask, reads.numbers[0] if gather else None)
+    x, weight, device = source.x, source.weight, source.x.device
+    backend = resolve_backend(request.backend, device)
+    shard = parallel.vocab_shard(request.process_group, source.local_vocab, request.vocab_start, request.stats)
+    vocab = source.local_vocab if shard is None else shard.vocab
+    checked = validate.check_call(
+        x, weight, source.bias, tensors, request, options=options, backend=backend, vocab=vocab
+    )
+    layout = lay_out(
+        x,
+        tensors.targets,
+        tensors.mask,
+        tensors.cu_seqlens,
+        vocab=vocab,
+        check_finite=request.check_finite,
+        loss=loss,
+        linear=weight is not None,
+    )
+    inputs, checks = None, list(checked.checks)
+    if loss:
+        inputs, input_checks = LossInputs.of(
+            tensors, layout, check_finite=request.check_finite, sequence_group=request.sequence_group
+        )
+        checks += input_checks
+    gather = weight is not None and not layout.all_rows and not torch.compiler.is_compiling()
+    # compiled, every row runs masked: a count read on the host would break the graph
+    numbers = sync.read_checks(checks, [layout.mask.sum()] if gather else [])  # the call's one host sync
+    kept = None if weight is None else _kept_rows(layout.mask, numbers[0] if gather else None)
     needs_entropy = loss and (options.top_entropy_quantile < 1.0 or options.entropy_coef != 0.0)
-    memory_mode = _memory_mode(source, request, setup, kept)
+    memory_mode = _memory_mode(source, request, backend, checked.tile, shard, kept)
+    row_check = None
+    if request.check_finite and not torch.compiler.is_compiling():  # compiled: unchecked rows give a NaN loss
+        blame = {} if weight is None else {"source": finite.LINEAR_SOURCE, "causes": finite.LINEAR_CAUSES}
+        index = None if kept is None else kept.index
+        row_check = finite.RowCheck(**blame, flat=layout.flat, kept=index, zero_prob_ok=not loss)
     opts = PassOptions(
-        backend=setup.backend,
+        backend=backend,
         temperature=transform.temperature,
         logit_scale=transform.logit_scale,
         final_logit_softcapping=transform.final_logit_softcapping,
-        stats=setup.stats,
+        stats=checked.stats,
         inplace=request.inplace,
-        chunk_size=_chunk_rows(source, request, setup, kept),
+        chunk_size=_chunk_rows(source, request, shard, kept),
         memory=memory_mode,
-        tile=setup.tile,
+        tile=checked.tile,
         head_precision=request.head_precision,
         with_entropy=request.with_entropy or needs_entropy,
-        row_check=finite.row_check(  # compiled: unchecked rows give a NaN loss; a second host read would break
-            request.check_finite and not torch.compiler.is_compiling(),
-            linear=source.weight is not None,
-            position=layout.position(None if kept is None else kept.index),
-            loss=loss,
-        ),
+        row_check=row_check,
     )
     route = Route.LOGPROBS
     if loss:
-        route = choose_route(source, inputs, request, options, memory=memory_mode, backend=setup.backend)
+        route = choose_route(source, inputs, request, options, memory=memory_mode, backend=backend)
     return Plan(
         route=route,
         source=source,
         layout=layout,
-        rows=rows,
-        targets=targets,
-        mask=mask,
-        invalid=invalid,
         kept=kept,
-        shard=setup.shard,
+        shard=shard,
         pass_options=opts,
         options=options,
         inputs=inputs,
         return_sequence_losses=request.return_sequence_losses,
     )
+
+
+def _named(record: type, arguments: dict[str, Any]):
+    """`record` with each field taken from the argument of the same name (absent ones keep their defaults)."""
+    return record(**{name: arguments[name] for name in record.__dataclass_fields__ if name in arguments})
+
+
+def _kept_rows(mask: Tensor, count: int | None) -> KeptRows:
+    """`count` kept rows of `mask` [R, C], gathered with no further sync; None: every row, masked."""
+    if count is None:
+        index = torch.arange(mask.numel(), device=mask.device)  # [R·C]
+        return KeptRows((index // mask.shape[1], index % mask.shape[1]), mask.reshape(-1))
+    try:
+        index = torch.nonzero_static(mask, size=count)  # [M, 2]: the count is known, so no sync
+    except NotImplementedError:  # older torch on CUDA
+        index = mask.nonzero()
+    return KeptRows((index[:, 0], index[:, 1]), None)
 
 
 def choose_route(
@@ -208,64 +227,27 @@ def choose_route(
     return Route.TWO_PHASE
 
 
-@dataclass(frozen=True)
-class _Setup:
-    """What a call settles before reading any value: its backend, lean tile, vocabulary shard and size, and
-    whether the fused lm_head runs every row (inside a CUDA graph capture with the checks off)."""
-
-    backend: str
-    stats: tuple[str, ...]
-    tile: tuple[int, int] | None
-    shard: parallel.VocabShard | None
-    vocab: int
-    all_rows: bool
-
-
-def _setup(source: Source, rows: Tensor, request: Request) -> _Setup:
-    backend = resolve_backend(request.backend, source.x.device)
-    stats = validate.check_stats(request.stats, backend)
-    tile = _check_source(source, rows, backend, request)
-    shard = parallel.vocab_shard(request.process_group, source.local_vocab, request.vocab_start, stats)
-    return _Setup(
-        backend=backend,
-        stats=stats,
-        tile=tile,
-        shard=shard,
-        vocab=source.local_vocab if shard is None else shard.vocab,
-        all_rows=source.weight is not None and layout_module.all_rows(request.check_finite, source.x.device),
-    )
-
-
-def _check_source(source: Source, rows: Tensor, backend: str, request: Request) -> tuple[int, int] | None:
-    """The logits, or the lm_head and its chunking options, against the backend; returns the lean tile."""
-    if source.weight is None:
-        validate.check_logits(rows, backend)
-        return None
-    validate.check_linear(rows, source.weight, source.bias, backend)
-    check_head_precision(request.head_precision)
-    validate.check_chunk_size(request.chunk_size)
-    return validate.check_memory(request.memory, request.tile, request.chunk_size, backend)
-
-
-def _memory_mode(source: Source, request: Request, setup: _Setup, kept: KeptRows | None) -> str:
+def _memory_mode(
+    source: Source, request: Request, backend: str, tile: tuple[int, int] | None, shard, kept: KeptRows | None
+) -> str:
     """The fused lm_head's memory mode, "fast" or "lean" (`memory.resolve_memory`); a vocabulary shard
     (`process_group`) runs "fast". Logits in: "fast" (unused)."""
     if kept is None:
         return "fast"
-    if setup.shard is not None:
-        if request.memory == "lean" or setup.tile is not None:
+    if shard is not None:
+        if request.memory == "lean" or tile is not None:
             raise ValueError("memory='lean' (and tile) do not run with process_group (a vocabulary shard)")
         return "fast"
     rows = kept.index[0].shape[0]
-    return memory.resolve_memory(request.memory, setup.backend, rows, source.weight, request.chunk_size, setup.tile)
+    return memory.resolve_memory(request.memory, backend, rows, source.weight, request.chunk_size, tile)
 
 
-def _chunk_rows(source: Source, request: Request, setup: _Setup, kept: KeptRows | None) -> int | None:
+def _chunk_rows(source: Source, request: Request, shard, kept: KeptRows | None) -> int | None:
     """The fused lm_head's rows per chunk ("fast" memory: `memory.chunk_rows`), sized in the logits GEMM's dtype (a
     vocabulary shard's: the weight's). Logits in: the request's (unused)."""
     if kept is None:
         return request.chunk_size
     weight = source.weight
-    dtype = weight.dtype if setup.shard is not None else logits_dtype(request.head_precision, weight.dtype)
+    dtype = weight.dtype if shard is not None else logits_dtype(request.head_precision, weight.dtype)
     rows = kept.index[0].shape[0]
     return memory.chunk_rows(rows, weight.shape[0], weight.shape[1], weight.device, request.chunk_size, dtype)

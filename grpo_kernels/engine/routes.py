@@ -15,8 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from grpo_kernels.engine.layout import nan_at_invalid
-from grpo_kernels.engine.plan import Plan, Route
+from grpo_kernels.engine.plan import KeptRows, Plan, Route
 from grpo_kernels.kernels import function, parallel, parallel_linear
 from grpo_kernels.kernels.backend import CAPABILITIES
 from grpo_kernels.kernels.fused_linear import ChunkLoss, fused_linear_logprobs, fused_linear_token_loss
@@ -36,28 +35,27 @@ if TYPE_CHECKING:
 def vocab_pass(plan: Plan) -> dict[str, Tensor]:
     """The plan's vocabulary pass: {"logp", "entropy" (when computed), each asked statistic}, [R, C] each (the fused
     lm_head's kept rows scattered back), logp NaN at unchecked targets outside [0, V)."""
-    opts, kept, shard = plan.pass_options, plan.kept, plan.shard
+    opts, kept, shard, layout = plan.pass_options, plan.kept, plan.shard, plan.layout
     if kept is None:  # logits in
         if shard is None:
-            out = function.vocab_pass(plan.rows, plan.targets, plan.mask, opts)
+            out = function.vocab_pass(layout.rows, layout.targets, layout.mask, opts)
         else:
-            out = parallel.vocab_pass(plan.rows, plan.targets, plan.mask, opts, shard=shard)
+            out = parallel.vocab_pass(layout.rows, layout.targets, layout.mask, opts, shard=shard)
     else:  # the fused lm_head on the kept rows [M, H], scattered back to [R, C]
-        rows = (kept.take(plan.rows), plan.source.weight, plan.source.bias, kept.take(plan.targets))
+        rows = (_take(kept, layout.rows), plan.source.weight, plan.source.bias, _take(kept, layout.targets))
         if shard is None:  # row chunks ("fast") or 2-D tiles ("lean")
             linear = lean_linear_logprobs if opts.memory == "lean" else fused_linear_logprobs
             out = linear(*rows, opts=opts, row_mask=kept.row_mask)
         else:
             out = parallel_linear.fused_linear_logprobs(*rows, opts=opts, row_mask=kept.row_mask, shard=shard)
-        out = {name: kept.scatter(x, plan.mask) for name, x in out.items()}
-    out["logp"] = nan_at_invalid(out["logp"], plan.invalid)
+        out = {name: _scatter(kept, x, layout.mask) for name, x in out.items()}
+    out["logp"] = _nan_at_invalid(out["logp"], layout.invalid)
     return out
 
 
 def logprobs(plan: Plan):
     """token_logprobs / fused_linear_token_logprobs: logp, (logp, entropy) or the dict with the statistics."""
-    out = vocab_pass(plan)
-    out = {name: plan.layout.from_rows(x) for name, x in out.items()}
+    out = {name: x[0] if plan.layout.flat else x for name, x in vocab_pass(plan).items()}  # [B, T] / [N]
     if plan.pass_options.stats:
         return out
     return (out["logp"], out["entropy"]) if plan.pass_options.with_entropy else out["logp"]
@@ -73,12 +71,12 @@ def two_phase(plan: Plan):
 
 def fused_epilogue(plan: Plan) -> GRPOLossOutput:
     """One kernel pass: each token's weighted loss and dL/dlogp come out of the forward kernel's epilogue."""
-    inputs, options = plan.inputs, plan.options
+    inputs, options, layout = plan.inputs, plan.options, plan.layout
     loss, logp, entropy = function.fused_token_loss(
-        plan.rows,
-        plan.targets,
-        plan.mask,
-        weights=token_omega(inputs, options, compute_dtype(plan.rows.dtype)),
+        layout.rows,
+        layout.targets,
+        layout.mask,
+        weights=token_omega(inputs, options, compute_dtype(layout.rows.dtype)),
         advantages=per_sequence_or_token(inputs.advantages),  # [B, 1] or [B, T]
         old_logp=inputs.old_logp,
         ref_logp=inputs.ref_logp,
@@ -86,34 +84,33 @@ def fused_epilogue(plan: Plan) -> GRPOLossOutput:
         opts=plan.pass_options,
         epilogue=TokenEpilogue.from_options(options),
     )
-    if plan.invalid is not None:
-        loss, logp = function.poisoned(loss, plan.invalid), nan_at_invalid(logp, plan.invalid)
+    if layout.invalid is not None:
+        loss, logp = function.poisoned(loss, layout.invalid), _nan_at_invalid(logp, layout.invalid)
     terms = inputs.terms(logp, entropy, options)  # for the metrics
     return GRPOLossOutput(loss, loss_metrics(terms, options))
 
 
 def linear_token_loss(plan: Plan) -> GRPOLossOutput:
     """The fused lm_head with a token-level loss's gradients formed in its forward (3 GEMMs)."""
-    inputs, kept, options = plan.inputs, plan.kept, plan.options
+    inputs, kept, options, layout = plan.inputs, plan.kept, plan.options, plan.layout
     loss, logp, entropy = fused_linear_token_loss(
-        kept.take(plan.rows),
+        _take(kept, layout.rows),
         plan.source.weight,
         plan.source.bias,
-        kept.take(plan.targets),
+        _take(kept, layout.targets),
         opts=plan.pass_options,
-        chunk_loss=chunk_loss(inputs, kept.index, options, kept.row_mask, compute_dtype(plan.rows.dtype)),
+        chunk_loss=chunk_loss(inputs, kept.index, options, kept.row_mask, compute_dtype(layout.rows.dtype)),
         row_mask=kept.row_mask,
     )
-    logp = nan_at_invalid(kept.scatter(logp, plan.mask), plan.invalid)
-    terms = inputs.terms(logp, kept.scatter(entropy, plan.mask), options)
-    loss = loss if plan.invalid is None else function.poisoned(loss, plan.invalid)
+    logp = _nan_at_invalid(_scatter(kept, logp, layout.mask), layout.invalid)
+    terms = inputs.terms(logp, _scatter(kept, entropy, layout.mask), options)
+    loss = loss if layout.invalid is None else function.poisoned(loss, layout.invalid)
     return GRPOLossOutput(loss, loss_metrics(terms, options))
 
 
 def token_omega(inputs: LossInputs, options: LossOptions, dtype: torch.dtype) -> Tensor:
     """Each token's weight in the padded view (`losses.token_loss.token_omega`), in `dtype`."""
-    weights = inputs.layout.padded(inputs.token_weights)
-    return token_loss.token_omega(inputs.padded_mask(), weights, inputs.sequence_weights, options, dtype)
+    return token_loss.token_omega(inputs.mask, inputs.token_weights, inputs.sequence_weights, options, dtype)
 
 
 def chunk_loss(
@@ -123,14 +120,32 @@ def chunk_loss(
     the fused lm_head, in `dtype`; the rows `row_mask` drops (None: none) are padding to it. In closed form (the
     torch epilogue's `closed_form_share`) where it computes the loss whole, else by autograd through the algebra
     (`losses.token_loss.autograd_share`)."""
-    layout = inputs.layout
-    omega = layout.padded_at_kept(token_omega(inputs, options, dtype), kept)  # [M]
-    side = {
-        name: layout.at_kept(getattr(inputs, name), kept) for name in ("old_logp", "ref_logp", "advantages", "is_ratio")
-    }
+    r, c = kept
+    index = inputs.layout.padded_index
+    at = (r, c) if index is None else (index[0][c], index[1][c])  # the kept rows in the padded view
+    at_kept = lambda x: None if x is None else (x[at] if x.dim() == 2 else x[at[0]])  # noqa: E731  [M]
+    omega = at_kept(token_omega(inputs, options, dtype))  # [M]
+    side = {name: at_kept(getattr(inputs, name)) for name in ("old_logp", "ref_logp", "advantages", "is_ratio")}
     if fits_kernel_epilogue(options, CAPABILITIES["torch"].epilogue_kl):
         return grpo_loss_torch.closed_form_share(omega, side, row_mask, TokenEpilogue.from_options(options), dtype)
     return token_loss.autograd_share(omega, side, row_mask, options, inputs.mask.sum().clamp(min=1))
+
+
+def _take(kept: KeptRows, x: Tensor) -> Tensor:
+    """x [R, C, ·] at the kept rows, [M, ·] (every row: a view, no gather)."""
+    return x[kept.index] if kept.row_mask is None else x.flatten(0, 1)
+
+
+def _scatter(kept: KeptRows, values: Tensor | None, mask: Tensor) -> Tensor | None:
+    """Kept-row values [M] back into rows [R, C] (0 elsewhere); differentiable."""
+    if values is None:
+        return None
+    return values.new_zeros(mask.shape).index_put(kept.index, values)
+
+
+def _nan_at_invalid(logp: Tensor, invalid: Tensor | None) -> Tensor:
+    """logp, NaN at the kept tokens whose target was outside [0, V) (unchecked input)."""
+    return logp if invalid is None else logp.masked_fill(invalid, float("nan"))
 
 
 RUNS = {

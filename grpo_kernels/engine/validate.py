@@ -2,27 +2,32 @@
 expected and what came, before any kernel runs.
 
 First the arguments' types (`check_argument_types`, with the call's `locals()`: a TypeError before any shape, value
-or kernel; the packed layout's `cu_seqlens` may be a list or tuple of ints, which `cu_seqlens_tensor` turns into a
-tensor), then shapes, dtypes and devices (`mask must be [B, T] = [4, 128], got [4, 127]`). Checks of values (mask
-values, target range) are O(N) device work, read with the call's one host sync (`engine.sync.one_sync`).
+or kernel; the packed layout's `cu_seqlens` may be a list or tuple of ints, which becomes a tensor), then, in one
+call from the plan (`check_call`), shapes, dtypes, devices and options (`mask must be [B, T] = [4, 128], got [4,
+127]`). Checks of values (mask values, target range, normalisers) are O(N) device work returned as flags, which the
+plan reads with the call's one host sync (`engine.sync.read_checks`).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from grpo_kernels.engine.finite import FINITE_AT_KEPT, nonfinite
 from grpo_kernels.engine.memory import lean_backends
-from grpo_kernels.engine.sync import check_value, fail_with
+from grpo_kernels.engine.sync import ValueCheck
 from grpo_kernels.kernels.backend import CAPABILITIES
 from grpo_kernels.kernels.function import TOKEN_STATS
+from grpo_kernels.kernels.head_precision import check_head_precision
 from grpo_kernels.options import LossOptions
 from grpo_kernels.shown import shown
+from grpo_kernels.tensor_checks import raise_first
 
 
 def _tensor(x: Any) -> bool:
@@ -70,8 +75,9 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str, bool]] = {
 }
 
 
-def check_argument_types(args: Mapping[str, Any]) -> None:
-    """The types of a public function's arguments (its `locals()`); a float argument must also be finite."""
+def check_argument_types(args: Mapping[str, Any]) -> dict[str, Any]:
+    """The types of a public function's arguments (its `locals()`); a float argument must also be finite. Returns the
+    arguments, `cu_seqlens` (a list or tuple of ints, or a tensor) as a tensor on the device of logits / hidden."""
     for name, value in args.items():
         if name not in _RULES:
             continue
@@ -83,33 +89,33 @@ def check_argument_types(args: Mapping[str, Any]) -> None:
             raise TypeError(f"{name} must be {expected}, got {got}")
         if isinstance(value, float) and not math.isfinite(value):  # each float argument must be > 0
             raise ValueError(f"{name} must be > 0 and finite, got {value}")
-
-
-def cu_seqlens_tensor(value: Any, like: Tensor) -> Tensor | None:
-    """`cu_seqlens` as a tensor on `like`'s device (a list or tuple of ints converted); a TypeError otherwise."""
-    if value is None or isinstance(value, Tensor):
-        return value
-    if isinstance(value, (list, tuple)) and all(_int(v) for v in value):
-        return torch.tensor(value, dtype=torch.int64, device=like.device)
-    raise TypeError(f"cu_seqlens must be an integer torch.Tensor, a list or tuple of ints, or None, got {shown(value)}")
+    cu_seqlens = args.get("cu_seqlens")
+    if cu_seqlens is None or isinstance(cu_seqlens, Tensor):
+        return dict(args)
+    if isinstance(cu_seqlens, (list, tuple)) and all(_int(v) for v in cu_seqlens):
+        device = args.get("logits", args.get("hidden")).device
+        return {**args, "cu_seqlens": torch.tensor(cu_seqlens, dtype=torch.int64, device=device)}
+    raise TypeError(
+        f"cu_seqlens must be an integer torch.Tensor, a list or tuple of ints, or None, got {shown(cu_seqlens)}"
+    )
 
 
 def _shape(shape) -> str:
     return "[" + ", ".join(str(d) for d in shape) + "]"
 
 
-def check_logits(logits: Tensor, backend: str) -> None:
-    """logits [B, T, V] with V >= 1, a dtype the backend computes in."""
-    if logits.dim() != 3 or logits.shape[-1] < 1:
+def check_logits(logits: Tensor, backend: str, *, flat: bool = False) -> None:
+    """logits [B, T, V] (`flat`: [N, V]) with V >= 1, a dtype the backend computes in."""
+    if logits.dim() != (2 if flat else 3) or logits.shape[-1] < 1:
         raise ValueError(f"logits must be [B, T, V] with V >= 1, got {_shape(logits.shape)}")
     dtypes = CAPABILITIES[backend].dtypes
     if logits.dtype not in dtypes:
         raise TypeError(f"logits dtype must be one of {dtypes} for backend={backend!r}, got {logits.dtype}")
 
 
-def check_linear(hidden: Tensor, weight: Tensor, bias: Tensor | None, backend: str) -> None:
-    """hidden [B, T, H] and an lm_head weight [V, H] (bias [V]) of one float dtype, on one device."""
-    if hidden.dim() != 3:
+def check_linear(hidden: Tensor, weight: Tensor, bias: Tensor | None, backend: str, *, flat: bool = False) -> None:
+    """hidden [B, T, H] (`flat`: [N, H]) and an lm_head weight [V, H] (bias [V]) of one float dtype, on one device."""
+    if hidden.dim() != (2 if flat else 3):
         raise ValueError(f"hidden must be [B, T, H] (or packed [N, H]), got {_shape(hidden.shape)}")
     if weight.dim() != 2:
         raise ValueError(f"weight must be [V, H] (2-D), got {_shape(weight.shape)}")
@@ -151,36 +157,48 @@ def _check_float(name: str, x: Tensor | None, *expected: tuple[tuple[int, ...], 
         raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
 
 
-def check_mask(mask: Tensor, B: int, T: int, device) -> None:
-    """A [B, T] bool tensor, or numbers that are all 0 or 1 (a value check: see `one_sync`)."""
-    check_like("mask", mask, ((B, T),), ("[B, T]",), device)
-    if mask.dtype != torch.bool:
-        check_value(((mask != 0) & (mask != 1)).any(), fail_with("mask must be bool or hold only 0 and 1"))
+def check_cu_seqlens(cu_seqlens: Tensor, num_tokens: int) -> None:
+    """int [S + 1], 0 first, N last, non-decreasing (its values read on the host: the packed layout sizes its
+    padded view with them)."""
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError("cu_seqlens must be a 1-D integer tensor [S + 1] of cumulative sequence starts")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
+    starts = cu_seqlens.long()
+    lengths = starts[1:] - starts[:-1]  # [S]
+    if int(starts[0]) != 0 or int(starts[-1]) != num_tokens or bool((lengths < 0).any()):
+        raise ValueError(
+            f"cu_seqlens must start at 0, end at N = {num_tokens} and never decrease, got {cu_seqlens.tolist()}"
+        )
 
 
-def check_targets(targets: Tensor, mask: Tensor, vocab: int, device) -> None:
-    """Integer token ids [B, T], inside [0, V) wherever the mask keeps the token (padding is never read; the range
-    is a value check: see `one_sync`)."""
-    B, T = mask.shape
-    check_like("targets", targets, ((B, T),), ("[B, T]",), device)
+def check_tokens(
+    targets: Tensor, mask: Tensor | None, token: tuple[tuple[int, ...], str], vocab: int, device, *, values: bool
+) -> list[ValueCheck]:
+    """Integer token ids and the mask (None: every token) of the `token` (shape, label) `[B, T]` or `[N]`, and with
+    `values` their value checks, to be read with the call's one host sync: the mask bool or 0 / 1, the targets
+    inside [0, V) wherever the mask keeps the token (padding is never read)."""
+    shape, label = token
+    if mask is not None:
+        check_like("mask", mask, (shape,), (label,), device)
+    check_like("targets", targets, (shape,), (label,), device)
     if targets.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"targets must be int64 or int32 token ids, got {targets.dtype}")
-    outside = (targets.clamp(0, vocab - 1) != targets) & mask  # [B, T]
+    if not values:
+        return []
+    checks = []
+    if mask is not None and mask.dtype != torch.bool:
+        checks.append((((mask != 0) & (mask != 1)).any(), _fail("mask must be bool or hold only 0 and 1")))
+    keep = None if mask is None else mask.bool()
+    outside = targets.clamp(0, vocab - 1) != targets  # [B, T]
 
     def fail() -> None:
-        kept = targets[mask]
+        kept = targets if keep is None else targets[keep]
         lo, hi = int(kept.min()), int(kept.max())
         raise ValueError(f"targets must lie in [0, V) = [0, {vocab}) where mask is set, got values in [{lo}, {hi}]")
 
-    check_value(outside.any(), fail)
-
-
-def targets_in_vocab(targets: Tensor, mask: Tensor, vocab: int) -> tuple[Tensor, Tensor]:
-    """Unchecked targets made safe to index with, without a host sync: (targets with every id outside [0, V) set to
-    0, the kept tokens that had one [B, T] bool), so that a kernel never reads outside a row and the caller can
-    turn those tokens' results into NaN (`check_finite=False`)."""
-    outside = (targets < 0) | (targets >= vocab)  # [B, T]
-    return targets.masked_fill(outside, 0), outside & mask
+    checks.append(((outside if keep is None else outside & keep).any(), fail))
+    return checks
 
 
 def check_chunk_size(chunk_size: int | None) -> None:
@@ -254,3 +272,85 @@ def check_side_inputs(given, *, token: tuple, sequence: tuple, device, options: 
         raise ValueError(f"num_items_in_batch must be a number or a 1-element tensor, got {_shape(items.shape)}")
     if options.beta != 0.0 and given.ref_logp is None:
         raise ValueError(f"ref_logp is required when beta != 0 (beta={options.beta})")
+
+
+def _fail(message: str) -> Callable[[], None]:
+    def fail() -> None:
+        raise ValueError(message)
+
+    return fail
+
+
+def check_normalisers(options: LossOptions, *, values: bool) -> list[ValueCheck]:
+    """The normalisers given as numbers are finite; given as tensors, with `values`, their value checks (finite and
+    > 0), to be read with the call's one host sync."""
+    checks = []
+    for name in ("num_items_in_batch", "num_sequences_in_batch"):
+        value = getattr(options, name, None)
+        if isinstance(value, Tensor):
+            if values:
+                flat = value.reshape(-1)
+                bad = nonfinite(flat)
+                checks.append((bad.any(), lambda name=name, x=flat, bad=bad: raise_first(name, x, bad, FINITE_AT_KEPT)))
+                positive = lambda name=name, x=flat: _fail(f"{name} must be > 0, got {x[0].item()}")()  # noqa: E731
+                checks.append((~(value > 0).all(), positive))
+        elif value is not None and not math.isfinite(value):
+            raise ValueError(f"{name} must be finite, got {value}")
+    return checks
+
+
+@dataclass(frozen=True)
+class Checked:
+    """What a call's checks settled: its statistics' names, the lean tile, and the value checks its one host sync
+    reads (none with `check_finite=False`)."""
+
+    stats: tuple[str, ...]
+    tile: tuple[int, int] | None
+    checks: tuple[ValueCheck, ...]
+
+
+def check_call(
+    x: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    tensors,
+    request,
+    *,
+    options: LossOptions | None,
+    backend: str,
+    vocab: int,
+) -> Checked:
+    """Every check of a call after its arguments' types: logits `x` (or hidden states `x` through the lm_head
+    `weight` and `bias`) and their layout, the log-prob call's logit transform (a loss call's was checked with its
+    LossOptions), the statistics and the chunking options against `backend`, the targets and mask
+    (`inputs.TokenTensors`) against a vocabulary of `vocab` ids, and a loss call's other tensors
+    (`inputs.LossTensors`) and normalisers. The checks of values are returned to be read with one host sync."""
+    loss = options is not None
+    name, cu_seqlens = ("logits" if weight is None else "hidden"), tensors.cu_seqlens
+    if not loss:
+        check_temperature(request.temperature)
+        check_logit_transform(request.logit_scale, request.final_logit_softcapping)
+    if cu_seqlens is not None and x.dim() != 2:
+        raise ValueError(f"with cu_seqlens, {name} must be packed [N, ·], got {_shape(x.shape)}")
+    if not loss and x.dim() not in (2, 3):
+        raise ValueError(f"{name} must be [B, T, ·] or [N, ·], got {_shape(x.shape)}")
+    flat = cu_seqlens is not None or (not loss and x.dim() == 2)
+    stats = check_stats(request.stats, backend)
+    tile = None
+    if weight is None:
+        check_logits(x, backend, flat=flat)
+    else:
+        check_linear(x, weight, bias, backend, flat=flat)
+        check_head_precision(request.head_precision)
+        check_chunk_size(request.chunk_size)
+        tile = check_memory(request.memory, request.tile, request.chunk_size, backend)
+    token = (tuple(x.shape[:1]), "[N]") if flat else (tuple(x.shape[:2]), "[B, T]")
+    if cu_seqlens is not None:
+        check_cu_seqlens(cu_seqlens, x.shape[0])
+    values = request.check_finite
+    checks = check_tokens(tensors.targets, tensors.mask, token, vocab, x.device, values=values)
+    if loss:
+        sequence = ((cu_seqlens.numel() - 1,), "[S]") if flat else ((x.shape[0],), "[B]")
+        check_side_inputs(tensors, token=token, sequence=sequence, device=x.device, options=options)
+        checks += check_normalisers(options, values=values)
+    return Checked(stats=stats, tile=tile, checks=tuple(checks))
