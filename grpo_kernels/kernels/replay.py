@@ -178,9 +178,10 @@ def window_grad_(kernels, window: Window, x: Tensor, targets, mask, lse, entropy
     grad = window.z
     slope = opts.logit_scale / opts.temperature
     cap = opts.final_logit_softcapping
-    if cap is not None:
+    if cap is not None:  # masked rows may hold NaN logits: their 0 stays 0
         sech2 = scratch.get("slope", x.shape[0]).copy_(x).mul_(opts.logit_scale / cap)
         grad.mul_(sech2.cosh_().square_().reciprocal_().mul_(slope))  # 1/cosh², not 1 − tanh² (cancels near ±1)
+        grad.masked_fill_(~mask[:, None], 0.0)
     elif slope != 1.0:
         grad.mul_(slope)
     return grad
