@@ -34,30 +34,12 @@ from grpo_kernels.kernels.function import (
     mark_overwritten,
 )
 from grpo_kernels.kernels.function import vocab_pass as function_vocab_pass
-from grpo_kernels.kernels.pass_options import PassOptions
+from grpo_kernels.kernels.pass_options import PassOptions, Replay
 from grpo_kernels.kernels.protocol import compute_dtype
 from grpo_kernels.kernels.torch.token_logprobs import transform_
 
 REPLAY_STATS = ("log_kept_mass", "outside_support")  # per-token statistics of a replayed pass (float32, bool)
 WINDOW_ELEMENTS = 1 << 20  # logits per scratch window (4 MiB of float32)
-
-
-@dataclass(frozen=True, eq=False)
-class Replay:
-    """The sampler's support to replay: its rule (top_k 0, top_p 1.0, min_p 0.0: off) or its kept ids per row
-    (`kept_ids` [rows, K] int64, -1 padding, rows in the pass's flattened order); `full_entropy`: the entropy of
-    the whole distribution instead of the support's. With every rule off and no ids it only reports: log kept mass
-    0, no target outside."""
-
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    kept_ids: Tensor | None = None
-    full_entropy: bool = False
-
-    def truncates(self, vocab: int) -> bool:
-        """Whether the support can be smaller than the vocabulary."""
-        return self.kept_ids is not None or 0 < self.top_k < vocab or self.top_p < 1.0 or self.min_p > 0.0
 
 
 def thresholds(z: Tensor, replay: Replay) -> Tensor:
@@ -146,7 +128,12 @@ def window_forward(kernels, window: Window, targets: Tensor, mask: Tensor, with_
     """The backend's plain pass over the masked window: (logp, lse of the support, entropy or None, the statistics
     by name), [C] each; masked rows 0 (False). Without truncation the log kept mass is 0 exactly."""
     logp, lse, entropy, kernel_stats = kernels.token_logprobs_fwd(
-        window.z[None], targets[None], mask[None], 1.0, with_entropy, stats=tuple(s for s in stats if s not in REPLAY_STATS)
+        window.z[None],
+        targets[None],
+        mask[None],
+        1.0,
+        with_entropy,
+        stats=tuple(s for s in stats if s not in REPLAY_STATS),
     )
     logp, lse = logp[0], lse[0]
     found = {name: x[0] for name, x in kernel_stats.items()}
