@@ -39,8 +39,8 @@ def vocab_pass(plan: Plan) -> dict[str, Tensor]:
     lm_head's kept rows scattered back), logp NaN at unchecked targets outside [0, V)."""
     opts, kept, shard = plan.pass_options, plan.kept, plan.shard
     if kept is None:  # logits in
-        if opts.replay is not None:  # the sampler's support (a vocabulary shard is refused in the plan)
-            out = replay_logits.vocab_pass(plan.rows, plan.targets, plan.mask, opts)
+        if opts.replay is not None:  # the sampler's support
+            out = replay_logits.vocab_pass(plan.rows, plan.targets, plan.mask, opts, shard)
         elif shard is None:
             out = function.vocab_pass(plan.rows, plan.targets, plan.mask, opts)
         else:
