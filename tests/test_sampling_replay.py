@@ -198,3 +198,20 @@ def test_errors_name_the_argument():
         gk.LossOptions(top_p=0.0)
     with pytest.raises(ValueError, match="replay_entropy must be one of"):
         gk.LossOptions(replay_entropy="all")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_and_fully_masked_inputs(backend):
+    """B = 0, and every token masked: zeros and zero gradients, under rule and kept-set replay, logits and lm_head."""
+    for B in (0, 2):
+        logits = torch.randn(B, 3, 11, device=DEVICE, requires_grad=True)
+        targets = torch.zeros(B, 3, dtype=torch.long, device=DEVICE)
+        mask = torch.zeros(B, 3, dtype=torch.bool, device=DEVICE)
+        ids = torch.full((B, 3, 2), -1, device=DEVICE)
+        for replay in ({"top_k": 2, "top_p": 0.5}, {"sampling_mask": ids}):
+            out = gk.token_logprobs(logits, targets, mask=mask, stats=STATS, backend=backend, inplace=False, **replay)
+            out["logp"].sum().backward()
+            assert not out["logp"].any() and not out["log_kept_mass"].any() and not logits.grad.any()
+            hidden, weight = torch.randn(B, 3, 4, device=DEVICE), torch.randn(11, 4, device=DEVICE)
+            logp = gk.fused_linear_token_logprobs(hidden, weight, targets, mask=mask, backend=backend, **replay)
+            assert logp.shape == (B, 3) and not logp.any()

@@ -78,7 +78,7 @@ def replay_of(
             )
     ids = None if sampling_mask is None else kept_ids(sampling_mask, rows, vocab).to(device)  # [R·C, K]
     if ids is not None and kept is not None:
-        ids = kept.take(ids.view(*rows, -1))  # [M, K]: the fused lm_head's rows
+        ids = kept.take(ids.view(*rows, ids.shape[-1]))  # [M, K]: the fused lm_head's rows
     top_k = rule.top_k if rule.top_k < vocab else 0
     return Replay(
         top_k=top_k, top_p=float(rule.top_p), min_p=float(rule.min_p), kept_ids=ids, full_entropy=full_entropy
@@ -115,7 +115,7 @@ def kept_ids(sampling_mask: Any, rows: tuple[int, int], vocab: int) -> Tensor:
             f"sampling_mask must be [B, T, K] (packed or flat: [N, K]) over the {positions} target positions, got "
             f"{list(sampling_mask.shape)}"
         )
-    ids = sampling_mask.reshape(positions, -1).long()
+    ids = sampling_mask.reshape(positions, sampling_mask.shape[-1]).long()
     check_value(
         ((ids < -1) | (ids >= vocab)).any(),
         fail_with(f"sampling_mask ids must lie in [0, V) = [0, {vocab}), with -1 as padding"),

@@ -19,7 +19,9 @@ Bytes communicated per call, R ranks, n rows of the pass (B·T for logits, the k
 float32 statistics, e = 1 with entropy (else 0):
   16·R (all-gather of each shard's (start, size), int64)  +  4·(3 + e)·n  forward
   + H·itemsize(hidden)·n  backward of the fused lm_head (the dH all-reduce; none for logits in).
-Nothing of size [N, V] or [V, H] crosses ranks.
+Nothing of size [N, V] or [V, H] crosses ranks. Sampling replay adds, per row, 4 bytes for min-p's max, 4·R·top_k
+for top-k's candidates, 4 for top-p's kept mass, and 4 + 4 + 4 to merge the full lse and the outside flags
+(`merge_replay`, when those statistics are asked).
 """
 
 from __future__ import annotations
