@@ -8,11 +8,10 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import grpo_kernels as gk
 from tests.conftest import assert_close
-from tests.rendezvous import join, rendezvous
+from tests.rendezvous import join, spawn_ranks
 from tests.replay_cases import RULES, STATS, padded, support_of
 
 F32 = torch.float32
@@ -123,17 +122,7 @@ def _worker(rank: int, store: str, queue) -> None:
 
 
 def test_two_shards_equal_one_process():
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with rendezvous() as store:
-        procs = [ctx.Process(target=_worker, args=(r, store, queue)) for r in range(2)]
-        for p in procs:
-            p.start()
-        reports = [queue.get(timeout=600) for _ in procs]
-        for p in procs:
-            p.join(timeout=60)
-    failures = [f"rank {rank}:\n{error}" for rank, error in sorted(reports) if error is not None]
-    assert not failures, "\n".join(failures)
+    spawn_ranks(_worker, 2)
 
 
 def test_top_p_on_shards_needs_top_k():
