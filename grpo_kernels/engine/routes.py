@@ -118,10 +118,11 @@ def linear_token_loss(plan: Plan) -> GRPOLossOutput:
 def replay_metrics(stats: dict[str, Tensor], mask: Tensor) -> dict[str, Tensor]:
     """With sampling replay, the kept tokens' mean log kept mass and the fraction of targets outside the support
     ("sampling/log_kept_mass", "sampling/outside_support"); nothing without replay."""
+    names = [name for name in REPLAY_STATS if name in stats]
+    if not names:  # no op without replay: at small shapes ops are the host time
+        return {}
     count = mask.sum().clamp(min=1)
-    return {
-        f"sampling/{name}": (stats[name].float() * mask).sum() / count for name in REPLAY_STATS if name in stats
-    }
+    return {f"sampling/{name}": (stats[name].float() * mask).sum() / count for name in names}
 
 
 def token_omega(inputs: LossInputs, options: LossOptions, dtype: torch.dtype) -> Tensor:
