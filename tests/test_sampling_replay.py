@@ -121,6 +121,12 @@ def test_ties_at_the_kth_logit_are_all_kept(backend):
     assert got["outside_support"].sum() == 1 and got["outside_support"][0, 0]
     kept = torch.tensor([5.0, 4.0, 3.0, 3.0, 3.0]).logsumexp(0)
     assert_close(got["logp"][0, 1], 3.0 - kept, torch.float32, "a tied target's logp")
+    # top-p after top-k renormalises over every tied token: with the ties 0.65 of the mass leads, without them 0.88
+    logits = torch.full_like(logits.detach(), -5.0)
+    logits[..., :6] = torch.tensor([2.0, 0.0, 0.0, 0.0, 0.0, -1.0])
+    support = support_of(logits, {"top_k": 2, "top_p": 0.7})
+    assert (support.sum(-1) == 5).all()
+    check_replay(logits, targets, mask, backend, torch.float32, support=support, top_k=2, top_p=0.7)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

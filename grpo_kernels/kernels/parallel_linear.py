@@ -113,7 +113,7 @@ class _ParallelFusedLinearFunction(torch.autograd.Function):
             backends.count_launch(opts.backend)
             z = _chunk_logits(hidden[r], w, b, buffer, opts.head_precision)  # [1, c, V_r], overwritten by its gradient
             if replayed.scratch is not None:
-                window = replayed.window(z[0], r, local, owned, replayed.theta(r))
+                window = replayed.window(z[0], r, local, owned, replayed.theta(r), forward=False)
                 foreign = None if grad_logp is None else torch.where((owned | ~mask)[r], 0.0, grad_logp[r])
                 g_entropy = None if grad_entropy is None else grad_entropy[r]
                 grad = window_grad_(
@@ -160,11 +160,12 @@ class _Replayed:
         self.reduce = RowReduce(shard.vocab, shard.group)
         self.thetas, self._kept = thetas, []
 
-    def window(self, z: Tensor, r: slice, local: Tensor, owned: Tensor, theta: Tensor | None):
+    def window(self, z: Tensor, r: slice, local: Tensor, owned: Tensor, theta: Tensor | None, forward: bool = True):
         """The chunk's rows z [c, V_r] masked (θ [c, 1] from the forward, or None: computed)."""
         ids = row_ids(self.opts.replay, r)
         ids = None if ids is None else ids - self.shard.start  # the shard's columns; ids elsewhere dropped
-        return masked_window(z, local[r], self.opts.replay, ids, theta, self.opts, self.scratch, self.reduce, owned[r])
+        replay, scratch = self.opts.replay, self.scratch
+        return masked_window(z, local[r], replay, ids, theta, self.opts, scratch, self.reduce, owned[r], forward)
 
     def keep(self, window) -> None:
         if window.theta is not None:

@@ -110,7 +110,7 @@ class _ReplayLogprobsFunction(torch.autograd.Function):
         backends.count_launch(opts.backend)
         for rows, x in _windows(logits, scratch.shape[0]):
             theta_rows = None if theta.numel() == 0 else theta[rows, None]
-            window = rows_of.window(x, rows, opts, scratch, theta_rows)
+            window = rows_of.window(x, rows, opts, scratch, theta_rows, forward=False)
             foreign = None
             if ctx.shard is not None and g is not None:  # the one-hot of rows whose target another shard owns
                 foreign = torch.where(rows_of.owned[rows] | ~rows_of.mask[rows], 0.0, g[rows])
@@ -150,12 +150,13 @@ class _Rows:
         n, V = self.mask.shape[0], self.logits.shape[-1]
         return Scratch(window_rows(self.reduce.vocab, n), V, self.logits.dtype, self.logits.device)
 
-    def window(self, x: Tensor, rows: slice, opts: PassOptions, scratch: Scratch, theta: Tensor | None):
+    def window(self, x: Tensor, rows: slice, opts: PassOptions, scratch: Scratch, theta: Tensor | None,
+               forward: bool = True):  # fmt: skip
         ids = row_ids(opts.replay, rows)
         if ids is not None and self.shard is not None:  # the shard's columns; ids elsewhere dropped
             ids = ids - self.shard.start
         owned = None if self.owned is None else self.owned[rows]
-        return masked_window(x, self.targets[rows], opts.replay, ids, theta, opts, scratch, self.reduce, owned)
+        return masked_window(x, self.targets[rows], opts.replay, ids, theta, opts, scratch, self.reduce, owned, forward)
 
 
 def _replay_forward(logits: Tensor, targets: Tensor, mask: Tensor, opts: PassOptions, shard: VocabShard | None):
