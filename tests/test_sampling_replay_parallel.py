@@ -53,7 +53,7 @@ def _check_logits(rank: int, backend: str) -> None:
     support = support_of(logits, RULES["all"], temperature=0.7)
     for name, replay in (
         ("rule", RULES["all"]),
-        ("top_k", {"top_k": 4, "final_logit_softcapping": 3.0}),
+        ("top_k ties", {"top_k": 8, "top_p": 0.95, "final_logit_softcapping": 3.0}),  # 10 kept at [0, 1]
         ("min_p", {"min_p": 0.1}),
         ("kept ids", {"sampling_mask": padded(support)}),
     ):
