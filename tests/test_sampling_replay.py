@@ -35,6 +35,8 @@ def check_replay(logits, targets, mask, backend, dtype, *, support, inplace=True
     assert torch.equal(got["outside_support"].cpu(), want["outside_support"] & mask.cpu()), "outside flags"
     assert (got["log_kept_mass"] <= 0).all()
     assert_close(logits.grad, want["x"].grad, dtype, "grad logits")
+    if inplace:
+        assert torch.equal(logits.detach(), logits.grad), "the in-place backward leaves the gradient in the logits"
     return got
 
 
