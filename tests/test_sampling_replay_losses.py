@@ -206,8 +206,8 @@ def test_fused_linear_packed_equals_padded(backend):
         extra = {"cu_seqlens": torch.arange(0, B * T + 1, T, device=DEVICE)} if packed else {}
         out = gk.fused_linear_grpo_loss(
             flat(leaves["hidden"]), leaves["weight"], flat(inputs["targets"]), side["advantages"],
-            flat(side["old_logp"]), flat(side["ref_logp"]), bias=leaves["bias"], sampling_mask=flat(ids), chunk_size=CHUNK, backend=backend,
-            **extra, **OPTIONS,
+            flat(side["old_logp"]), flat(side["ref_logp"]), bias=leaves["bias"], sampling_mask=flat(ids),
+            chunk_size=CHUNK, backend=backend, **extra, **OPTIONS,
         )  # fmt: skip
         out.loss.backward()
         results.append((out.loss, *(leaves[k].grad for k in ("hidden", "weight", "bias"))))
