@@ -28,6 +28,7 @@ class TokenTensors:
     targets: Tensor
     mask: Tensor | None = None
     cu_seqlens: Tensor | None = None
+    sampling_mask: Any = None  # the sampler's kept tokens (`engine.replay`)
 
 
 @dataclass(frozen=True)

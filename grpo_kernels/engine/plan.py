@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from grpo_kernels.engine import finite, memory, sync, validate
+from grpo_kernels.engine import replay as replay_module
 from grpo_kernels.engine.inputs import LossInputs, LossTensors, TokenTensors
 from grpo_kernels.engine.layout import Layout, lay_out
 from grpo_kernels.kernels import parallel
@@ -82,6 +83,9 @@ class Request:
     logit_scale: float = 1.0
     final_logit_softcapping: float | None = None
     head_precision: str = "auto"
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -144,7 +148,24 @@ def build_plan(*, source: Source, arguments: dict[str, Any], options: LossOption
     numbers = sync.read_checks(checks, [layout.mask.sum()] if gather else [])  # the call's one host sync
     kept = None if weight is None else _kept_rows(layout.mask, numbers[0] if gather else None)
     needs_entropy = loss and (options.top_entropy_quantile < 1.0 or options.entropy_coef != 0.0)
-    memory_mode = _memory_mode(source, request, backend, checked.tile, shard, kept)
+    replay = replay_module.replay_of(
+        transform,
+        tensors.sampling_mask,
+        rows=tuple(layout.mask.shape),
+        vocab=vocab,
+        device=device,
+        stats=checked.stats,
+        full_entropy=loss and options.replay_entropy == "full",
+        kept=kept,
+        memory=request.memory,
+        tile=request.tile,
+        sharded=shard is not None,
+    )
+    memory_mode = (
+        "fast"
+        if replay is not None and kept is not None
+        else _memory_mode(source, request, backend, checked.tile, shard, kept)
+    )
     row_check = None
     if request.check_finite and not torch.compiler.is_compiling():  # compiled: unchecked rows give a NaN loss
         blame = {} if weight is None else {"source": finite.LINEAR_SOURCE, "causes": finite.LINEAR_CAUSES}
@@ -155,9 +176,10 @@ def build_plan(*, source: Source, arguments: dict[str, Any], options: LossOption
         temperature=transform.temperature,
         logit_scale=transform.logit_scale,
         final_logit_softcapping=transform.final_logit_softcapping,
-        stats=checked.stats,
+        stats=replay_module.pass_stats(checked.stats, replay, loss),
+        replay=replay,
         inplace=request.inplace,
-        chunk_size=_chunk_rows(source, request, shard, kept),
+        chunk_size=_chunk_rows(source, request, shard, kept, replay is not None),
         memory=memory_mode,
         tile=checked.tile,
         head_precision=request.head_precision,
@@ -167,6 +189,7 @@ def build_plan(*, source: Source, arguments: dict[str, Any], options: LossOption
     route = Route.LOGPROBS
     if loss:
         route = choose_route(source, inputs, request, options, memory=memory_mode, backend=backend)
+        route = Route.TWO_PHASE if route is Route.FUSED_EPILOGUE and replay is not None else route  # epilogue: V
     return Plan(
         route=route,
         source=source,
@@ -242,7 +265,7 @@ def _memory_mode(
     return memory.resolve_memory(request.memory, backend, rows, source.weight, request.chunk_size, tile)
 
 
-def _chunk_rows(source: Source, request: Request, shard, kept: KeptRows | None) -> int | None:
+def _chunk_rows(source: Source, request: Request, shard, kept: KeptRows | None, replay: bool) -> int | None:
     """The fused lm_head's rows per chunk ("fast" memory: `memory.chunk_rows`), sized in the logits GEMM's dtype (a
     vocabulary shard's: the weight's). Logits in: the request's (unused)."""
     if kept is None:
@@ -250,4 +273,4 @@ def _chunk_rows(source: Source, request: Request, shard, kept: KeptRows | None) 
     weight = source.weight
     dtype = weight.dtype if shard is not None else logits_dtype(request.head_precision, weight.dtype)
     rows = kept.index[0].shape[0]
-    return memory.chunk_rows(rows, weight.shape[0], weight.shape[1], weight.device, request.chunk_size, dtype)
+    return memory.chunk_rows(rows, weight.shape[0], weight.shape[1], weight.device, request.chunk_size, dtype, replay)

@@ -16,11 +16,12 @@ import torch
 from torch import Tensor
 
 from grpo_kernels.engine.plan import KeptRows, Plan, Route
-from grpo_kernels.kernels import function, parallel, parallel_linear
+from grpo_kernels.kernels import function, parallel, parallel_linear, replay_logits
 from grpo_kernels.kernels.backend import CAPABILITIES
 from grpo_kernels.kernels.fused_linear import ChunkLoss, fused_linear_logprobs, fused_linear_token_loss
 from grpo_kernels.kernels.fused_linear_lean import lean_linear_logprobs
 from grpo_kernels.kernels.protocol import compute_dtype
+from grpo_kernels.kernels.replay import REPLAY_STATS
 from grpo_kernels.kernels.torch import grpo_loss as grpo_loss_torch
 from grpo_kernels.losses import token_loss
 from grpo_kernels.losses.epilogue import TokenEpilogue, fits_kernel_epilogue
@@ -37,7 +38,9 @@ def vocab_pass(plan: Plan) -> dict[str, Tensor]:
     lm_head's kept rows scattered back), logp NaN at unchecked targets outside [0, V)."""
     opts, kept, shard, layout = plan.pass_options, plan.kept, plan.shard, plan.layout
     if kept is None:  # logits in
-        if shard is None:
+        if opts.replay is not None:  # the sampler's support
+            out = replay_logits.vocab_pass(layout.rows, layout.targets, layout.mask, opts, shard)
+        elif shard is None:
             out = function.vocab_pass(layout.rows, layout.targets, layout.mask, opts)
         else:
             out = parallel.vocab_pass(layout.rows, layout.targets, layout.mask, opts, shard=shard)
@@ -66,6 +69,7 @@ def two_phase(plan: Plan):
     out = vocab_pass(plan)
     terms = plan.inputs.terms(out["logp"], out.get("entropy"), plan.options)
     output, sequence_losses = compute_loss(terms, plan.options)
+    output.metrics.update(replay_metrics(out, plan.layout.mask))
     return (output, sequence_losses) if plan.return_sequence_losses else output
 
 
@@ -93,7 +97,7 @@ def fused_epilogue(plan: Plan) -> GRPOLossOutput:
 def linear_token_loss(plan: Plan) -> GRPOLossOutput:
     """The fused lm_head with a token-level loss's gradients formed in its forward (3 GEMMs)."""
     inputs, kept, options, layout = plan.inputs, plan.kept, plan.options, plan.layout
-    loss, logp, entropy = fused_linear_token_loss(
+    loss, logp, entropy, stats = fused_linear_token_loss(
         _take(kept, layout.rows),
         plan.source.weight,
         plan.source.bias,
@@ -105,7 +109,18 @@ def linear_token_loss(plan: Plan) -> GRPOLossOutput:
     logp = _nan_at_invalid(_scatter(kept, logp, layout.mask), layout.invalid)
     terms = inputs.terms(logp, _scatter(kept, entropy, layout.mask), options)
     loss = loss if layout.invalid is None else function.poisoned(loss, layout.invalid)
-    return GRPOLossOutput(loss, loss_metrics(terms, options))
+    stats = {name: _scatter(kept, x, layout.mask) for name, x in stats.items()}
+    return GRPOLossOutput(loss, loss_metrics(terms, options) | replay_metrics(stats, layout.mask))
+
+
+def replay_metrics(stats: dict[str, Tensor], mask: Tensor) -> dict[str, Tensor]:
+    """With sampling replay, the kept tokens' mean log kept mass and the fraction of targets outside the support
+    ("sampling/log_kept_mass", "sampling/outside_support"); nothing without replay."""
+    names = [name for name in REPLAY_STATS if name in stats]
+    if not names:  # no op without replay: at small shapes ops are the host time
+        return {}
+    count = mask.sum().clamp(min=1)
+    return {f"sampling/{name}": (stats[name].float() * mask).sum() / count for name in names}
 
 
 def token_omega(inputs: LossInputs, options: LossOptions, dtype: torch.dtype) -> Tensor:
