@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from grpo_kernels.kernels.backend import resolve_backend
 from grpo_kernels.engine.memory import resolve_memory
+from grpo_kernels.kernels.backend import resolve_backend
 
 
 def agreed_memory(weight: Tensor, mask: Tensor, backend: str = "auto") -> str:
