@@ -52,6 +52,7 @@ from grpo_kernels.trainer.cli import Parser
 from grpo_kernels.trainer.logging import REPORT_TO
 from grpo_kernels.trainer.parallel import PARALLEL_MODES
 from grpo_kernels.trainer.precision import DTYPES
+from grpo_kernels.trainer.sampling_replay import truncates
 from grpo_kernels.trainer.update import IS_MODES
 from grpo_kernels.yaml_files import load_yaml, read_yaml
 
@@ -140,6 +141,8 @@ class TrainConfig:
     sync_ref_model: bool = False  # refresh the reference model from the policy (TR-DPO mixing, TRL's names)
     ref_model_sync_steps: int = 512  # steps between refreshes of the reference model
     ref_model_mixup_alpha: float = 0.6  # π_ref ← α·π_θ + (1 − α)·π_ref at each refresh, α in [0, 1]
+    replay_reference: bool = False  # with truncated sampling (top_k, top_p, min_p): the reference's log-probs over
+    # the sampler's support too (default: the whole vocabulary, as NeMo RL; the policy's are always replayed)
     loss: LossOptions = field(default_factory=lambda: presets.load(DEFAULT_PRESET).loss)  # the preset's
     sources: dict[str, str] = field(default_factory=dict)  # where each of TRAINING_SETTINGS came from (flag,
     # config file, preset, default, task); `parse_args` records flags, the trainer derives the rest (settings.py)
@@ -333,6 +336,8 @@ def check_config(config: TrainConfig) -> None:
         raise ValueError(f"max_completion_length must be <= {DEMO_MAX_LENGTH} for the tiny demo model, got {budget}")
     if config.model == "tiny" and config.hidden_size % config.num_heads:
         raise ValueError(f"num_heads ({config.num_heads}) must divide hidden_size ({config.hidden_size})")
+    if config.replay_reference and not truncates(config.loss):
+        raise ValueError("replay_reference replays the sampler's truncation, but top_k, top_p and min_p are all off")
     if config.resume and config.overwrite:
         raise ValueError("resume and overwrite contradict each other: --resume continues the run in output_dir")
 
