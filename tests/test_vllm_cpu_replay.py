@@ -4,8 +4,10 @@ The engine samples with top-k, top-p, min-p and their combinations at T 1.0 and 
 processed log-prob (`logprobs_mode="processed_logprobs"`, `logprobs=V`): -inf for the tokens its rule cut, the
 distribution it drew from renormalised over the rest. The policy's own logits (the Hugging Face model, the weights
 the engine was pushed) replayed with the same rule must give the same kept set at every position and the same
-log-probs, <= 1e-5 in fp32. The final norm is scaled up so the logits are peaked enough for min-p to cut tokens, and
-the cases that combine top-p with min-p or top-k show the order: applying the rules in another order (top-p on the
+log-probs, <= 1e-5 in fp32: the float64 oracle (`reference.sampler_support`), `grpo_kernels.token_logprobs` with
+the rule or with the kept sets as masks, and the trainer's own rollout and π_old pass. The final norm is scaled up so
+the logits are peaked enough for min-p to cut tokens, and the cases that combine top-p
+with min-p or top-k show the order: applying the rules in another order (top-p on the
 whole distribution, or min-p last as Hugging Face's `generate` does) keeps another set at some position, and only
 vLLM 0.32's order (min-p, top-k, then top-p on what is left) matches the engine everywhere.
 """
@@ -18,7 +20,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+import grpo_kernels as gk
 from grpo_kernels import reference
+from grpo_kernels.trainer.policy import PolicyModule
 from grpo_kernels.trainer.vllm_rollout import VLLMRollout
 from tests.vllm_engine_cases import import_cpu_vllm, memory_share, tiny_policy, write_model_dir
 
@@ -86,6 +90,19 @@ class Draws:
     engine_logp: torch.Tensor  # [N] float64
 
 
+@pytest.fixture(scope="module")
+def drawn(rollout):
+    """`sample(rollout, rule, temperature)`, drawn once per rule and temperature for the module's tests."""
+    cache: dict[tuple[Rule, float], Draws] = {}
+
+    def draws(rule: Rule, temperature: float) -> Draws:
+        if (rule, temperature) not in cache:
+            cache[rule, temperature] = sample(rollout, rule, temperature)
+        return cache[rule, temperature]
+
+    return draws
+
+
 def sample(rollout, rule: Rule, temperature: float, seed: int = 11) -> Draws:
     vocab = len(rollout.tokenizer)
     params = vllm.SamplingParams(
@@ -125,8 +142,8 @@ def in_order(z: torch.Tensor, rules: list[Rule]) -> torch.Tensor:
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("rule", RULES, ids=str)
-def test_replayed_logprobs_equal_the_engines_processed_logprobs(rollout, rule, temperature):
-    draws = sample(rollout, rule, temperature)
+def test_replayed_logprobs_equal_the_engines_processed_logprobs(drawn, rule, temperature):
+    draws = drawn(rule, temperature)
     z = draws.logits.double() / temperature  # [N, V]
     support = reference.sampler_support(z, rule.top_k, rule.top_p, rule.min_p)  # [N, V]
     kept_by_engine = draws.engine_logq > -math.inf  # [N, V]
@@ -141,11 +158,57 @@ def test_replayed_logprobs_equal_the_engines_processed_logprobs(rollout, rule, t
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("rule", RULES, ids=str)
+def test_grpo_kernels_replay_equals_the_engines_processed_logprobs(drawn, rule, temperature):
+    """`grpo_kernels.token_logprobs` in fp32: rule replay (top_k, top_p, min_p) and kept-set replay (the rule's
+    kept sets as vLLM's CSR `SamplingMask` and as padded ids: vLLM's own masks need its GPU model runner) give the
+    engine's log-probs of the sampled tokens, with no target outside the support and the log kept mass of the
+    oracle's support."""
+    draws = drawn(rule, temperature)
+    z = draws.logits.double() / temperature  # [N, V]
+    support = reference.sampler_support(z, rule.top_k, rule.top_p, rule.min_p)  # [N, V]
+    out = gk.token_logprobs(
+        draws.logits, draws.targets, temperature=temperature, **vars(rule), stats=("log_kept_mass", "outside_support")
+    )
+    assert (out["logp"].double() - draws.engine_logp).abs().max().item() <= 1e-5
+    assert not out["outside_support"].any()
+    log_kept_mass = z.masked_fill(~support, -math.inf).logsumexp(-1) - z.logsumexp(-1)  # [N]
+    assert (out["log_kept_mass"].double() - log_kept_mass).abs().max().item() <= 1e-5
+    counts = support.sum(1)  # [N]
+    csr = gk.SamplingMask(support.nonzero()[:, 1].int(), torch.cat([counts.new_zeros(1), counts.cumsum(0)]).int())
+    padded = torch.full((len(counts), int(counts.max())), -1, dtype=torch.long)  # [N, K]
+    for i, kept in enumerate(support):
+        padded[i, : int(counts[i])] = kept.nonzero().squeeze(1)
+    for mask in (csr, padded):
+        logp = gk.token_logprobs(draws.logits, draws.targets, temperature=temperature, sampling_mask=mask)  # [N]
+        assert (logp.double() - draws.engine_logp).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("rule", [Rule(top_k=6, top_p=0.8, min_p=0.1), Rule(top_p=0.8, min_p=0.05)], ids=str)
+def test_the_trainers_vllm_rollout_samples_what_the_trainer_replays(rollout, rule):
+    """`VLLMRollout` with the trainer's rule: its sampling log-probs equal the policy's replayed log-probs through
+    the fused lm_head (`PolicyModule.logprobs`, the trainer's π_old pass), padded and packed."""
+    rollout.temperature, rollout.top_k, rollout.top_p, rollout.min_p = 0.7, rule.top_k, rule.top_p, rule.min_p
+    try:
+        torch.manual_seed(5)
+        batch = rollout.generate(PROMPTS, 8)
+    finally:
+        rollout.temperature, rollout.top_k, rollout.top_p, rollout.min_p = 1.0, 0, 1.0, 0.0
+    for padding_free in (False, True):
+        out = PolicyModule(rollout.model, padding_free).logprobs(
+            batch.input_ids, batch.attention_mask, batch.completion_mask, 0.7, **vars(rule), stats=("log_kept_mass",)
+        )
+        assert (out["logp"] - batch.sampling_logp).abs().max().item() <= 1e-5
+        kept_mass = out["log_kept_mass"][batch.completion_mask].exp()  # [n]
+        assert (kept_mass < 1.0 - 1e-3).any() and (kept_mass <= 1.0).all()
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("rule", ORDER_RULES, ids=str)
-def test_the_engine_applies_min_p_then_top_k_then_top_p(rollout, rule, temperature):
+def test_the_engine_applies_min_p_then_top_k_then_top_p(drawn, rule, temperature):
     """vLLM 0.32's order matches the engine's kept set everywhere; top-p first (on the whole distribution), or
     Hugging Face's order (top-k, top-p, then min-p), keeps another set at some sampled position."""
-    draws = sample(rollout, rule, temperature)
+    draws = drawn(rule, temperature)
     z = draws.logits.double() / temperature  # [N, V]
     kept_by_engine = draws.engine_logq > -math.inf  # [N, V]
     k, p, m = Rule(top_k=rule.top_k), Rule(top_p=rule.top_p), Rule(min_p=rule.min_p)
