@@ -1,7 +1,7 @@
 """The engine's layering: the kernels know nothing of the engine or the losses (they receive plain data) and decide no
 policy, every backend is one capability record whose modules follow the backend protocol, only the engine sees its
-layout, the engine stands on its own checks (not the building blocks'), and no import circle runs through engine/ or
-kernels/."""
+layout, the engine stands on its own checks (not the building blocks'), and no import circle runs through engine/,
+kernels/ or trainer/."""
 
 from __future__ import annotations
 
@@ -143,9 +143,9 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-@pytest.mark.parametrize("area", ["grpo_kernels.engine", "grpo_kernels.kernels"])
+@pytest.mark.parametrize("area", ["grpo_kernels.engine", "grpo_kernels.kernels", "grpo_kernels.trainer"])
 def test_no_import_circle(area):
-    """No circle of imports (function-level and TYPE_CHECKING ones counted) touches engine/ or kernels/."""
+    """No circle of imports (function-level and TYPE_CHECKING ones counted) touches engine/, kernels/ or trainer/."""
     touching = [group for group in circles(import_graph()) if any(m.startswith(area + ".") for m in group)]
     assert not touching, f"import circles through {area}: {touching}"
 
@@ -200,3 +200,15 @@ def test_each_backend_is_a_subpackage_with_its_record():
         package = importlib.import_module(f"grpo_kernels.kernels.{name}")
         assert package.RECORD is caps
         assert caps.module.startswith(f"grpo_kernels.kernels.{name}.")
+
+
+def test_the_trainer_imports_the_config_modules_not_their_package():
+    """`trainer/config/__init__.py` re-exports its modules for users; inside trainer/ (the command aside) modules
+    import the module that holds a name, so importing the package's re-exports never runs back into them."""
+    trainer = PACKAGE / "trainer"
+    importers = [
+        path.relative_to(trainer).as_posix()
+        for path in trainer.rglob("*.py")
+        if path.name != "__main__.py" and "grpo_kernels.trainer.config" in _imports(path)
+    ]
+    assert not importers, f"import grpo_kernels.trainer.config (the package) instead of its modules: {importers}"

@@ -113,7 +113,8 @@ def test_packed_loss_and_gradients_equal_padded(name, loss):
 def sgd_step(batch: UpdateBatch, loss: dict, padding_free: bool, **split) -> tuple[float, list[torch.Tensor]]:
     policy = PolicyModule(model("llama"), padding_free)
     optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
-    stats = inner_updates(policy, optimizer, batch, LossOptions(**loss, max_completion_length=T), 1, 1e9, **split)
+    options = LossOptions(**loss, max_completion_length=T)
+    stats = inner_updates(policy, optimizer, batch, options=options, num_iterations=1, max_grad_norm=1e9, **split)
     return stats["loss"], [p.detach().clone() for p in policy.parameters()]
 
 

@@ -194,7 +194,11 @@ def test_amir_preference_gradient_flows_through_the_policy_and_matches_float64()
     rewards = torch.tensor([2.0, 0.0, 0.0, 0.0, 2.0, 0.3])  # pairs: (0, 1), (0, 2); (4, 3), (4, 5)
     options = LossOptions(loss_type="grpo", beta=0.0)
     update = UpdateBatch(
-        batch.input_ids, batch.attention_mask, batch.completion_mask, torch.zeros(6), batch.sampling_logp
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        completion_mask=batch.completion_mask,
+        advantages=torch.zeros(6),
+        old_logp=batch.sampling_logp,
     )  # advantages 0: the GRPO term has no gradient
     policy = PreferencePolicy(model, beta=0.2, lam=0.01, margin=1.5)
     policy.set_step(rewards, batch.group_ids)
@@ -225,7 +229,15 @@ def test_daro_weights_follow_the_bin_losses_read_from_dl_dv():
     components = PresetComponents(config, AdditionTask(), ONE_PROCESS)
     round = make_round([1, 0, 0, 0, 1, 1, 0, 0, 1, 1, 1, 1], 4, length=3)  # pass rates 1/4, 2/4, 4/4
     rewards, terms = components.rewards(round)
-    step = StepSamples(round.batch, round.batch.group_ids, rewards, terms, round.scores.verdict, None, {})
+    step = StepSamples(
+        batch=round.batch,
+        group_ids=round.batch.group_ids,
+        rewards=rewards,
+        terms=terms,
+        correct=round.scores.verdict,
+        sequence_weights=None,
+        metrics={},
+    )
     weights = components.weights(step, torch.zeros(12, 3))
     lengths = round.batch.completion_mask.sum(1).float()  # 1, 2, 3, 1, 2, ...
     tokens = torch.tensor([lengths[:4].sum(), lengths[4:8].sum(), 0.0])  # bins 0, 1 (μ = 1/4, 2/4); group 3 drops
@@ -255,7 +267,13 @@ def _daro_step(rows: slice, parallel: ParallelState) -> torch.Tensor:
     round = make_round([float(c) for c in DARO_CORRECT], 4, length=3)
     batch = round.batch
     step = StepSamples(
-        batch, batch.group_ids, round.scores.rewards, round.scores.rewards[:, None], round.scores.verdict, None, {}
+        batch=batch,
+        group_ids=batch.group_ids,
+        rewards=round.scores.rewards,
+        terms=round.scores.rewards[:, None],
+        correct=round.scores.verdict,
+        sequence_weights=None,
+        metrics={},
     )
     step = StepSamples(
         **{k: v[rows] if isinstance(v, torch.Tensor) else v for k, v in vars(step).items()}
@@ -267,15 +285,16 @@ def _daro_step(rows: slice, parallel: ParallelState) -> torch.Tensor:
     ids = torch.randint(4, 16, (16, 8), generator=torch.Generator().manual_seed(1))[rows]
     mask = step.batch.completion_mask
     update = UpdateBatch(
-        ids,
-        torch.ones_like(ids),
-        mask,
-        torch.randn(16, generator=torch.Generator().manual_seed(2))[rows],
-        torch.full((len(ids), 3), -2.5) * mask,
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        completion_mask=mask,
+        advantages=torch.randn(16, generator=torch.Generator().manual_seed(2))[rows],
+        old_logp=torch.full((len(ids), 3), -2.5) * mask,
         sequence_weights=weights.sequence,
     )
     policy = wrap_policy(PolicyModule(model), parallel)
-    inner_updates(policy, torch.optim.SGD(policy.parameters(), lr=0.1), update, config.loss, 1, 1e9)
+    optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)
+    inner_updates(policy, optimizer, update, options=config.loss, num_iterations=1, max_grad_norm=1e9)
     components.learn(weights)
     return components.learner.module.weights.detach().clone()
 
@@ -353,7 +372,11 @@ def test_info_grpo_term_has_the_entropy_gradient_of_the_policy_in_float64():
     batch = HFRollout(model, tokenizer, 3, 1.0).generate(["1+2=", "2+1="], 2)
     augmented = torch.tensor([False, False, True, True])
     update = UpdateBatch(
-        batch.input_ids, batch.attention_mask, batch.completion_mask, torch.zeros(4), batch.sampling_logp
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        completion_mask=batch.completion_mask,
+        advantages=torch.zeros(4),
+        old_logp=batch.sampling_logp,
     )  # advantages 0: only the information term has a gradient
     policy = InfoPolicy(model, alpha=0.5, lam=0.1)  # α = 0.5: no cancellation between the two entropies
     policy.set_step(augmented)

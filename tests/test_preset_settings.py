@@ -77,9 +77,9 @@ def test_settings_reach_the_trainer_and_flags_override_them(tmp_path, monkeypatc
     )
     seen = []
 
-    def recording(policy, optimizer, batch, options, num_iterations, *args, **kwargs):
+    def recording(policy, optimizer, batch, *, options, num_iterations, **kwargs):
         seen.append((len(batch.input_ids), num_iterations, optimizer.param_groups[0]["lr"], options.temperature))
-        return inner_updates(policy, optimizer, batch, options, num_iterations, *args, **kwargs)
+        return inner_updates(policy, optimizer, batch, options=options, num_iterations=num_iterations, **kwargs)
 
     inner_updates = train_module.inner_updates
     monkeypatch.setattr(train_module, "inner_updates", recording)

@@ -120,16 +120,17 @@ def _step(name: str, state: ParallelState) -> tuple[dict, list[torch.Tensor]]:
     advantages = local_part(ADVANTAGES.get("grpo")(**inputs), len(group_ids), 0, state)  # [B]
     batch = round.batch
     update = UpdateBatch(
-        batch.input_ids,
-        batch.attention_mask,
-        batch.completion_mask,
-        advantages,
-        batch.sampling_logp,
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        completion_mask=batch.completion_mask,
+        advantages=advantages,
+        old_logp=batch.sampling_logp,
         sequence_weights=collected.sequence_weights,
     )
     policy = wrap_policy(PolicyModule(_model()), state)
     optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
-    inner_updates(policy, optimizer, update, LossOptions(loss_type="dapo", epsilon_high=0.28), 1, 1e9)
+    options = LossOptions(loss_type="dapo", epsilon_high=0.28)
+    inner_updates(policy, optimizer, update, options=options, num_iterations=1, max_grad_norm=1e9)
     return collected.metrics, [p.detach().clone() for p in policy.parameters()]
 
 

@@ -64,7 +64,16 @@ def _update(
     `max_tokens`: padding-free, micro-batches filled up to that many tokens."""
     policy = wrap_policy(PolicyModule(_model(), padding_free=max_tokens is not None), state)
     optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
-    stats = inner_updates(policy, optimizer, batch, LossOptions(**loss), 1, 1e9, accumulation, max_tokens)
+    stats = inner_updates(
+        policy,
+        optimizer,
+        batch,
+        options=LossOptions(**loss),
+        num_iterations=1,
+        max_grad_norm=1e9,
+        gradient_accumulation_steps=accumulation,
+        max_tokens_per_microbatch=max_tokens,
+    )
     params = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for p in policy.parameters()]
     return stats["loss"], [p.clone() for p in params]
 

@@ -131,7 +131,15 @@ def test_reward_pipeline_sums_weighted_terms_and_reshapes_in_order(tmp_path):
 # ----------------------------------------------------------------------------------------------- advantages
 def step_samples(round: Round, pipeline) -> StepSamples:
     rewards, terms = pipeline(round)
-    return StepSamples(round.batch, round.batch.group_ids, rewards, terms, correctness(round.scores), None, {})
+    return StepSamples(
+        batch=round.batch,
+        group_ids=round.batch.group_ids,
+        rewards=rewards,
+        terms=terms,
+        correct=correctness(round.scores),
+        sequence_weights=None,
+        metrics={},
+    )
 
 
 def test_estimators_get_the_inputs_their_signature_names():

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from grpo_kernels.trainer import cli
 from grpo_kernels.trainer.config import parse_args
-from grpo_kernels.trainer.offline import require_sources
+from grpo_kernels.trainer.offline import require_model
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -24,6 +24,17 @@ def _train(argv: Sequence[str]) -> None:
     from grpo_kernels.trainer.train import train
 
     train(config)
+
+
+def require_sources(model: str, dataset: str) -> None:
+    """`offline.require_model` and, for GSM8K, the dataset's `require_hub`: what the command checks before its heavy
+    imports (the task module is imported only for GSM8K: the tasks load slowly)."""
+    if model != "tiny":
+        require_model(model)
+    if dataset == "gsm8k":
+        from grpo_kernels.trainer.tasks.gsm8k import require_gsm8k
+
+        require_gsm8k()
 
 
 if __name__ == "__main__":

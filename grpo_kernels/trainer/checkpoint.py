@@ -97,6 +97,7 @@ def set_rng_state(state: dict) -> None:
 
 def save(
     output_dir: str | Path,
+    *,
     step: int,
     policy: nn.Module,
     tokenizer,
@@ -111,7 +112,8 @@ def save(
 
     `policy` is the `PolicyModule`, bare or under DDP / FSDP2: model and optimizer state are gathered whole
     (FSDP2 shards are collected), rank 0 writes them, and each rank writes its own RNG states. A failure removes the
-    `.tmp/` folder; no space left on the device is a `DiskFull` that says so."""
+    `.tmp/` folder; no space left on the device is a `DiskFull` that says so. Everything after `output_dir` is
+    passed by keyword: the two models and the three state mappings would each take the other's place silently."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
     final = checkpoint_dir(output_dir, step)

@@ -23,7 +23,6 @@ live beside it:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -44,7 +43,7 @@ from grpo_kernels.trainer.preset_inputs import RewardInputs
 from grpo_kernels.trainer.preset_pvpo import build_pvpo
 from grpo_kernels.trainer.preset_rewards import RewardPipeline, parameters, required
 from grpo_kernels.trainer.preset_weights import LEARNED, build_learner
-from grpo_kernels.trainer.rollout import Rollout, RolloutBatch
+from grpo_kernels.trainer.rollout import Rollout
 from grpo_kernels.trainer.samplers import (
     GLOBAL_SAMPLERS,
     GPG_MAX_ROUNDS,
@@ -56,10 +55,11 @@ from grpo_kernels.trainer.samplers import (
     XRPOAllocation,
     single_round,
 )
+from grpo_kernels.trainer.step_records import StepSamples, StepWeights
 from grpo_kernels.trainer.tasks import Prompt, PromptStream, RewardBatch, Task
 
 if TYPE_CHECKING:
-    from grpo_kernels.trainer.config import TrainConfig
+    from grpo_kernels.trainer.config.record import TrainConfig
 
 ADVANTAGE_INPUTS = ("correctness", "lengths", "mean_logp", "entropy", "mask")
 PRODUCED_ADVANTAGE_INPUTS = ("reference_value",)  # PVPO's V̂(q), from reference pre-rollouts (preset_pvpo.py)
@@ -85,30 +85,6 @@ def _limit(config: TrainConfig, default: int) -> int:
 
 
 UNSUPPORTED: dict[str, str] = {}  # why the trainer does not apply a known component
-
-
-@dataclass(frozen=True)
-class StepSamples:
-    """The rollouts a step trains on, after the sampler, with their rewards (`rewards` and `advantages` stay apart)."""
-
-    batch: RolloutBatch
-    group_ids: Tensor  # [B] long, dense, CPU
-    rewards: Tensor  # [B] the step reward (the preset's pipeline), CPU
-    terms: Tensor  # [B, K] the pipeline's entries, unweighted (GDPO's reward matrix)
-    correct: Tensor  # [B] bool: the task's `answer` column > 0.5
-    sequence_weights: Tensor | None  # [B] the sampler's (GPG's α)
-    metrics: dict[str, float]
-    inputs: dict[str, Tensor] = field(default_factory=dict)  # [B] each: produced advantage inputs (PVPO's V̂)
-
-
-@dataclass(frozen=True)
-class StepWeights:
-    """The regularizers' weights for `UpdateBatch`; `learned` is `sequence` attached to learned parameters."""
-
-    token: Tensor | None  # [B, T]
-    sequence: Tensor | None  # [B]; a leaf that collects dL/dw when `learned` is set
-    learned: Tensor | None  # [B]
-    context: Any = None  # what the learner keeps of the step (DARO's bins and token counts)
 
 
 def missing_advantage_inputs(fn: Callable[..., Any], kwargs: dict[str, Any]) -> list[str]:
@@ -212,7 +188,16 @@ class PresetComponents:
         inputs = {} if self.reference is None else {"reference_value": self.reference.values(round)}  # [B]
         if isinstance(self.sampler, InfoRounds):
             inputs["augmented"] = self.sampler.augmented  # [B] bool
-        return StepSamples(round.batch, group_ids, rewards, terms, correctness(round.scores), weights, metrics, inputs)
+        return StepSamples(
+            batch=round.batch,
+            group_ids=group_ids,
+            rewards=rewards,
+            terms=terms,
+            correct=correctness(round.scores),
+            sequence_weights=weights,
+            metrics=metrics,
+            inputs=inputs,
+        )
 
     def advantage_inputs(self, step: StepSamples, old_logp: Tensor, entropy: Tensor) -> dict[str, Tensor]:
         """`rewards` ([B], or [B, K] for a matrix estimator), `group_ids` and the inputs the estimator names, on CPU."""
@@ -242,10 +227,10 @@ class PresetComponents:
         elif isinstance(self.policy, InfoPolicy):
             self.policy.set_step(step.inputs["augmented"])
         if self.learner is None:
-            return StepWeights(token, sequence, None)
+            return StepWeights(token=token, sequence=sequence, learned=None)
         learned, context = self.learner.weights(step, old_logp.device)  # [B]
         learned = learned if sequence is None else learned * sequence
-        return StepWeights(token, learned.detach().requires_grad_(), learned, context)
+        return StepWeights(token=token, sequence=learned.detach().requires_grad_(), learned=learned, context=context)
 
     def learn(self, weights: StepWeights) -> dict[str, float]:
         """One step of the learned weights' optimizer on dL/dw (left on `weights.sequence` by the update), averaged

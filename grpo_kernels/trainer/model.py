@@ -17,7 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from grpo_kernels.integrations.attention import packing_support, set_attn_implementation
 from grpo_kernels.shown import shown
-from grpo_kernels.trainer.config import DEMO_MAX_LENGTH
+from grpo_kernels.trainer.config.record import DEMO_MAX_LENGTH
 from grpo_kernels.trainer.offline import require_model
 
 TINY = "tiny"  # TrainConfig.model value that builds the tiny Llama instead of loading one

@@ -53,16 +53,6 @@ def cached(repo_id: str, repo_type: str) -> bool:
     return any(folder.is_dir() for folder in folders)
 
 
-def require_sources(model: str, dataset: str) -> None:
-    """`require_model` and, for GSM8K, the dataset's `require_hub`: what a command checks before its heavy imports."""
-    if model != "tiny":
-        require_model(model)
-    if dataset == "gsm8k":
-        from grpo_kernels.trainer.tasks.gsm8k import require_gsm8k
-
-        require_gsm8k()
-
-
 def require_model(name: str) -> None:
     """`require_hub` for a model name that is not a local directory (a Hub id such as "Qwen/Qwen2.5-0.5B")."""
     hub_id = not name.startswith((".", "/", "~")) and name.count("/") <= 1

@@ -23,9 +23,10 @@ from grpo_kernels.options import LossOptions
 from grpo_kernels.packing import PackedSequences
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class UpdateBatch:
-    """The tensors of one (micro-)batch of the update; row i is one completion with its prompt."""
+    """The tensors of one (micro-)batch of the update; row i is one completion with its prompt. Built by keyword
+    only: three of its fields are float [B, T] tensors, which a positional swap would pass silently."""
 
     input_ids: Tensor  # [B, P + T] prompt ‖ completion
     attention_mask: Tensor  # [B, P + T]

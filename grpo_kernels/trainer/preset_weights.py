@@ -27,7 +27,7 @@ from grpo_kernels.sampling import daro_buckets
 from grpo_kernels.trainer.parallel import ParallelState
 
 if TYPE_CHECKING:
-    from grpo_kernels.trainer.components import StepSamples
+    from grpo_kernels.trainer.step_records import StepSamples
 
 LEARNING_RATE = 0.1  # SGD lr of the learned weights: λ-GRPO's community port (spec §8); DARO's is not given
 LEARNED = ("lambda_grpo", "daro")  # regularizers that are learned sequence weights

@@ -23,9 +23,10 @@ import torch
 from torch import Tensor, nn
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RolloutBatch:
-    """G completions of each of B / G prompts; row i answers prompt `group_ids[i]`."""
+    """G completions of each of B / G prompts; row i answers prompt `group_ids[i]`. Built by keyword only, like every
+    record of the trainer: a positional swap of two same-shaped tensors would run."""
 
     prompt_ids: Tensor  # [B, P] long, left-padded
     prompt_mask: Tensor  # [B, P] bool

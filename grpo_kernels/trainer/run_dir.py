@@ -25,11 +25,12 @@ import yaml
 
 from grpo_kernels.shown import shown
 from grpo_kernels.trainer import atomic_write, checkpoint, run_lock
-from grpo_kernels.trainer.config import TrainConfig, from_dict, yaml_mapping
+from grpo_kernels.trainer.config.files import from_dict
+from grpo_kernels.trainer.config.record import TrainConfig
+from grpo_kernels.trainer.config.resume import CONFIG_FILE, load_run_config
 from grpo_kernels.trainer.logging import METRICS_FILE
 from grpo_kernels.trainer.parallel import ParallelState
 
-CONFIG_FILE = "config.yaml"  # <output_dir>/config.yaml: the run's configuration, what --resume continues with
 # the options a resumed run may change (where it stops, how it logs, how long dynamic sampling tries); any other
 # difference is an error
 RESUMABLE = (
@@ -74,14 +75,6 @@ def save_config(output_dir: str | Path, config_dict: dict) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write.write_text(path, yaml.safe_dump(config_dict, sort_keys=False))  # never truncated in place
     return path
-
-
-def load_run_config(output_dir: str | Path) -> TrainConfig | None:
-    """The configuration saved in `<output_dir>/config.yaml` (what `--resume` continues with), or None."""
-    path = Path(output_dir) / CONFIG_FILE
-    if not path.is_file():
-        return None
-    return from_dict(yaml_mapping(path), where=str(path))
 
 
 def config_differences(saved: TrainConfig, config: TrainConfig) -> list[str]:

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 RUNS = "runs"  # the folder (in the working directory) that holds the runs named here
-CONFIG_FILE = "config.yaml"  # what marks a run directory (run_dir.CONFIG_FILE)
+CONFIG_FILE = "config.yaml"  # what marks a run directory (config.resume.CONFIG_FILE)
 _NAMED: list[Path] = []  # the run directories `new_run_dir` created in this process
 MAX_STEPS_VARIABLE = "GRPO_KERNELS_MAX_STEPS"  # caps every run's --steps (quick checks of documented commands)
 

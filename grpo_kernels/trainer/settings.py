@@ -1,6 +1,6 @@
 """A run's training settings (G, lr, temperature, μ, generation budget) and where each value came from.
 
-`apply_preset` puts a paper preset's settings into the config and flags override them (config.py); the trainer then
+`apply_preset` puts a paper preset's settings into the config and flags override them (`config/`); the trainer then
 calls `resolve_settings`, which fixes the generation budget and completes `TrainConfig.sources`, the record in
 `config.yaml` of where each effective value came from.
 """
@@ -11,7 +11,7 @@ import dataclasses
 from typing import Any
 
 from grpo_kernels import presets
-from grpo_kernels.trainer.config import TRAINING_SETTINGS, TrainConfig
+from grpo_kernels.trainer.config.record import TRAINING_SETTINGS, TrainConfig
 
 EXPLICIT_SOURCES = ("flag", "config file")  # what `parse_args` records in `sources`; the trainer derives the rest
 

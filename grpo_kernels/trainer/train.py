@@ -22,7 +22,9 @@ from torch import Tensor, nn
 from grpo_kernels.shown import shown
 from grpo_kernels.trainer import checkpoint, run_dir, run_lock
 from grpo_kernels.trainer.components import PresetComponents, StepSamples, gather_inputs, local_part
-from grpo_kernels.trainer.config import ROLLOUTS, TrainConfig, advantage_function, check_config, loss_options
+from grpo_kernels.trainer.config.algorithm import advantage_function, loss_options
+from grpo_kernels.trainer.config.checks import check_config
+from grpo_kernels.trainer.config.record import ROLLOUTS, TrainConfig
 from grpo_kernels.trainer.evaluate import evaluate
 from grpo_kernels.trainer.logging import MetricsLogger, read_metrics, start_line
 from grpo_kernels.trainer.model import (
@@ -250,25 +252,25 @@ class GRPOTrainer:
         weights = self.components.weights(step, old_logp)
         # ---- μ inner updates with the fused loss (normalisers of the global batch), then the learned weights' step
         update = UpdateBatch(
-            batch.input_ids,
-            batch.attention_mask,
-            batch.completion_mask,
-            advantages.to(old_logp.device),
-            old_logp,
-            ref_logp,
-            is_ratio,
-            weights.token,
-            weights.sequence,
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            completion_mask=batch.completion_mask,
+            advantages=advantages.to(old_logp.device),
+            old_logp=old_logp,
+            ref_logp=ref_logp,
+            is_ratio=is_ratio,
+            token_weights=weights.token,
+            sequence_weights=weights.sequence,
         )
         stats = inner_updates(
             self.policy,
             self.optimizer,
             update,
-            self.options,
-            config.num_iterations,
-            config.max_grad_norm,
-            config.gradient_accumulation_steps,
-            config.max_tokens_per_microbatch,
+            options=self.options,
+            num_iterations=config.num_iterations,
+            max_grad_norm=config.max_grad_norm,
+            gradient_accumulation_steps=config.gradient_accumulation_steps,
+            max_tokens_per_microbatch=config.max_tokens_per_microbatch,
         )
         stats.update(self.components.learn(weights))
         # ---- weight sync (sampler and reference)
@@ -306,15 +308,15 @@ class GRPOTrainer:
         """The checkpoint of the current step (`saved_step`, `saved_path` record it)."""
         self.saved_path = checkpoint.save(
             self.config.output_dir,
-            self.step,
-            self.policy,
-            self.tokenizer,
-            self.optimizer,
-            self.ref_model,
-            self.prompts.state_dict(),
-            self.components.state_dict(),
-            self.config.to_dict(),
-            self.parallel,
+            step=self.step,
+            policy=self.policy,
+            tokenizer=self.tokenizer,
+            optimizer=self.optimizer,
+            ref_model=self.ref_model,
+            data_state=self.prompts.state_dict(),
+            components_state=self.components.state_dict(),
+            config_dict=self.config.to_dict(),
+            parallel=self.parallel,
         )
         self.saved_step = self.step
 

@@ -65,9 +65,9 @@ def sampler_correction(old_logp: Tensor, batch: RolloutBatch, config) -> Tensor 
         old_logp,
         batch.sampling_logp,
         batch.completion_mask,
-        config.vllm_importance_sampling_mode,
-        config.vllm_importance_sampling_clip_min,
-        config.vllm_importance_sampling_clip_max,
+        mode=config.vllm_importance_sampling_mode,
+        clip_min=config.vllm_importance_sampling_clip_min,
+        clip_max=config.vllm_importance_sampling_clip_max,
     )  # [B, T] or [B]
 
 
@@ -75,6 +75,7 @@ def inner_updates(
     policy: nn.Module,
     optimizer: torch.optim.Optimizer,
     batch: UpdateBatch,
+    *,
     options: LossOptions,
     num_iterations: int,
     max_grad_norm: float,
@@ -89,6 +90,7 @@ def inner_updates(
     micro-batches make the same update as one process on the whole batch. `loss` is the step batch's loss; the
     other metrics are token-weighted means over the micro-batches (averaged over ranks: the whole batch's means).
     An update whose grad_norm is not finite is not taken: `NonFiniteUpdate` names the first non-finite metric.
+    Everything after `batch` is passed by keyword: the counts and the norm are numbers a positional swap would take.
     """
     policy.train()
     micro_batches = split_batch(batch, gradient_accumulation_steps, max_tokens_per_microbatch, policy)

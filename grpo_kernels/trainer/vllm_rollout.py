@@ -371,7 +371,7 @@ def build_vllm_rollout(config, model: nn.Module, tokenizer, parallel, task) -> V
     the sampler's dtype (`vllm_dtype`, auto: the policy's), sized for the task's longest prompt and this rank's share
     of a step's rows (the tiny demo model is written to a temporary directory first, as vLLM builds from one); prints
     one start-up line per rank (device, seed, sizes, dtypes, weight sync)."""
-    from grpo_kernels.trainer.config import loss_options
+    from grpo_kernels.trainer.config.algorithm import loss_options
     from grpo_kernels.trainer.model import TINY
     from grpo_kernels.trainer.precision import dtype_name, follower_dtype
     from grpo_kernels.trainer.sampling_replay import sampler_rule
