@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from grpo_kernels import reference
-from grpo_kernels.trainer import vllm_rollout
+from grpo_kernels.trainer import sampling_replay, vllm_rollout
 from grpo_kernels.trainer.__main__ import main as train_main
 from grpo_kernels.trainer.config import TrainConfig, check_config
 from grpo_kernels.trainer.model import build_tiny_llama, build_tokenizer
 from grpo_kernels.trainer.rollout import HFRollout
-from grpo_kernels.trainer.sampler_sync import KEPT_MASS
+from grpo_kernels.trainer.sampler_sync import KEPT_MASS, StaleSampler
 from grpo_kernels.trainer.train import GRPOTrainer
 from tests import fake_vllm
 from tests.vllm_engine_cases import vllm_demo
@@ -116,6 +116,14 @@ def test_a_truncated_run_with_vllm_rollouts_samples_and_replays_the_same_rule(cp
     params = fake_vllm.LLM.built[-1].last_params[0]
     assert (params.kwargs["top_k"], params.kwargs["top_p"], params.kwargs["min_p"]) == (8, 0.9, 0.05)
     check_replayed_run(history)
+
+
+def test_without_replaying_pi_old_the_guard_would_stop_a_truncated_run(cpu_vllm, tmp_path):
+    """π_old over the whole vocabulary against the truncated sampler's log-probs: off by log S per token, which the
+    guard reads as a sampler without the policy's weights. The replay is what keeps it quiet above."""
+    cpu_vllm.setattr(sampling_replay, "truncates", lambda options: False)  # π_old's pass only; the loss still replays
+    with pytest.raises(StaleSampler, match=r"^step 1: the sampler's log-probs of its own tokens differ"):
+        GRPOTrainer(truncated(vllm_demo(tmp_path))).train()
 
 
 def test_without_truncation_vllm_gets_top_k_off_and_no_kept_mass_is_logged(cpu_vllm, tmp_path):
