@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from grpo_kernels import reference
-from grpo_kernels.trainer import sampling_replay, vllm_rollout
+from grpo_kernels.trainer import sampling_replay
 from grpo_kernels.trainer.__main__ import main as train_main
 from grpo_kernels.trainer.config import TrainConfig, check_config
 from grpo_kernels.trainer.model import build_tiny_llama, build_tokenizer
@@ -22,9 +22,8 @@ from grpo_kernels.trainer.rollout import HFRollout
 from grpo_kernels.trainer.sampler_sync import KEPT_MASS, StaleSampler
 from grpo_kernels.trainer.train import GRPOTrainer
 from tests import fake_vllm
-from tests.vllm_engine_cases import vllm_demo
+from tests.vllm_engine_cases import install_stand_in_cpu_build, vllm_demo
 
-GIB = 2**30
 DIFF, RATIO = "sampling/sampling_logp_difference", "sampling/importance_sampling_ratio"
 LOSS_REPLAY = ("sampling/log_kept_mass", "sampling/outside_support")  # the loss's own replay metrics
 RULE = dict(top_k=8, top_p=0.9, min_p=0.05)
@@ -100,14 +99,8 @@ def test_a_truncated_run_with_hf_rollouts_replays_and_logs_the_kept_mass(tmp_pat
 
 @pytest.fixture
 def cpu_vllm(monkeypatch):
-    """The stand-in's CPU build, sampling from a network of the demo's architecture with the pushed weights."""
-    tokenizer = build_tokenizer("0123456789+=")
-    network = build_tiny_llama(tokenizer, hidden_size=64, num_layers=2, num_heads=2, max_length=8).eval()
-    fake_vllm.install(
-        monkeypatch, official=True, eos_token_ids=(tokenizer.eos_token_id,), network=network, platform="cpu"
-    )
-    monkeypatch.setattr(vllm_rollout, "cpu_memory", lambda: (10 * GIB, 20 * GIB, 1 * GIB))
-    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    """The stand-in's CPU build, sampling from the demo's architecture with the pushed weights."""
+    install_stand_in_cpu_build(monkeypatch)
     return monkeypatch
 
 

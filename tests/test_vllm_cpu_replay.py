@@ -27,8 +27,7 @@ from grpo_kernels import reference
 from grpo_kernels.trainer.policy import PolicyModule
 from grpo_kernels.trainer.sampler_sync import KEPT_MASS
 from grpo_kernels.trainer.train import GRPOTrainer
-from grpo_kernels.trainer.vllm_rollout import VLLMRollout
-from tests.vllm_engine_cases import import_cpu_vllm, memory_share, tiny_policy, vllm_demo, write_model_dir
+from tests.vllm_engine_cases import cpu_rollout, import_cpu_vllm, memory_share, tiny_policy, vllm_demo, write_model_dir
 
 pytestmark = pytest.mark.vllm
 vllm = import_cpu_vllm()
@@ -66,19 +65,7 @@ def rollout(tmp_path_factory):
     with torch.no_grad():
         model.model.norm.weight.mul_(PEAK)
     path = write_model_dir(model, tokenizer, tmp_path_factory.mktemp("tiny"))
-    engine = VLLMRollout(
-        model,
-        tokenizer,
-        path,
-        max_completion_length=BUDGET,
-        max_prompt_tokens=6,
-        rows_per_call=64,
-        device="cpu",
-        enable_sleep_mode=False,
-        gpu_memory_utilization=memory_share(),
-        dtype="float32",
-        seed=0,
-    )
+    engine = cpu_rollout(model, tokenizer, path, budget=BUDGET, rows_per_call=64)
     engine.sync_weights()
     return engine
 
