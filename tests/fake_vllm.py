@@ -36,7 +36,8 @@ the refusal of fewer batched tokens than sequences, seeded streams (same seed, s
 apart), the stop set read from the model directory's generation config with finish reasons "stop" / "length", the
 prompt-length error, processed log-probs of the sampled tokens equal to log_softmax(logits / T) of the pushed
 weights, the official weight-update API with the in-process backend, the reseeding that `preserved_rng_state`
-undoes, and dummy start-up weights (a push that does nothing stops the run at step 1).
+undoes, dummy start-up weights (a push that does nothing stops the run at step 1), and truncated sampling: the kept
+sets and processed log-probs of top-k, top-p, min-p in vLLM's order (`tests/test_vllm_cpu_replay.py`).
 Only the stand-in's, never run on a real engine here: CUDA devices ("external_launcher" and its RANK / LOCAL_RANK,
 `cuda:N`), sleep mode (the CPU engine ignores sleep and wake_up), several ranks each with an engine, and vLLM
 without the weight-update API (the in-process `load_weights` path).

@@ -156,3 +156,10 @@ def test_a_truncation_mistake_on_the_command_line_is_one_error_line(argv, messag
     out, err = capsys.readouterr()
     assert stop.value.code == 2 and out == "" and len(err.splitlines()) == 1, err
     assert err.startswith("error: ") and message in err, err
+
+
+def test_pvpos_reference_rollouts_sample_with_the_policys_truncation(tmp_path):
+    config = dataclasses.replace(vllm_demo(tmp_path, rollout="hf", device="auto"), preset="pvpo")
+    trainer = GRPOTrainer(truncated(config))
+    rollout = trainer.components.reference.rollout
+    assert (rollout.temperature, rollout.top_k, rollout.top_p, rollout.min_p) == (config.loss.temperature, 8, 0.9, 0.05)
