@@ -15,7 +15,9 @@ What it reproduces, with the vLLM file it follows:
   without a seed (the V2 model runner, `vllm/v1/worker/gpu/sample/states.py`); stops on the tokenizer's EOS, the
   generation config's EOS ids and `stop_token_ids`, keeping the stop token (finish_reason "stop"), or at `max_tokens`
   / `max_model_len` ("length") (`vllm/v1/core/sched/utils.py`, `check_stop`); returns the processed log-prob of each
-  sampled token.
+  sampled token. `top_k`, `top_p`, `min_p` truncate in vLLM 0.32's order (min-p, top-k, then top-p on what is left;
+  `vllm/v1/sample/sampler.py`), the kept set from the float64 oracle `reference.sampler_support`; the processed
+  log-probs are renormalised over it (top_k -1 or 0: off).
 - Tokens come from a fixed distribution (`probs`), or, given a `network` of the policy's architecture, from the
   pushed weights: it starts from vLLM's dummy weights (uniform in ±1e-3, `load_format="dummy"`) and samples
   softmax(logits / T), so a push that does not arrive shows in the sampler-sync guard.
@@ -34,7 +36,8 @@ the refusal of fewer batched tokens than sequences, seeded streams (same seed, s
 apart), the stop set read from the model directory's generation config with finish reasons "stop" / "length", the
 prompt-length error, processed log-probs of the sampled tokens equal to log_softmax(logits / T) of the pushed
 weights, the official weight-update API with the in-process backend, the reseeding that `preserved_rng_state`
-undoes, and dummy start-up weights (a push that does nothing stops the run at step 1).
+undoes, dummy start-up weights (a push that does nothing stops the run at step 1), and truncated sampling: the kept
+sets and processed log-probs of top-k, top-p, min-p in vLLM's order (`tests/test_vllm_cpu_replay.py`).
 Only the stand-in's, never run on a real engine here: CUDA devices ("external_launcher" and its RANK / LOCAL_RANK,
 `cuda:N`), sleep mode (the CPU engine ignores sleep and wake_up), several ranks each with an engine, and vLLM
 without the weight-update API (the in-process `load_weights` path).
@@ -43,6 +46,7 @@ without the weight-update API (the in-process `load_weights` path).
 from __future__ import annotations
 
 import copy
+import math
 import os
 import random
 import sys
@@ -54,6 +58,8 @@ from typing import Any, Generic, TypeVar
 
 import numpy as np
 import torch
+
+from grpo_kernels import reference
 
 ENV_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "VLLM_ENABLE_V1_MULTIPROCESSING")
 MODEL_MAX_LEN = 2048  # the "model's" context: max_model_len when none is given
@@ -70,6 +76,7 @@ class SamplingParams:
         )
         self.kwargs["logprobs"] = logprobs
         self.n, self.temperature, self.max_tokens, self.logprobs = n, temperature, max_tokens, logprobs
+        self.top_k, self.top_p, self.min_p = max(top_k, 0), top_p, min_p
         self.stop_token_ids = list(rest.get("stop_token_ids") or [])
         self.seed = rest.get("seed")
 
@@ -180,14 +187,17 @@ class LLM:
                 )
         return [self._request(p["prompt_token_ids"], sp) for p, sp in zip(prompts, params, strict=True)]
 
-    def _next_logp(self, prompt: list[int], tokens: list[int], temperature: float) -> torch.Tensor:
-        """Processed log-probs [V] of the next token: of the network on prompt ‖ tokens, else of `probs`."""
+    def _next_logp(self, prompt: list[int], tokens: list[int], params: SamplingParams) -> torch.Tensor:
+        """Processed log-probs [V] of the next token: of the network on prompt ‖ tokens, else of `probs`, divided by
+        the temperature and truncated (-inf outside the kept set)."""
         network = self.model.network
         if network is None:
-            return torch.log_softmax(self.probs.log() / temperature, dim=-1)
-        with torch.no_grad():
-            logits = network(torch.tensor([prompt + tokens])).logits[0, -1].float()  # [V]
-        return torch.log_softmax(logits / temperature, dim=-1)
+            z = self.probs.log() / params.temperature  # [V]
+        else:
+            with torch.no_grad():
+                z = network(torch.tensor([prompt + tokens])).logits[0, -1].float() / params.temperature  # [V]
+        kept = reference.sampler_support(z, params.top_k, params.top_p, params.min_p)  # [V]
+        return torch.log_softmax(z.masked_fill(~kept, -math.inf), dim=-1)
 
     def _request(self, prompt: list[int], params: SamplingParams):
         stop = set(self.eos_token_ids) | set(params.stop_token_ids)
@@ -197,7 +207,7 @@ class LLM:
             generator = torch.Generator().manual_seed(int(seed) % 2**63)
             tokens, logprobs, reason = [], [], None
             while reason is None:
-                logp_all = self._next_logp(prompt, tokens, params.temperature)  # [V]
+                logp_all = self._next_logp(prompt, tokens, params)  # [V]
                 token = int(torch.multinomial(logp_all.exp(), 1, generator=generator))
                 tokens.append(token)
                 logprobs.append({token: SimpleNamespace(logprob=float(logp_all[token]), rank=1)})

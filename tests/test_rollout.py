@@ -170,8 +170,10 @@ def test_vllm_pure_helpers():
         rank_environment(0, 1, torch.device("cpu"))
     params = sampling_params_kwargs(8, 0.7, 16, stop_token_ids=(2, 15), seed=5)
     assert params == dict(
-        n=8, temperature=0.7, top_p=1.0, top_k=0, min_p=0.0, max_tokens=16, logprobs=0, stop_token_ids=[2, 15], seed=5
+        n=8, temperature=0.7, top_p=1.0, top_k=-1, min_p=0.0, max_tokens=16, logprobs=0, stop_token_ids=[2, 15], seed=5
     )
+    truncated = sampling_params_kwargs(8, 0.7, 16, (2,), 5, top_k=4, top_p=0.9, min_p=0.05)
+    assert (truncated["top_k"], truncated["top_p"], truncated["min_p"]) == (4, 0.9, 0.05)
     with pytest.raises(ValueError, match="temperature"):
         sampling_params_kwargs(8, 0.0, 16, (2,), 0)
     assert vllm_weight_name("module._orig_mod.model.layers.0.mlp.up_proj.weight") == "model.layers.0.mlp.up_proj.weight"

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from grpo_kernels.trainer import vllm_rollout
-from grpo_kernels.trainer.model import build_tiny_llama, build_tokenizer
 from grpo_kernels.trainer.parallel import ParallelState
 from grpo_kernels.trainer.sampler_sync import (
     StaleSampler,
@@ -21,10 +20,8 @@ from grpo_kernels.trainer.sampler_sync import (
     sampling_metrics,
 )
 from grpo_kernels.trainer.train import GRPOTrainer
-from tests import fake_vllm
-from tests.vllm_engine_cases import vllm_demo
+from tests.vllm_engine_cases import install_stand_in_cpu_build, vllm_demo
 
-GIB = 2**30
 DIFF, RATIO = "sampling/sampling_logp_difference", "sampling/importance_sampling_ratio"
 
 
@@ -63,15 +60,8 @@ def test_one_process_keeps_the_metrics_and_the_limit_follows_the_precision():
 # ------------------------------------------------------------------- the trainer on the stand-in's CPU build
 @pytest.fixture
 def cpu_vllm(monkeypatch):
-    """The stand-in's CPU build, sampling from a network of the demo's architecture (hidden 64, 2 heads) with the
-    pushed weights; 20 GiB of CPU memory, 10 free, 1 held by this process."""
-    tokenizer = build_tokenizer("0123456789+=")
-    network = build_tiny_llama(tokenizer, hidden_size=64, num_layers=2, num_heads=2, max_length=8).eval()
-    fake_vllm.install(
-        monkeypatch, official=True, eos_token_ids=(tokenizer.eos_token_id,), network=network, platform="cpu"
-    )
-    monkeypatch.setattr(vllm_rollout, "cpu_memory", lambda: (10 * GIB, 20 * GIB, 1 * GIB))
-    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    """The stand-in's CPU build, sampling from the demo's architecture with the pushed weights."""
+    install_stand_in_cpu_build(monkeypatch)
     return monkeypatch
 
 

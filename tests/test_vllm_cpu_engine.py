@@ -14,13 +14,12 @@ import torch
 
 import grpo_kernels as gk
 from grpo_kernels.trainer.rollout import RolloutBatch
-from grpo_kernels.trainer.vllm_rollout import VLLMRollout
 from tests.vllm_engine_cases import (
     BATCHED_BELOW_SEQS,
     EQUALS,
     PROMPT_TOO_LONG,
+    cpu_rollout,
     import_cpu_vllm,
-    memory_share,
     tiny_policy,
     write_model_dir,
 )
@@ -38,19 +37,7 @@ def rollout(tmp_path_factory):
     path = write_model_dir(model, tokenizer, tmp_path_factory.mktemp("tiny"))
     random.seed(7), np.random.seed(7), torch.manual_seed(7)
     before = (random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state(), torch.set_num_threads)
-    engine = VLLMRollout(
-        model,
-        tokenizer,
-        path,
-        max_completion_length=BUDGET,
-        max_prompt_tokens=6,
-        rows_per_call=32,
-        device="cpu",
-        enable_sleep_mode=False,
-        gpu_memory_utilization=memory_share(),
-        dtype="float32",
-        seed=0,
-    )
+    engine = cpu_rollout(model, tokenizer, path, budget=BUDGET, rows_per_call=32)
     after = (random.getstate(), np.random.get_state()[1], torch.get_rng_state(), torch.set_num_threads)
     engine.kept_trainer_state = (
         after[0] == before[0] and (after[1] == before[1]).all() and torch.equal(after[2], before[2]),

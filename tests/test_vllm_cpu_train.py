@@ -1,9 +1,11 @@
 """`python -m grpo_kernels.train --rollout vllm --device cpu` on the demo task with vLLM's real CPU engine: the reward
-rises, `--resume` in the middle continues the run, the sampler-sync guard reads fp32 noise at every step; and a push
-that does nothing stops the run at step 1."""
+rises, `--resume` in the middle continues the run, the sampler-sync guard reads fp32 noise at every step, also with
+truncated sampling (π_old replayed over the sampler's support); and a push that does nothing stops the run at
+step 1."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -12,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from grpo_kernels.trainer import vllm_rollout
-from grpo_kernels.trainer.sampler_sync import StaleSampler
+from grpo_kernels.trainer.sampler_sync import KEPT_MASS, StaleSampler
+from grpo_kernels.trainer.train import GRPOTrainer
 from tests.vllm_engine_cases import import_cpu_vllm, memory_share, vllm_demo
 
 pytestmark = pytest.mark.vllm
@@ -49,6 +52,17 @@ def test_a_push_that_does_nothing_stops_the_run_at_step_1(tmp_path, monkeypatch)
     monkeypatch.setattr(vllm_rollout, "push_weights", lambda llm, weights, official: None)
     config = vllm_demo(tmp_path, vllm_gpu_memory_utilization=memory_share())
     with pytest.raises(StaleSampler, match=r"^step 1: .* by \S+ nats per token on average"):
-        from grpo_kernels.trainer.train import GRPOTrainer
-
         GRPOTrainer(config).train()
+
+
+def test_a_truncated_training_run_on_the_engine_passes_the_guard(tmp_path):
+    """Two steps of the demo with vLLM's CPU engine sampling top-k 8, top-p 0.9, min-p 0.05: the guard's gap stays
+    at fp32 noise and the correction's ratio at 1 (π_old replayed), while the mass π_old keeps is below 1."""
+    config = vllm_demo(tmp_path, vllm_gpu_memory_utilization=memory_share())
+    config = dataclasses.replace(config, loss=dataclasses.replace(config.loss, top_k=8, top_p=0.9, min_p=0.05))
+    history = GRPOTrainer(config).train()
+    assert [r["step"] for r in history] == [1, 2]
+    for record in history:
+        assert record["sampling/sampling_logp_difference/max"] <= 1e-5
+        assert abs(record["sampling/importance_sampling_ratio/mean"] - 1) <= 1e-5
+        assert 0.0 < record[KEPT_MASS] < 0.999 and record["sampling/outside_support"] == 0.0

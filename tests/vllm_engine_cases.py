@@ -11,6 +11,7 @@ import torch
 
 from grpo_kernels.trainer.config import TrainConfig
 from grpo_kernels.trainer.model import build_tiny_llama, build_tokenizer
+from grpo_kernels.trainer.vllm_rollout import VLLMRollout
 
 ALPHABET = "0123456789+="
 EQUALS = 4 + ALPHABET.index("=")  # its id: after the four special tokens
@@ -79,3 +80,37 @@ def vllm_demo(tmp_path, **overrides) -> TrainConfig:
         output_dir=str(tmp_path),
     )
     return dataclasses.replace(TrainConfig(), **{**settings, **overrides})
+
+
+def install_stand_in_cpu_build(monkeypatch) -> None:
+    """The stand-in `vllm` (`tests/fake_vllm.py`) as its CPU build, sampling from a network of the demo's
+    architecture (hidden 64, 2 heads) with the pushed weights; 20 GiB of CPU memory, 10 free, 1 held by this
+    process."""
+    from grpo_kernels.trainer import vllm_rollout
+    from tests import fake_vllm
+
+    tokenizer = build_tokenizer(ALPHABET)
+    network = build_tiny_llama(tokenizer, hidden_size=64, num_layers=2, num_heads=2, max_length=8).eval()
+    fake_vllm.install(
+        monkeypatch, official=True, eos_token_ids=(tokenizer.eos_token_id,), network=network, platform="cpu"
+    )
+    monkeypatch.setattr(vllm_rollout, "cpu_memory", lambda: (10 * 2**30, 20 * 2**30, 2**30))
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+
+
+def cpu_rollout(model, tokenizer, path, *, budget: int, rows_per_call: int) -> VLLMRollout:
+    """A `VLLMRollout` on vLLM's CPU engine for `model` written at `path`: fp32, seed 0, no sleep mode, prompts of
+    at most 6 tokens, `budget` tokens each, a CPU memory share that fits this machine."""
+    return VLLMRollout(
+        model,
+        tokenizer,
+        path,
+        max_completion_length=budget,
+        max_prompt_tokens=6,
+        rows_per_call=rows_per_call,
+        device="cpu",
+        enable_sleep_mode=False,
+        gpu_memory_utilization=memory_share(),
+        dtype="float32",
+        seed=0,
+    )

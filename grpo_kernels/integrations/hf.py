@@ -102,13 +102,18 @@ def policy_logprobs(
     *,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    stats: tuple[str, ...] = (),
     chunk_size: int | None = None,
     backend: str = "auto",
-) -> Tensor | tuple[Tensor, Tensor]:
+) -> Tensor | tuple[Tensor, Tensor] | dict[str, Tensor]:
     """log π(completion token) (and entropy) for a causal LM, through the fused lm_head with the model's logit
     transform (`logit_transform`): no logits over the vocabulary are stored. Padded: [B, T], 0 where
     `completion_mask` is 0. Packed (`input_ids` a `PackedSequences`, no masks): [N], one per completion token.
-    Differentiable w.r.t. the model's parameters."""
+    Differentiable w.r.t. the model's parameters. `top_k`, `top_p`, `min_p` (sampling replay) and `stats` (a dict
+    result) as in `fused_linear_token_logprobs`."""
     weight, bias = lm_head(model)
     logit_scale, softcap = logit_transform(model)
     if isinstance(input_ids, PackedSequences):
@@ -135,6 +140,10 @@ def policy_logprobs(
         logit_scale=logit_scale,
         final_logit_softcapping=softcap,
         with_entropy=with_entropy,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        stats=stats,
         mask=completion_mask,
         chunk_size=chunk_size,
         backend=backend,

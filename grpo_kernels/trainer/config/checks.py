@@ -14,6 +14,7 @@ from grpo_kernels.trainer.config.record import DEMO_MAX_LENGTH, NOT_CLI, ROLLOUT
 from grpo_kernels.trainer.logging import REPORT_TO
 from grpo_kernels.trainer.parallel import PARALLEL_MODES
 from grpo_kernels.trainer.precision import DTYPES
+from grpo_kernels.trainer.sampling_replay import truncates
 from grpo_kernels.trainer.update import IS_MODES
 
 _AT_LEAST = {  # field -> its smallest value (None, where the field allows it, is always accepted)
@@ -96,5 +97,7 @@ def check_config(config: TrainConfig) -> None:
         raise ValueError(f"max_completion_length must be <= {DEMO_MAX_LENGTH} for the tiny demo model, got {budget}")
     if config.model == "tiny" and config.hidden_size % config.num_heads:
         raise ValueError(f"num_heads ({config.num_heads}) must divide hidden_size ({config.hidden_size})")
+    if config.replay_reference and not truncates(config.loss):
+        raise ValueError("replay_reference replays the sampler's truncation, but top_k, top_p and min_p are all off")
     if config.resume and config.overwrite:
         raise ValueError("resume and overwrite contradict each other: --resume continues the run in output_dir")

@@ -103,6 +103,8 @@ class TrainConfig:
     sync_ref_model: bool = False  # refresh the reference model from the policy (TR-DPO mixing, TRL's names)
     ref_model_sync_steps: int = 512  # steps between refreshes of the reference model
     ref_model_mixup_alpha: float = 0.6  # π_ref ← α·π_θ + (1 − α)·π_ref at each refresh, α in [0, 1]
+    replay_reference: bool = False  # with truncated sampling (top_k, top_p, min_p): the reference's log-probs over
+    # the sampler's support too (default: the whole vocabulary, as NeMo RL; the policy's are always replayed)
     loss: LossOptions = field(default_factory=lambda: presets.load(DEFAULT_PRESET).loss)  # the preset's
     sources: dict[str, str] = field(default_factory=dict)  # where each of TRAINING_SETTINGS came from (flag,
     # config file, preset, default, task); `parse_args` records flags, the trainer derives the rest (settings.py)
