@@ -74,4 +74,3 @@ def is_reference_pass(trainer: trl.GRPOTrainer, model: nn.Module) -> bool:
     if not is_peft_model(unwrapped):
         return False
     return unwrapped.active_adapter == "ref" or unwrapped.get_model_status().enabled is False
-
