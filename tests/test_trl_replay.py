@@ -1,11 +1,10 @@
 """The TRL drop-in replays truncated sampling; stock TRL 1.16 does not (TRL #6789).
 
-Both trainers run TRL's own `_generate_and_score_completions` on the same truncated samples: a rollout function
-(TRL's `rollout_func`) samples each token from a tiny model's distribution at temperature T, truncated by the
-float64 oracle's `sampler_support` (vLLM's order), and returns the log-prob renormalised over the kept set (what vLLM
-returns as processed logprobs). TRL then computes the old log-probs and the importance-sampling ratio against those.
-Stock TRL's ratio is the kept mass S of each token (its log-probs are full-vocabulary); the drop-in's is 1.
-`use_vllm` is set on the built trainers (TRL reads it at run time): vLLM itself is not needed.
+Both trainers run TRL's own `_generate_and_score_completions` on the same truncated samples
+(`benchmarks/trl_replay_bias.py`: a `rollout_func` samples each token from a tiny model's distribution at temperature
+T, truncated by the float64 oracle's `sampler_support`, and returns the log-prob renormalised over the kept set, as
+vLLM's processed logprobs). Stock TRL's importance-sampling ratio is then each token's kept mass S (its log-probs are
+full-vocabulary); the drop-in's is 1. The old, reference and training passes are held to the oracle too.
 """
 
 import math
@@ -16,96 +15,31 @@ import torch
 trl = pytest.importorskip("trl")
 
 import tests.test_trl as base  # noqa: E402
+from benchmarks import trl_replay_bias as bias  # noqa: E402
 from grpo_kernels import reference  # noqa: E402
 from grpo_kernels.integrations import trl as drop_in  # noqa: E402
 from grpo_kernels.integrations import trl_replay  # noqa: E402
 from tests.conftest import assert_close  # noqa: E402
 
-tokenizer = base.tokenizer  # test_trl's fixture: the character-level tokenizer
-PROMPTS = ["abc", "abc", "def", "def"]  # equal lengths: no left padding, so TRL's forward sees the sampler's context
-T_SAMPLE, LENGTH = 0.7, 8
-RATIO = "sampling/importance_sampling_ratio"
-RULES = {  # name -> GRPOConfig fields of the sampler
-    "top_p": dict(top_p=0.8),
-    "top_k_top_p_min_p": dict(top_k=5, top_p=0.9, min_p=0.05),
-    "generation_kwargs": dict(generation_kwargs={"top_k": 4}),  # TRL passes these over top_k / top_p / min_p
-}
+tokenizer = base.tokenizer  # test_trl's fixture: the same character-level tokenizer as the benchmark's model
+T_SAMPLE, RATIO = bias.T_SAMPLE, bias.RATIO
 
 
 @pytest.fixture(scope="module")
-def peaked_model(tmp_path_factory, tokenizer):
-    """test_trl's tiny Qwen2 with its lm_head scaled ×20: logits spread over a few nats, as a trained model's."""
-    torch.manual_seed(0)
-    model = base.MODELS["qwen2"](tokenizer)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(20.0)
-    path = tmp_path_factory.mktemp("replay_model")
-    model.save_pretrained(path)
-    return str(path)
+def peaked_model(tmp_path_factory):
+    """The benchmark's tiny Qwen2 (lm_head scaled ×20: logits spread over a few nats, as a trained model's)."""
+    return str(bias.write_model(tmp_path_factory.mktemp("replay_model")))
 
 
-class TruncatedSampler:
-    """A `rollout_func`: LENGTH tokens per prompt, each drawn from softmax(logits / T) renormalised over the
-    oracle's kept set, with that renormalised log-prob as the sampler's; records each token's kept mass."""
-
-    def __init__(self, tokenizer, rule: dict, seed: int = 0):
-        self.tokenizer, self.rule = tokenizer, rule
-        self.generator = torch.Generator().manual_seed(seed)
-        self.kept_mass: list[float] = []
-
-    def __call__(self, prompts: list[str], trainer) -> dict:
-        prompt_ids, completion_ids, logprobs = [], [], []
-        for prompt in prompts:
-            ids = self.tokenizer(prompt)["input_ids"]
-            sampled, logps = [], []
-            with torch.no_grad():
-                for _ in range(LENGTH):
-                    logits = trainer.model(input_ids=torch.tensor([ids + sampled])).logits[0, -1]  # [V]
-                    z = reference.transformed_logits(logits, temperature=T_SAMPLE)  # [V] float64
-                    kept = reference.sampler_support(z, **self.rule)  # [V]
-                    log_q = torch.log_softmax(z.masked_fill(~kept, -math.inf), dim=-1)  # [V]
-                    token = int(torch.multinomial(log_q.exp(), 1, generator=self.generator))
-                    sampled.append(token)
-                    logps.append(float(log_q[token]))
-                    self.kept_mass.append(float(torch.softmax(z, dim=-1)[kept].sum()))
-            prompt_ids.append(ids)
-            completion_ids.append(sampled)
-            logprobs.append(logps)
-        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs}
-
-
-def sample_and_score(cls, path, tokenizer, config: dict, **extra) -> tuple[dict, TruncatedSampler]:
-    """TRL's `_generate_and_score_completions` on the sampler's batch, as with vLLM and its token-level importance
-    sampling (truncated above at 3, as TRL's default); (the logged metrics, the sampler)."""
-    trainer = base.build(
-        cls,
-        path,
-        tokenizer,
-        temperature=T_SAMPLE,
-        max_completion_length=LENGTH,
-        vllm_importance_sampling_mode="token_truncate",
-        **config,
-        **extra,
-    )
-    sampler = TruncatedSampler(tokenizer, trl_replay.sampling_rule(trainer.args))
-    trainer.rollout_func = sampler
-    trainer.use_vllm = trainer.vllm_importance_sampling_correction = True
-    trainer._last_loaded_step = trainer.state.global_step  # no weight sync: there is no vLLM
-    trainer.model.train()  # a training batch (TRL logs under "train")
-    trainer._metrics["train"].clear()
-    trainer._generate_and_score_completions([{"prompt": p} for p in PROMPTS])
-    return {name: values[-1] for name, values in trainer._metrics["train"].items()}, sampler
-
-
-@pytest.mark.parametrize("rule", RULES)
-def test_the_drop_in_removes_the_kept_mass_from_the_importance_ratio(peaked_model, tokenizer, rule):
-    """Stock TRL's mean importance-sampling ratio is the mean kept mass (0.86 to 0.89 here: the bias TRL #6789 names);
-    the drop-in's ratio is 1 on every token, and its old log-probs equal the sampler's."""
-    stock, sampler = sample_and_score(trl.GRPOTrainer, peaked_model, tokenizer, RULES[rule])
-    ours, same = sample_and_score(drop_in.GRPOTrainer, peaked_model, tokenizer, RULES[rule])
+@pytest.mark.parametrize("rule", ["top_p", "top_k_top_p_min_p", "generation_kwargs"])
+def test_the_drop_in_removes_the_kept_mass_from_the_importance_ratio(peaked_model, rule):
+    """Stock TRL's mean importance-sampling ratio is the mean kept mass (0.86 to 0.89 here: the bias TRL #6789
+    names); the drop-in's ratio is 1 on every token: its old log-probs equal the sampler's processed ones."""
+    stock, sampler = bias.sample_and_score(trl.GRPOTrainer, peaked_model, bias.RULES[rule])
+    ours, same = bias.sample_and_score(drop_in.GRPOTrainer, peaked_model, bias.RULES[rule])
     assert same.kept_mass == sampler.kept_mass  # the same samples (seeded, same model)
     kept_mass = sum(sampler.kept_mass) / len(sampler.kept_mass)
-    assert kept_mass < 0.95, f"the rule {RULES[rule]} keeps {kept_mass:.3f} of the mass: too little truncation"
+    assert kept_mass < 0.95, f"the rule {bias.RULES[rule]} keeps {kept_mass:.3f} of the mass: too little truncation"
     assert math.isclose(stock[f"{RATIO}/mean"], kept_mass, rel_tol=1e-4), (stock[f"{RATIO}/mean"], kept_mass)
     assert math.isclose(stock[f"{RATIO}/min"], min(sampler.kept_mass), rel_tol=1e-4)
     for stat in ("min", "mean", "max"):
@@ -115,10 +49,10 @@ def test_the_drop_in_removes_the_kept_mass_from_the_importance_ratio(peaked_mode
     assert math.isclose(stock["sampling/sampling_logp_difference/mean"], mean_log_mass, rel_tol=1e-4)
 
 
-def test_without_truncation_both_ratios_are_one(peaked_model, tokenizer):
+def test_without_truncation_both_ratios_are_one(peaked_model):
     """The control: nothing truncated, both trainers' ratios are 1 (to float32 rounding)."""
     for cls in (trl.GRPOTrainer, drop_in.GRPOTrainer):
-        metrics, sampler = sample_and_score(cls, peaked_model, tokenizer, {})
+        metrics, sampler = bias.sample_and_score(cls, peaked_model, bias.RULES["control"])
         assert set(sampler.kept_mass) == {1.0}
         for stat in ("min", "mean", "max"):
             assert abs(metrics[f"{RATIO}/{stat}"] - 1.0) < 1e-5, (cls.__module__, stat, metrics[f"{RATIO}/{stat}"])
