@@ -21,6 +21,8 @@ SMOKE = {
     "benchmarks.head_precision_gap": ["--tokens", "8", "--hidden", "16", "--vocab", "64"],
     "benchmarks.host_overhead": ["--repeats", "1", "--warmup", "0", "--no-peers"],
     "benchmarks.lean_memory": ["--smoke", "--rounds", "1"],
+    "benchmarks.sampling_replay": ["--size", "smoke", "--rounds", "1"],
+    "benchmarks.trl_replay_bias": ["--rules", "top_p"],
 }
 NO_SMOKE = {
     "benchmarks.gpu_parity": "a GPU (real vocabularies on CUDA)",
