@@ -2,6 +2,7 @@
 
 from grpo_kernels.advantages import ADVANTAGES
 from grpo_kernels.api import fused_linear_grpo_loss, fused_linear_token_logprobs, grpo_loss, token_logprobs
+from grpo_kernels.engine.replay import SamplingMask
 from grpo_kernels.losses.loss import GRPOLossOutput
 from grpo_kernels.losses.policy import POLICY_LOSSES
 from grpo_kernels.modules import GRPOLoss
@@ -22,6 +23,7 @@ __all__ = [
     "REGULARIZERS",
     "REWARDS",
     "SAMPLERS",
+    "SamplingMask",
     "__version__",
     "fused_linear_grpo_loss",
     "fused_linear_token_logprobs",

@@ -9,6 +9,7 @@ from torch import Tensor
 
 from grpo_kernels.engine.inputs import LossTensors, TokenTensors
 from grpo_kernels.engine.plan import Request, Source, build_plan
+from grpo_kernels.engine.replay import SamplingMask
 from grpo_kernels.engine.routes import run
 from grpo_kernels.engine.validate import check_argument_types, cu_seqlens_tensor
 from grpo_kernels.losses.loss import GRPOLossOutput
@@ -27,6 +28,10 @@ def token_logprobs(
     with_entropy: bool = False,
     stats: tuple[str, ...] = (),
     mask: Tensor | None = None,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    sampling_mask: SamplingMask | Tensor | None = None,
     inplace: bool = True,
     backend: str = "auto",
     check_finite: bool = True,
@@ -59,6 +64,17 @@ def token_logprobs(
     vocab_start + V_r) of the whole vocabulary (`vocab_start` None: the ranks' shards in rank order); targets are
     whole-vocabulary ids, and every rank gets the whole vocabulary's logp and entropy (`kernels.parallel`: O(N)
     statistics cross ranks, 16·R + 4·(3 + with_entropy)·B·T bytes per call; no stats).
+
+    Sampling replay (docs/sampling_replay.md): log-probs renormalised over the tokens a truncated sampler kept,
+    so that they compare with the sampler's own. Rule replay applies the sampler's rule to z (after the temperature)
+    in vLLM's order: `min_p` (0.0: off) on the whole distribution, then `top_k` (0 or >= V: off), then `top_p`
+    (1.0: off) on what is left; every token tied at a cut is kept. Kept-set replay takes the kept ids themselves:
+    `sampling_mask`, a `SamplingMask(token_ids, offsets)` (vLLM's CSR) or an int tensor `[B, T, K]` / `[N, K]`
+    with -1 padding (not with the rule options). The entropy is the support's; the gradient is onehot − q_support
+    inside the support and 0 outside (the support held fixed). A target outside the support is counted as kept
+    and flagged. `stats` may ask for `"log_kept_mass"` (log S = lse_support − lse_full, ≤ 0; 0 without
+    truncation and at masked rows) and `"outside_support"` (bool: the target lay outside and was counted as kept),
+    on every backend. Not with `process_group`.
     """
     args = dict(locals())  # the call's arguments as one record (whole across a torch.compile graph break)
     check_argument_types(args)
@@ -77,6 +93,10 @@ def fused_linear_token_logprobs(
     with_entropy: bool = False,
     stats: tuple[str, ...] = (),
     mask: Tensor | None = None,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    sampling_mask: SamplingMask | Tensor | None = None,
     chunk_size: int | None = None,
     memory: str = "auto",
     tile: tuple[int, int] | None = None,
@@ -102,7 +122,10 @@ def fused_linear_token_logprobs(
     `process_group` / `vocab_start` as in `token_logprobs`, weight `[V_r, H]` (bias `[V_r]`) being this rank's rows
     of the lm_head: dW of the shard, dH summed over the group; 16·R + (4·(3 + with_entropy) + H·itemsize)·M bytes
     per forward + backward, M the kept tokens. `head_precision` ("auto": the weight's dtype, "bf16", "tf32",
-    "fp32") is the logits GEMM's precision; the gradient GEMMs stay in the weight's dtype (docs/head_precision.md)."""
+    "fp32") is the logits GEMM's precision; the gradient GEMMs stay in the weight's dtype (docs/head_precision.md).
+    `top_k`, `top_p`, `min_p`, `sampling_mask` (positions: the flattened targets) replay a truncated sampler as in
+    `token_logprobs`, each chunk's logits masked in a float32 scratch window; "lean" memory cannot (its tiles never
+    hold a row whole: a ValueError), and "auto" picks "fast" under replay."""
     args = dict(locals())  # the call's arguments as one record (whole across a torch.compile graph break)
     check_argument_types(args)
     source = Source(hidden, weight, bias)
@@ -122,6 +145,7 @@ def grpo_loss(
     token_weights: Tensor | None = None,
     sequence_weights: Tensor | None = None,
     cu_seqlens: Tensor | None = None,
+    sampling_mask: SamplingMask | Tensor | None = None,
     return_sequence_losses: bool = False,
     with_entropy: bool = False,
     inplace: bool = True,
@@ -158,6 +182,13 @@ def grpo_loss(
     Packed layout: with `cu_seqlens` (int `[S + 1]`), logits are `[N, V]`, per-token tensors `[N]`, advantages
     and is_ratio `[S]` or `[N]`, sequence_weights `[S]`; padding never enters the vocabulary pass.
 
+    Sampling replay (as in `token_logprobs`): the LossOptions `top_k`, `top_p`, `min_p`, or `sampling_mask`
+    (`SamplingMask` or `[B, T, K]` / packed `[N, K]` ids, -1 padding) renormalise the policy's log-probs over the
+    sampler's support; `replay_entropy="full"` keeps the whole distribution's entropy (one more ordinary pass).
+    old_logp and ref_logp are taken as given (compute them replayed or not where they are made). The metrics then
+    add "sampling/log_kept_mass" (the kept tokens' mean log S) and "sampling/outside_support" (the fraction of
+    targets counted as kept from outside the support). The fused epilogue route runs two-phase under replay.
+
     `process_group` / `vocab_start`: logits are this rank's vocabulary shard, as in `token_logprobs`. Sequences
     split across the ranks of `sequence_group` (context parallel): with `cu_seqlens`, each rank holds its tokens of
     the same S sequences (a sequence may have none on a rank) and per-sequence values `[S]` alike on every rank;
@@ -190,6 +221,7 @@ def fused_linear_grpo_loss(
     token_weights: Tensor | None = None,
     sequence_weights: Tensor | None = None,
     cu_seqlens: Tensor | None = None,
+    sampling_mask: SamplingMask | Tensor | None = None,
     return_sequence_losses: bool = False,
     with_entropy: bool = False,
     backend: str = "auto",
@@ -212,7 +244,8 @@ def fused_linear_grpo_loss(
     `check_finite` as in `grpo_loss` (a non-finite row names hidden, weight and bias); the gathering of the kept
     rows as in `fused_linear_token_logprobs`. `process_group` / `vocab_start` (weight `[V_r, H]`: this rank's rows
     of the lm_head) as in `fused_linear_token_logprobs`, `sequence_group` as in `grpo_loss`; either runs the
-    4-GEMM route. `head_precision` as in `fused_linear_token_logprobs`.
+    4-GEMM route. `head_precision` as in `fused_linear_token_logprobs`. Sampling replay (`top_k`, `top_p`, `min_p`,
+    `sampling_mask`) as in `grpo_loss`, on the "fast" route (3 or 4 GEMMs; "auto" picks it, "lean" is refused).
     """
     args = dict(locals())  # the call's arguments as one record (whole across a torch.compile graph break)
     check_argument_types(args)

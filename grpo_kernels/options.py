@@ -87,6 +87,10 @@ class LossOptions:
     loss_scale_factor: float | None = None  # seq-mean-token-sum-norm's constant; None: T (verl's default)
     logit_scale: float = 1.0  # logits multiplied by it first (Cohere, Granite's 1/logits_scaling; TRL's name)
     final_logit_softcapping: float | None = None  # then c·tanh(z/c) before the temperature (Gemma 2/3; TRL's name)
+    top_k: int = 0  # sampling replay: log-probs over the sampler's top-k of logits / T (0: off; TRL's and vLLM's name)
+    top_p: float = 1.0  # sampling replay: ... over its nucleus of mass top_p, after top-k (1.0: off)
+    min_p: float = 0.0  # sampling replay: ... over tokens with q >= min_p · max q, first (0.0: off; vLLM's order)
+    replay_entropy: str = "support"  # with replay, the entropy of the sampler's support or of the "full" vocabulary
     clip_cov_ratio: float = 0.0002  # clip_cov: fraction of kept tokens whose gradient is cut (arXiv:2505.22617)
     clip_cov_lb: float = 1.0  # clip_cov: candidates have a batch covariance in (clip_cov_lb, clip_cov_ub)
     clip_cov_ub: float = 5.0  # clip_cov: the window's upper bound (verl's defaults for all three)
@@ -131,6 +135,8 @@ class LossOptions:
         if not 0.0 <= self.top_entropy_quantile <= 1.0:
             raise ValueError(f"top_entropy_quantile must be in [0, 1], got {self.top_entropy_quantile}")
         _check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        _check_choice("replay_entropy", self.replay_entropy, ("support", "full"))
+        check_sampling_rule(self.top_k, self.top_p, self.min_p)
         if self.loss_agg_mode is not None:
             _check_choice("loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
         for name, types in (("delta", CLIPPED_SURROGATE_TYPES), ("clip_ratio_c", CLIPPED_SURROGATE_TYPES + DPPO_TYPES)):
@@ -290,6 +296,20 @@ def _check_types(options: LossOptions) -> None:
         if isinstance(value, float) and not math.isfinite(value):
             rule = "> 0 and finite" if f.name in _POSITIVE else "finite"
             raise ValueError(f"{f.name} must be {rule}, got {value}")
+
+
+def check_sampling_rule(top_k: object, top_p: object, min_p: object) -> None:
+    """The truncated sampler's rule (sampling replay): top_k an int >= 0 (0: off), 0 < top_p <= 1 (1.0: off),
+    0 <= min_p < 1 (0.0: off)."""
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"top_k must be an int >= 0 (0: off), got {top_k!r}")
+    for name, value in (("top_p", top_p), ("min_p", min_p)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{name} must be a float, got {type(value).__name__} {value!r}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1] (1.0: off), got {top_p!r}")
+    if not 0.0 <= min_p < 1.0:
+        raise ValueError(f"min_p must be in [0, 1) (0.0: off), got {min_p!r}")
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:

@@ -37,6 +37,7 @@ class TokenTensors(NamedRecord):
     targets: Tensor
     mask: Tensor | None = None
     cu_seqlens: Tensor | None = None
+    sampling_mask: Any = None  # the sampler's kept tokens (`engine.replay`)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from grpo_kernels.engine import finite, memory, sync, validate
+from grpo_kernels.engine import replay as replay_module
 from grpo_kernels.engine import layout as layout_module
 from grpo_kernels.engine.inputs import LossInputs, NamedRecord, TokenTensors
 from grpo_kernels.engine.layout import KeptRows, Layout, safe_targets
@@ -82,6 +83,9 @@ class Request(NamedRecord):
     logit_scale: float = 1.0
     final_logit_softcapping: float | None = None
     head_precision: str = "auto"
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -138,13 +142,27 @@ def build_plan(*, source: Source, tensors: TokenTensors, request: Request, optio
     if source.weight is not None:
         kept = KeptRows.of(mask, reads.numbers[0] if gather else None)
     needs_entropy = loss and (options.top_entropy_quantile < 1.0 or options.entropy_coef != 0.0)
-    memory_mode = _memory_mode(source, request, setup, kept)
+    replay = replay_module.replay_of(
+        transform,
+        tensors.sampling_mask,
+        rows=tuple(mask.shape),
+        vocab=setup.vocab,
+        device=device,
+        stats=setup.stats,
+        full_entropy=loss and options.replay_entropy == "full",
+        kept=kept,
+        memory=request.memory,
+        tile=request.tile,
+        sharded=setup.shard is not None,
+    )
+    memory_mode = "fast" if replay is not None and kept is not None else _memory_mode(source, request, setup, kept)
     opts = PassOptions(
         backend=setup.backend,
         temperature=transform.temperature,
         logit_scale=transform.logit_scale,
         final_logit_softcapping=transform.final_logit_softcapping,
-        stats=setup.stats,
+        stats=replay_module.pass_stats(setup.stats, replay, loss),
+        replay=replay,
         inplace=request.inplace,
         chunk_size=_chunk_rows(source, request, setup, kept),
         memory=memory_mode,
@@ -161,6 +179,7 @@ def build_plan(*, source: Source, tensors: TokenTensors, request: Request, optio
     route = Route.LOGPROBS
     if loss:
         route = choose_route(source, inputs, request, options, memory=memory_mode, backend=setup.backend)
+        route = Route.TWO_PHASE if route is Route.FUSED_EPILOGUE and replay is not None else route  # epilogue: V
     return Plan(
         route=route,
         source=source,

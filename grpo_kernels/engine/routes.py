@@ -17,7 +17,7 @@ from torch import Tensor
 
 from grpo_kernels.engine.layout import nan_at_invalid
 from grpo_kernels.engine.plan import Plan, Route
-from grpo_kernels.kernels import function, parallel, parallel_linear
+from grpo_kernels.kernels import function, parallel, parallel_linear, replay
 from grpo_kernels.kernels.backend import CAPABILITIES
 from grpo_kernels.kernels.fused_linear import ChunkLoss, fused_linear_logprobs, fused_linear_token_loss
 from grpo_kernels.kernels.fused_linear_lean import lean_linear_logprobs
@@ -38,7 +38,9 @@ def vocab_pass(plan: Plan) -> dict[str, Tensor]:
     lm_head's kept rows scattered back), logp NaN at unchecked targets outside [0, V)."""
     opts, kept, shard = plan.pass_options, plan.kept, plan.shard
     if kept is None:  # logits in
-        if shard is None:
+        if opts.replay is not None:  # the sampler's support (a vocabulary shard is refused in the plan)
+            out = replay.vocab_pass(plan.rows, plan.targets, plan.mask, opts)
+        elif shard is None:
             out = function.vocab_pass(plan.rows, plan.targets, plan.mask, opts)
         else:
             out = parallel.vocab_pass(plan.rows, plan.targets, plan.mask, opts, shard=shard)
@@ -68,6 +70,7 @@ def two_phase(plan: Plan):
     out = vocab_pass(plan)
     terms = plan.inputs.terms(out["logp"], out.get("entropy"), plan.options)
     output, sequence_losses = compute_loss(terms, plan.options)
+    output.metrics.update(replay_metrics(out, plan.mask))
     return (output, sequence_losses) if plan.return_sequence_losses else output
 
 
@@ -95,7 +98,7 @@ def fused_epilogue(plan: Plan) -> GRPOLossOutput:
 def linear_token_loss(plan: Plan) -> GRPOLossOutput:
     """The fused lm_head with a token-level loss's gradients formed in its forward (3 GEMMs)."""
     inputs, kept, options = plan.inputs, plan.kept, plan.options
-    loss, logp, entropy = fused_linear_token_loss(
+    loss, logp, entropy, stats = fused_linear_token_loss(
         kept.take(plan.rows),
         plan.source.weight,
         plan.source.bias,
@@ -107,7 +110,17 @@ def linear_token_loss(plan: Plan) -> GRPOLossOutput:
     logp = nan_at_invalid(kept.scatter(logp, plan.mask), plan.invalid)
     terms = inputs.terms(logp, kept.scatter(entropy, plan.mask), options)
     loss = loss if plan.invalid is None else function.poisoned(loss, plan.invalid)
-    return GRPOLossOutput(loss, loss_metrics(terms, options))
+    stats = {name: kept.scatter(x, plan.mask) for name, x in stats.items()}
+    return GRPOLossOutput(loss, loss_metrics(terms, options) | replay_metrics(stats, plan.mask))
+
+
+def replay_metrics(stats: dict[str, Tensor], mask: Tensor) -> dict[str, Tensor]:
+    """With sampling replay, the kept tokens' mean log kept mass and the fraction of targets outside the support
+    ("sampling/log_kept_mass", "sampling/outside_support"); nothing without replay."""
+    count = mask.sum().clamp(min=1)
+    return {
+        f"sampling/{name}": (stats[name].float() * mask).sum() / count for name in replay.REPLAY_STATS if name in stats
+    }
 
 
 def token_omega(inputs: LossInputs, options: LossOptions, dtype: torch.dtype) -> Tensor:

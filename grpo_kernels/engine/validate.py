@@ -21,6 +21,7 @@ from grpo_kernels.engine.memory import lean_backends
 from grpo_kernels.engine.sync import check_value, fail_with
 from grpo_kernels.kernels.backend import CAPABILITIES
 from grpo_kernels.kernels.function import TOKEN_STATS
+from grpo_kernels.kernels.replay import REPLAY_STATS
 from grpo_kernels.options import LossOptions
 from grpo_kernels.shown import shown
 
@@ -65,6 +66,8 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str, bool]] = {
     ),
     **dict.fromkeys(("backend", "memory"), (lambda x: isinstance(x, str), "a str", False)),
     "vocab_start": (_int, "an int or None", True),
+    "top_k": (_int, "an int", False),
+    **dict.fromkeys(("top_p", "min_p"), (_number, "a float", False)),
     "stats": (_names, "a sequence of names", False),
     **dict.fromkeys(("process_group", "sequence_group"), (_group, "a torch.distributed.ProcessGroup or None", True)),
 }
@@ -227,13 +230,15 @@ def check_logit_transform(logit_scale: float, final_logit_softcapping: float | N
 
 
 def check_stats(stats: object, backend: str) -> tuple[str, ...]:
-    """The requested extra statistics of the vocabulary pass, as a tuple of distinct known names."""
+    """The requested extra statistics of the vocabulary pass, as a tuple of distinct known names (the replay
+    statistics on every backend)."""
+    names = (*TOKEN_STATS, *REPLAY_STATS)
     if isinstance(stats, str) or not all(isinstance(name, str) for name in stats):
-        raise TypeError(f"stats must be a sequence of names from {TOKEN_STATS}, got {stats!r}")
-    unknown = [name for name in stats if name not in TOKEN_STATS]
+        raise TypeError(f"stats must be a sequence of names from {names}, got {stats!r}")
+    unknown = [name for name in stats if name not in names]
     if unknown:
-        raise ValueError(f"stats must be names from {TOKEN_STATS}, got {unknown}")
-    if stats and not CAPABILITIES[backend].stats:
+        raise ValueError(f"stats must be names from {names}, got {unknown}")
+    if any(name in TOKEN_STATS for name in stats) and not CAPABILITIES[backend].stats:
         stats_backends = tuple(name for name, caps in CAPABILITIES.items() if caps.stats)
         raise ValueError(f"stats are computed by the {stats_backends} backends, not backend={backend!r}")
     return tuple(dict.fromkeys(stats))

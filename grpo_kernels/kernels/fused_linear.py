@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from grpo_kernels.kernels import backend as backends
-from grpo_kernels.kernels import head_precision
+from grpo_kernels.kernels import head_precision, replay
 from grpo_kernels.kernels.function import backend_kernels, checked_rows, nonfinite_rows, not_finite_to_nan, poisoned
 from grpo_kernels.kernels.pass_options import PassOptions
 from grpo_kernels.kernels.protocol import compute_dtype
@@ -105,6 +105,12 @@ def _cat(parts: list[Tensor], like: Tensor, dtype: torch.dtype = torch.float32) 
     return torch.cat(parts) if parts else torch.empty(0, dtype=dtype, device=like.device)
 
 
+def _joined(parts: list[Tensor | None], dim: int) -> Tensor | None:
+    """The chunks' replay state (θ [c, 1], full lse [1, c]) joined along `dim`; None when the chunks have none."""
+    parts = [x for x in parts if x is not None]
+    return torch.cat(parts, dim) if parts else None
+
+
 def _logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, buffer: Tensor, precision: str) -> Tensor:
     """The chunk's logits [1, c, V] for its hidden rows [c, H], written into `buffer` [≥c, V] (weight and bias in
     its dtype, `head_precision.operands`): one buffer serves every chunk (a fresh allocation per chunk pays its page
@@ -167,20 +173,28 @@ class _FusedLinearLogprobsFunction(torch.autograd.Function):
         rows = rows_per_chunk(opts, M)
         masks = _row_masks(rows, row_mask, hidden.device)
         buffer = w.new_empty(rows, V)  # [rows, V]
-        logps, lses, entropies = [], [], []
+        scratch = replay.chunk_scratch(opts, rows, weight)  # replay: the masked chunk, in the compute dtype
+        logps, lses, entropies, thetas, full_lses = [], [], [], [], []
         stats = {name: [] for name in opts.stats}
         for r in _chunks(M, rows):
             backends.count_launch(opts.backend)
             z = _logits(hidden[r], w, b, buffer, opts.head_precision)  # [1, c, V]
-            logp, lse, entropy, chunk_stats = kernels.token_logprobs_fwd(
-                z,
-                targets[None, r],
-                masks(r),
-                opts.temperature,
-                opts.with_entropy,
-                **opts.transform(),
-                stats=opts.stats,
-            )
+            if scratch is None:
+                logp, lse, entropy, chunk_stats = kernels.token_logprobs_fwd(
+                    z,
+                    targets[None, r],
+                    masks(r),
+                    opts.temperature,
+                    opts.with_entropy,
+                    **opts.transform(),
+                    stats=opts.stats,
+                )
+            else:
+                logp, lse, entropy, chunk_stats, state = replay.chunk_forward(
+                    kernels, z, targets[None, r], masks(r), opts, r, scratch
+                )
+                thetas.append(state.window.theta)
+                full_lses.append(state.full_lse)
             logps.append(logp[0])
             lses.append(lse[0])
             if opts.with_entropy:
@@ -190,11 +204,13 @@ class _FusedLinearLogprobsFunction(torch.autograd.Function):
         logp, lse = _cat(logps, hidden), _cat(lses, hidden)  # [M] each
         logp = checked_rows(opts.row_check, lse, logp, row_mask)
         entropy = _cat(entropies, hidden) if opts.with_entropy else logp.new_empty(0)  # [M]
-        stats = [_cat(acc, hidden, torch.bool if name == "is_top1" else torch.float32) for name, acc in stats.items()]
+        bools = ("is_top1", "outside_support")
+        stats = [_cat(acc, hidden, torch.bool if name in bools else torch.float32) for name, acc in stats.items()]
         ctx.mark_non_differentiable(*stats, *([] if opts.with_entropy else [entropy]))  # one call: each replaces
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(hidden, weight, bias, targets, row_mask, lse, entropy)
         ctx.opts, ctx.rows = opts, rows
+        ctx.replayed = (_joined(thetas, 0), _joined(full_lses, 1))  # [M, 1] θ (rule), [1, M] full lse, or None
         return logp, entropy, *stats
 
     @staticmethod
@@ -208,22 +224,26 @@ class _FusedLinearLogprobsFunction(torch.autograd.Function):
         masks = _row_masks(rows, row_mask, hidden.device)
         w, b = head_precision.operands(weight, bias, opts.head_precision)
         buffer = w.new_empty(rows, weight.shape[0])  # [rows, V]
+        scratch = replay.chunk_scratch(opts, rows, weight)
+        thetas, full_lses = ctx.replayed
         for r in _chunks(targets.shape[0], rows):
             backends.count_launch(opts.backend)
             z = _logits(hidden[r], w, b, buffer, opts.head_precision)  # [1, c, V], overwritten by its gradient
-            kernels.token_logprobs_bwd(
-                z,
-                targets[None, r],
-                masks(r),
+            grad_args = (
                 lse[None, r],
                 entropy[None, r] if grad_entropy is not None else None,
                 None if grad_logp is None else grad_logp[None, r],
                 None if grad_entropy is None else grad_entropy[None, r],
-                opts.temperature,
-                z,
-                **opts.transform(),
             )
-            sink.add(r, z[0], hidden[r], weight)
+            if scratch is None:
+                kernels.token_logprobs_bwd(z, targets[None, r], masks(r), *grad_args[:4], opts.temperature, z,
+                                           **opts.transform())  # fmt: skip
+                sink.add(r, z[0], hidden[r], weight)
+                continue
+            theta, full_lse = None if thetas is None else thetas[r], None if full_lses is None else full_lses[:, r]
+            state = replay.chunk_state(z, targets[None, r], opts, r, scratch, theta, full_lse)
+            grad = replay.chunk_grad(kernels, state, z, targets[None, r], masks(r), *grad_args, opts, scratch)
+            sink.add(r, grad, hidden[r], weight)
         return (*sink.result(weight, bias), None, None, None)
 
 
@@ -251,32 +271,33 @@ class _FusedLinearTokenLossFunction(torch.autograd.Function):
         bad = torch.zeros((), dtype=torch.bool, device=hidden.device)  # unchecked: a flagged row
         gradient_sum = torch.zeros_like(loss)  # checked: Σ dL/dlogp + Σ dL/dentropy
         logps, lses, entropies = [], [], []
+        stats = {name: [] for name in opts.stats}  # replay's statistics
         buffer = w.new_empty(rows, V)  # [rows, V]
+        scratch = replay.chunk_scratch(opts, rows, weight)  # replay: the masked chunk, in the compute dtype
         backends.count_launch("fused_linear_token_loss")
         for r in _chunks(M, rows):
             backends.count_launch(opts.backend, 2)
             z = _logits(hidden[r], w, b, buffer, opts.head_precision)  # [1, c, V]
             mask = masks(r)  # [1, c]
-            logp, lse, entropy, _ = kernels.token_logprobs_fwd(
-                z, targets[None, r], mask, opts.temperature, opts.with_entropy, **opts.transform()
-            )
+            if scratch is None:
+                logp, lse, entropy, chunk_stats = kernels.token_logprobs_fwd(
+                    z, targets[None, r], mask, opts.temperature, opts.with_entropy, **opts.transform(), stats=opts.stats
+                )
+            else:
+                logp, lse, entropy, chunk_stats, state = replay.chunk_forward(
+                    kernels, z, targets[None, r], mask, opts, r, scratch
+                )
             share, grad_logp, grad_entropy = chunk_loss(r, logp[0], entropy[0] if opts.with_entropy else None)
             loss += share
             grad_logp = None if grad_logp is None else grad_logp[None]  # [1, c]
             grad_entropy = None if grad_entropy is None else grad_entropy[None]  # [1, c]
-            kernels.token_logprobs_bwd(
-                z,
-                targets[None, r],
-                mask,
-                lse,
-                entropy if grad_entropy is not None else None,
-                grad_logp,
-                grad_entropy,
-                opts.temperature,
-                z,
-                **opts.transform(),
-            )
-            sink.add(r, z[0], hidden[r], weight)
+            grad_args = (lse, entropy if grad_entropy is not None else None, grad_logp, grad_entropy)
+            if scratch is None:
+                kernels.token_logprobs_bwd(z, targets[None, r], mask, *grad_args, opts.temperature, z, **opts.transform())
+                sink.add(r, z[0], hidden[r], weight)
+            else:
+                sink.add(r, replay.chunk_grad(kernels, state, z, targets[None, r], mask, *grad_args, opts, scratch),
+                         hidden[r], weight)  # fmt: skip
             if checked:
                 for grad in (g for g in (grad_logp, grad_entropy) if g is not None):
                     gradient_sum += grad.sum()
@@ -285,14 +306,18 @@ class _FusedLinearTokenLossFunction(torch.autograd.Function):
             logps.append(logp[0])
             lses.append(lse[0])
             entropies.append(entropy[0] if opts.with_entropy else logp.new_empty(0))
+            for name, acc in stats.items():
+                acc.append(chunk_stats[name][0])
         ctx.sink, ctx.weight_like = sink, (weight, bias)
         logp, entropy = _cat(logps, hidden), _cat(entropies, hidden)
         logp = checked_rows(opts.row_check, _cat(lses, hidden), logp, row_mask)
-        ctx.mark_non_differentiable(logp, entropy)
-        return not_finite_to_nan(loss, gradient_sum) if checked else poisoned(loss, bad), logp, entropy
+        bools = ("is_top1", "outside_support")
+        stats = [_cat(acc, hidden, torch.bool if name in bools else torch.float32) for name, acc in stats.items()]
+        ctx.mark_non_differentiable(logp, entropy, *stats)
+        return not_finite_to_nan(loss, gradient_sum) if checked else poisoned(loss, bad), logp, entropy, *stats
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_logp, _grad_entropy):
+    def backward(ctx, grad_loss, _grad_logp, _grad_entropy, *_grad_stats):
         (weight, bias), sink = ctx.weight_like, ctx.sink
         ctx.sink = None
         return (*sink.result(weight, bias, scale=grad_loss), None, None, None, None)
@@ -315,6 +340,9 @@ def named_outputs(opts: PassOptions, logp: Tensor, entropy: Tensor, *stats: Tens
 def fused_linear_token_loss(
     hidden, weight, bias, targets, *, opts: PassOptions, chunk_loss: ChunkLoss, row_mask: Tensor | None = None
 ):
-    """(loss, detached logp [M], detached entropy [M] | None) of a token-level loss, gradients formed in forward."""
-    loss, logp, entropy = _FusedLinearTokenLossFunction.apply(hidden, weight, bias, targets, row_mask, opts, chunk_loss)
-    return loss, logp, (entropy if opts.with_entropy else None)
+    """(loss, detached logp [M], detached entropy [M] | None, {each of `opts.stats`: [M]}) of a token-level loss,
+    gradients formed in forward."""
+    loss, logp, entropy, *stats = _FusedLinearTokenLossFunction.apply(
+        hidden, weight, bias, targets, row_mask, opts, chunk_loss
+    )
+    return loss, logp, (entropy if opts.with_entropy else None), dict(zip(opts.stats, stats, strict=True))

@@ -8,8 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from grpo_kernels.kernels.replay import Replay
 
 RowCheck = Callable[[Tensor, Tensor, Tensor | None], None]  # (lse, logp, kept rows or None) -> raises on a bad row
 
@@ -19,7 +23,8 @@ class PassOptions:
     """A concrete backend; the logit transform z = c·tanh(s·x/c) / temperature (TRL's order); whether to compute
     the entropy and which extra statistics; the check of each kept row's lse / logp (None: unchecked, a bad row's
     logp becomes NaN). Logits in: whether the backward writes into the logits' buffer. Fused lm_head: rows per
-    chunk ("fast"), the memory mode, the lean tile and the logits GEMM's precision."""
+    chunk ("fast"), the memory mode, the lean tile and the logits GEMM's precision. `replay`: the truncated
+    sampler's support to renormalise over."""
 
     backend: str
     temperature: float = 1.0
@@ -33,6 +38,7 @@ class PassOptions:
     memory: str = "fast"  # "fast": row chunks, 3 or 4 GEMMs; "lean": 2-D tiles at the memory floor (fused_linear_lean)
     tile: tuple[int, int] | None = None  # lean: (rows, vocab) per tile; None: from the budget and the dtypes
     head_precision: str = "auto"  # the fused lm_head's logits GEMM precision (kernels/head_precision.py)
+    replay: Replay | None = None  # the sampler's support the pass renormalises over (kernels/replay.py); None: V
 
     def transform(self) -> dict:
         """The backends' keyword arguments for the logit transform."""

@@ -1,0 +1,131 @@
+"""Sampling replay in a call's plan: the sampler's rule (top_k, top_p, min_p) or its kept-token mask, checked and
+turned into the pass's `kernels.replay.Replay`, its kept ids in the order of the rows the pass runs.
+
+`SamplingMask` is vLLM's CSR form of the kept sets (`return_sampling_mask`): position i keeps
+token_ids[offsets[i]:offsets[i + 1]]. The padded form is an int tensor `[B, T, K]` (packed or flat: `[N, K]`) with
+-1 padding. Positions follow the flattened order of the targets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from grpo_kernels.engine.sync import check_value, fail_with
+from grpo_kernels.kernels.replay import REPLAY_STATS, Replay
+from grpo_kernels.options import check_sampling_rule
+
+@dataclass(frozen=True)
+class SamplingMask:
+    """The tokens a sampler kept at each position, in vLLM's CSR form: `token_ids` int [nnz] and `offsets` int
+    [positions + 1] (0 first, nondecreasing, len(token_ids) last); position i keeps
+    token_ids[offsets[i]:offsets[i + 1]], positions in the flattened order of the targets ([B, T], or packed [N])."""
+
+    token_ids: Tensor
+    offsets: Tensor
+
+
+def replay_of(rule, sampling_mask: Any, *, rows: tuple[int, int], vocab: int, device: torch.device,
+              stats: tuple[str, ...], full_entropy: bool, kept, memory: str, tile, sharded: bool) -> Replay | None:  # fmt: skip
+    """The pass's Replay, or None when the call replays nothing and asks for no replay statistic. `rule` holds
+    top_k, top_p, min_p (the Request or the LossOptions), `rows` the pass's [R, C], `kept` the fused lm_head's
+    `KeptRows` (None: logits in); `memory` / `tile` as asked (replay runs "fast" only), `sharded` a vocabulary
+    shard (not replayed)."""
+    check_sampling_rule(rule.top_k, rule.top_p, rule.min_p)
+    truncated = 0 < rule.top_k < vocab or rule.top_p < 1.0 or rule.min_p > 0.0
+    if sampling_mask is not None and (rule.top_k != 0 or rule.top_p != 1.0 or rule.min_p != 0.0):
+        raise ValueError(
+            "sampling_mask gives the kept tokens itself: pass it or the rule options (top_k, top_p, min_p), not both; "
+            f"got top_k={rule.top_k}, top_p={rule.top_p}, min_p={rule.min_p}"
+        )
+    replays = truncated or sampling_mask is not None
+    if not replays and not any(name in REPLAY_STATS for name in stats):
+        return None
+    if replays and kept is not None and (memory == "lean" or tile is not None):
+        raise ValueError(
+            "memory='lean' (and tile) cannot replay a truncated sampler: its 2-D tiles never hold a row's logits "
+            "whole, and the support's threshold needs the row; use memory='fast' or 'auto' (which picks it)"
+        )
+    full_stats = [name for name in stats if name not in REPLAY_STATS]
+    if replays and full_stats:
+        raise ValueError(
+            f"stats {full_stats} describe the whole vocabulary's distribution and do not replay a truncated sampler; "
+            f"with top_k, top_p, min_p or sampling_mask ask for {REPLAY_STATS}"
+        )
+    if replays and sharded:
+        raise ValueError(
+            "sampling replay (top_k, top_p, min_p, sampling_mask) does not run on a vocabulary shard "
+            "(process_group): the support's threshold needs the whole row"
+        )
+    ids = None if sampling_mask is None else kept_ids(sampling_mask, rows, vocab).to(device)  # [R·C, K]
+    if ids is not None and kept is not None:
+        ids = kept.take(ids.view(*rows, -1))  # [M, K]: the fused lm_head's rows
+    top_k = rule.top_k if rule.top_k < vocab else 0
+    return Replay(top_k=top_k, top_p=float(rule.top_p), min_p=float(rule.min_p), kept_ids=ids, full_entropy=full_entropy)
+
+
+def kept_ids(sampling_mask: Any, rows: tuple[int, int], vocab: int) -> Tensor:
+    """The kept ids as [R·C, K] int64 with -1 padding, from a `SamplingMask` or a padded `[R, C, K]` / `[R·C, K]`
+    tensor; ids checked inside [0, V) (one host read)."""
+    positions = rows[0] * rows[1]
+    if isinstance(sampling_mask, SamplingMask):
+        return _from_csr(sampling_mask, positions, vocab)
+    if not isinstance(sampling_mask, Tensor) or sampling_mask.is_floating_point() or sampling_mask.dtype == torch.bool:
+        raise TypeError(
+            "sampling_mask must be a grpo_kernels.SamplingMask or an integer tensor [B, T, K] / [N, K] with -1 "
+            f"padding, got {type(sampling_mask).__name__}"
+            + (f" of {sampling_mask.dtype}" if isinstance(sampling_mask, Tensor) else "")
+        )
+    if sampling_mask.dim() not in (2, 3) or sampling_mask.shape[:-1].numel() != positions:
+        raise ValueError(
+            f"sampling_mask must be [B, T, K] (packed or flat: [N, K]) over the {positions} target positions, got "
+            f"{list(sampling_mask.shape)}"
+        )
+    ids = sampling_mask.reshape(positions, -1).long()
+    check_value(
+        ((ids < -1) | (ids >= vocab)).any(),
+        fail_with(f"sampling_mask ids must lie in [0, V) = [0, {vocab}), with -1 as padding"),
+    )
+    return ids
+
+
+def _from_csr(mask: SamplingMask, positions: int, vocab: int) -> Tensor:
+    """A CSR SamplingMask, checked, as padded ids [positions, K] (K the largest kept set)."""
+    ids, offsets = mask.token_ids, mask.offsets
+    for name, x in (("token_ids", ids), ("offsets", offsets)):
+        if not isinstance(x, Tensor) or x.dim() != 1 or x.is_floating_point() or x.dtype == torch.bool:
+            raise TypeError(f"sampling_mask.{name} must be a 1-D integer tensor, got {_described(x)}")
+    if offsets.shape[0] != positions + 1:
+        raise ValueError(
+            f"sampling_mask.offsets must have positions + 1 = {positions + 1} entries (one per target position, "
+            f"and the end), got {offsets.shape[0]}"
+        )
+    offsets, ids = offsets.long().to(ids.device), ids.long()
+    check_value(
+        (offsets[0] != 0) | (offsets[-1] != ids.shape[0]) | (offsets.diff() < 0).any(),
+        fail_with(f"sampling_mask.offsets must start at 0, never decrease and end at len(token_ids) = {ids.shape[0]}"),
+    )
+    check_value(
+        ((ids < 0) | (ids >= vocab)).any(), fail_with(f"sampling_mask.token_ids must lie in [0, V) = [0, {vocab})")
+    )
+    counts = offsets.diff()  # [positions]
+    width = max(int(counts.max()) if positions else 0, 1)
+    position = torch.repeat_interleave(torch.arange(positions, device=ids.device), counts)  # [nnz]
+    column = torch.arange(ids.shape[0], device=ids.device) - offsets[position]  # [nnz]
+    padded = torch.full((positions, width), -1, dtype=torch.long, device=ids.device)
+    padded[position, column] = ids
+    return padded
+
+
+def _described(x: Any) -> str:
+    return f"{x.dtype} tensor of shape {list(x.shape)}" if isinstance(x, Tensor) else type(x).__name__
+
+
+def pass_stats(stats: tuple[str, ...], replay: Replay | None, loss: bool) -> tuple[str, ...]:
+    """The statistics the pass computes: those asked, and for a replayed loss the replay statistics (its metrics)."""
+    if loss and replay is not None:
+        return tuple(dict.fromkeys((*stats, *REPLAY_STATS)))
+    return stats
