@@ -91,16 +91,18 @@ class TruncatedSampler:
         return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs}
 
 
-def sample_and_score(cls, model_dir: str, config: dict, config_cls=None) -> tuple[dict, TruncatedSampler]:
-    """TRL's `_generate_and_score_completions` of a `cls` trainer on the sampler's batch, as with vLLM and token-level
-    importance sampling (truncated above at TRL's 3); (the logged metrics, the sampler). `config`: GRPOConfig fields;
-    `config_cls`: the config class (default TRL's)."""
+def sample_and_score(drop_in: bool, model_dir: str, config: dict) -> tuple[dict, TruncatedSampler]:
+    """TRL's `_generate_and_score_completions` of stock `trl.GRPOTrainer` (or, `drop_in`, the same trainer switched
+    to the drop-in by `patch` once `use_vllm` is set, as a vLLM run builds it) on the sampler's batch, with
+    token-level importance sampling (truncated above at TRL's 3); (the logged metrics, the sampler). `config`:
+    GRPOConfig fields."""
     import datasets
     import trl
 
+    from grpo_kernels.integrations import trl as grpo_kernels_trl
     from grpo_kernels.integrations import trl_replay
 
-    args = (config_cls or trl.GRPOConfig)(
+    args = trl.GRPOConfig(
         output_dir=str(Path(tempfile.gettempdir()) / "grpo_kernels_trl_replay_bias"),
         per_device_train_batch_size=len(PROMPTS),
         num_generations=2,
@@ -116,10 +118,13 @@ def sample_and_score(cls, model_dir: str, config: dict, config_cls=None) -> tupl
     )
     chars = tokenizer()
     dataset = datasets.Dataset.from_dict({"prompt": PROMPTS})
-    trainer = cls(model_dir, reward_funcs=_length, args=args, train_dataset=dataset, processing_class=chars)
+    trainer = trl.GRPOTrainer(model_dir, reward_funcs=_length, args=args, train_dataset=dataset, processing_class=chars)
     sampler = TruncatedSampler(chars, trl_replay.sampling_rule(trainer.args))
     trainer.rollout_func = sampler
     trainer.use_vllm = trainer.vllm_importance_sampling_correction = True
+    trainer.args.use_vllm = True  # the sampler is vLLM's (its order of min-p, top-k, top-p)
+    if drop_in:
+        grpo_kernels_trl.patch(trainer)
     trainer._last_loaded_step = trainer.state.global_step  # no weight sync: there is no vLLM
     trainer.model.train()  # a training batch (TRL logs under "train")
     trainer._metrics["train"].clear()
@@ -140,15 +145,11 @@ def _length(completions, **kwargs) -> list[float]:
 
 def measure(rules: list[str], model_dir: str) -> list[dict]:
     """Per rule: the mean kept mass and both trainers' ratio statistics (mean, min, max, outside [0.9, 1.1])."""
-    import trl
-
-    from grpo_kernels.integrations import trl as drop_in
-
     rows = []
     for rule in rules:
         row = dict(rule=rule, config=RULES[rule])
-        for name, cls in (("stock", trl.GRPOTrainer), ("drop_in", drop_in.GRPOTrainer)):
-            metrics, sampler = sample_and_score(cls, model_dir, RULES[rule])
+        for name in ("stock", "drop_in"):
+            metrics, sampler = sample_and_score(name == "drop_in", model_dir, RULES[rule])
             row["kept_mass"] = sum(sampler.kept_mass) / len(sampler.kept_mass)
             row["tokens"] = len(sampler.kept_mass)
             for stat in ("mean", "min", "max"):
