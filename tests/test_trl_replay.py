@@ -134,3 +134,18 @@ def test_a_sampler_the_replay_cannot_reproduce_raises(tokenizer, peaked_model, f
     drop-in refuses at construction, naming the option (stock TRL runs them, unreplayed)."""
     with pytest.raises(ValueError, match=match):
         base.build(drop_in.GRPOTrainer, peaked_model, tokenizer, **fields)
+
+
+def test_a_replaying_pass_takes_the_fast_route(monkeypatch, peaked_model, tokenizer):
+    """Where the agreed memory mode is "lean" (little free memory), which cannot replay, a replaying pass runs "fast"
+    (every rank replays the same rule, so they agree); a pass without truncation keeps the agreed mode."""
+    routes = []
+    monkeypatch.setattr(trl_replay, "agreed_memory", lambda weight, mask: routes.append("asked") or "lean")
+    ours = base.build(drop_in.GRPOTrainer, peaked_model, tokenizer, temperature=T_SAMPLE, top_p=0.8, beta=0.04)
+    inputs, ids, attention = _batch(ours)
+    loss, _, _ = base.step(ours, inputs)
+    with torch.no_grad():
+        ours._get_per_token_logps_and_entropies(ours.model, ids, attention, base.T)  # the policy: replayed, fast
+        assert routes == []
+        ours._get_per_token_logps_and_entropies(ours.ref_model, ids, attention, base.T)  # the reference: lean
+    assert routes == ["asked"] and torch.isfinite(loss)

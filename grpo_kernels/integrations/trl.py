@@ -43,7 +43,6 @@ except ImportError as error:  # pragma: no cover - exercised only without TRL
 
 from grpo_kernels.api import fused_linear_grpo_loss, fused_linear_token_logprobs
 from grpo_kernels.integrations import hf, trl_replay, zero3
-from grpo_kernels.integrations.route import agreed_memory
 from grpo_kernels.integrations.trl_precision import GRPOConfig, head_operands, head_precision
 from grpo_kernels.losses.loss import GRPOLossOutput
 from grpo_kernels.options import CLIP_LOSS_TYPES, LossOptions
@@ -92,6 +91,7 @@ class _FusedHead:
         bonus = self._applied_entropy_coef() if self._entropy_bonus_enabled else 0.0
         options = _loss_options(self, inputs, mode, bonus)
         tensors = _loss_tensors(self, inputs)
+        rule = trl_replay.sampling_rule(self.args)
 
         def head(last_hidden: Tensor, lm: LMHead, aux_loss: Tensor | None):
             hidden = last_hidden[:, -num_completion - 1 : -1]  # [B, T, H]: position p predicts token p + 1
@@ -102,7 +102,7 @@ class _FusedHead:
                     weight,
                     completion_ids,
                     mask=mask,
-                    memory=agreed_memory(weight, mask),  # every rank on one route (their collectives must match)
+                    memory=trl_replay.memory_mode(rule, weight, mask),  # one route on every rank
                     bias=bias,
                     with_entropy=True,
                     head_precision=precision,
@@ -150,7 +150,7 @@ class _FusedHead:
                         hidden,
                         weight,
                         ids[:, -logits_to_keep:],
-                        memory=agreed_memory(weight, attention[:, -logits_to_keep:]),
+                        memory=trl_replay.memory_mode(rule, weight, attention[:, -logits_to_keep:]),
                         bias=bias,
                         head_precision=precision,
                         temperature=self.temperature,

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import trl
 from accelerate.utils import is_peft_model
-from torch import nn
+from torch import Tensor, nn
+
+from grpo_kernels.integrations.route import agreed_memory
 
 RULE_OFF = {"top_k": 0, "top_p": 1.0, "min_p": 0.0}  # the project's off values of the three options
 # generate()'s other truncations, with their off values: the replay follows top-k, top-p and min-p only
@@ -63,6 +65,12 @@ def pass_rule(trainer: trl.GRPOTrainer, model: nn.Module) -> dict[str, int | flo
     if is_reference_pass(trainer, model) and not getattr(trainer.args, "replay_reference", False):
         return dict(RULE_OFF)
     return sampling_rule(trainer.args)
+
+
+def memory_mode(rule: dict[str, int | float], weight: Tensor, mask: Tensor) -> str:
+    """The fused head's memory mode: "fast" for a pass that replays a sampler (the lean route cannot: its tiles never
+    hold a row's logits whole; every rank replays the same rule, so they agree), else `agreed_memory`'s choice."""
+    return "fast" if rule != RULE_OFF else agreed_memory(weight, mask)
 
 
 def is_reference_pass(trainer: trl.GRPOTrainer, model: nn.Module) -> bool:
