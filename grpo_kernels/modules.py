@@ -20,8 +20,8 @@ class GRPOLoss(nn.Module):
     preset) plus `backend`, `with_entropy`, `check_finite`, `inplace` (logits form) and `chunk_size`, `memory`,
     `tile`, `head_precision` (fused form: see `fused_linear_token_logprobs`);
     those of the call are the per-batch tensors (`is_ratio`, `token_weights`, `sequence_weights`, `bias`,
-    `cu_seqlens`, `sampling_mask`, ...) and the process groups of a sharded vocabulary or split sequences (`process_group`,
-    `vocab_start`, `sequence_group`).
+    `cu_seqlens`, `sampling_mask`, ...) and the process groups of a sharded vocabulary or split sequences
+    (`process_group`, `vocab_start`, `sequence_group`).
     """
 
     def __init__(

@@ -2,7 +2,8 @@
 
 Deliberate differences from TRL's `GRPOConfig` defaults (`TRL_DEFAULT_DIFFERENCES`; `tests/test_trl_names.py`
 fails when TRL drifts from this list): `max_completion_length` is None here, because the loss never sees the
-generation settings, so `loss_type="dr_grpo"` asks for it instead of assuming TRL's 512.
+generation settings, so `loss_type="dr_grpo"` asks for it instead of assuming TRL's 512; `min_p` is 0.0 (off, as
+vLLM's default) where TRL's off is None.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ _EPSILON_DEFAULT = 0.2
 # TRL 1.16 GRPOConfig defaults this project keeps different on purpose (name -> (ours, TRL's, why)); see the docstring
 TRL_DEFAULT_DIFFERENCES = {
     "max_completion_length": (None, 512, "the loss never sees the generation settings: dr_grpo asks for it"),
+    "min_p": (0.0, None, "off is 0.0, vLLM's SamplingParams default: one type; TRL's None (off) reads as 0.0"),
 }
 CISPO_EPSILON_HIGH = 5.0  # the IS-weight cap CISPO is run with: ScaleRL's ε_max (arXiv:2510.13786), TRL's advice
 _warned: set[str] = set()  # warnings given once per process

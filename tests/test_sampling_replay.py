@@ -155,7 +155,7 @@ def test_all_mass_on_one_token(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_kept_set_with_a_target_outside(backend):
-    logits, V = peaked(), peaked().shape[-1]
+    logits = peaked()
     targets = torch.zeros(logits.shape[:2], dtype=torch.long, device=DEVICE)
     support = torch.zeros(*logits.shape, dtype=torch.bool)
     support[..., 3:6] = True  # target 0 lies outside at every position
@@ -188,7 +188,9 @@ def test_errors_name_the_argument():
     ]
     offsets = torch.zeros(logits.shape[:2].numel() + 1, dtype=torch.long)
     offsets[1], offsets[-1] = 2, 1
-    bad.append(({"sampling_mask": gk.SamplingMask(torch.zeros(1, dtype=torch.long), offsets)}, ValueError, "never decrease"))
+    bad.append(
+        ({"sampling_mask": gk.SamplingMask(torch.zeros(1, dtype=torch.long), offsets)}, ValueError, "never decrease")
+    )
     for kwargs, error, match in bad:
         with pytest.raises(error, match=match):
             call(**kwargs)

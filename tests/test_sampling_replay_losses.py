@@ -29,7 +29,9 @@ def oracle_loss(x, inputs, support, entropy_coef: float = 0.0, full_entropy: boo
     """reference.grpo_loss over the replayed support (its metrics' entropy the support's, or the full one's)."""
     args = {k: inputs[k].cpu() for k in ("targets", "advantages", "old_logp", "ref_logp", "mask")}
     coef = 0.0 if full_entropy else entropy_coef
-    loss, metrics = reference.grpo_loss(masked_logits(x, args["targets"], support), **args, entropy_coef=coef, **options)
+    loss, metrics = reference.grpo_loss(
+        masked_logits(x, args["targets"], support), **args, entropy_coef=coef, **options
+    )
     if full_entropy:  # the bonus on the whole distribution's entropy
         _, entropy = reference.token_logprobs(x, args["targets"], temperature=options["temperature"])
         m = args["mask"].double()
@@ -59,20 +61,19 @@ def test_grpo_loss_matches_oracle(backend, loss_type, layout, form):
     want_loss, want_metrics = oracle_loss(x, inputs, support, **options)
     want_loss.backward()
     want_sampling = sampling_metrics(inputs, support, 0.8)  # before the in-place backward overwrites the logits
-    replay = {"rule": RULES["all"], "csr": {"sampling_mask": csr(support)}, "padded": {}}[form]
-    kept = {"sampling_mask": padded(support).to(DEVICE)} if form == "padded" else {}
+    rule = RULES["all"] if form == "rule" else {}  # loss options
+    kept = {"rule": {}, "csr": {"sampling_mask": csr(support)}, "padded": {"sampling_mask": padded(support).to(DEVICE)}}
+    kept = kept[form]  # a tensor keyword
     args = {k: inputs[k] for k in ("targets", "old_logp", "ref_logp", "mask")}
     logits = inputs["logits"].detach().requires_grad_()
     if layout == "packed":  # every sequence whole: [N, V] rows, [S] advantages
         args = {k: v.reshape(-1) for k, v in args.items()}
-        kept = {k: v.flatten(0, 1) for k, v in kept.items()}
+        kept = {k: v.flatten(0, 1) if isinstance(v, torch.Tensor) else v for k, v in kept.items()}
         cu_seqlens = torch.arange(0, B * T + 1, T, device=DEVICE)
         out = gk.grpo_loss(logits.view(B * T, V), advantages=inputs["advantages"], cu_seqlens=cu_seqlens,
-                           backend=backend, **args, **kept, **options, **replay)  # fmt: skip
+                           backend=backend, **args, **kept, **options, **rule)  # fmt: skip
     else:
-        out = gk.GRPOLoss(backend=backend, **options, **{k: v for k, v in replay.items() if k != "sampling_mask"})(
-            logits, advantages=inputs["advantages"], **args, **kept, **{k: v for k, v in replay.items() if k == "sampling_mask"}
-        )
+        out = gk.GRPOLoss(backend=backend, **options, **rule)(logits, advantages=inputs["advantages"], **args, **kept)
     out.loss.backward()
     assert_close(out.loss, want_loss, torch.float32, "loss")
     assert_close(logits.grad, x.grad, torch.float32, "grad logits")
@@ -109,7 +110,8 @@ def linear_inputs(dtype, seed: int = 0) -> dict:
     targets = torch.randint(0, V, (B, T), generator=g)
     mask = torch.rand(B, T, generator=g) > 0.25
     mask[-1] = False
-    return {k: v.to(DEVICE) for k, v in dict(hidden=hidden, weight=weight, bias=bias, targets=targets, mask=mask).items()}
+    inputs = {"hidden": hidden, "weight": weight, "bias": bias, "targets": targets, "mask": mask}
+    return {k: v.to(DEVICE) for k, v in inputs.items()}
 
 
 def linear_support(inputs, rule, temperature):

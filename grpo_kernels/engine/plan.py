@@ -16,8 +16,8 @@ import torch
 from torch import Tensor
 
 from grpo_kernels.engine import finite, memory, sync, validate
-from grpo_kernels.engine import replay as replay_module
 from grpo_kernels.engine import layout as layout_module
+from grpo_kernels.engine import replay as replay_module
 from grpo_kernels.engine.inputs import LossInputs, NamedRecord, TokenTensors
 from grpo_kernels.engine.layout import KeptRows, Layout, safe_targets
 from grpo_kernels.kernels import parallel

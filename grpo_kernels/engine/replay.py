@@ -15,8 +15,10 @@ import torch
 from torch import Tensor
 
 from grpo_kernels.engine.sync import check_value, fail_with
-from grpo_kernels.kernels.replay import REPLAY_STATS, Replay
+from grpo_kernels.kernels.pass_options import Replay
+from grpo_kernels.kernels.replay import REPLAY_STATS
 from grpo_kernels.options import check_sampling_rule
+
 
 @dataclass(frozen=True)
 class SamplingMask:
@@ -28,8 +30,20 @@ class SamplingMask:
     offsets: Tensor
 
 
-def replay_of(rule, sampling_mask: Any, *, rows: tuple[int, int], vocab: int, device: torch.device,
-              stats: tuple[str, ...], full_entropy: bool, kept, memory: str, tile, sharded: bool) -> Replay | None:  # fmt: skip
+def replay_of(
+    rule,
+    sampling_mask: Any,
+    *,
+    rows: tuple[int, int],
+    vocab: int,
+    device: torch.device,
+    stats: tuple[str, ...],
+    full_entropy: bool,
+    kept,
+    memory: str,
+    tile,
+    sharded: bool,
+) -> Replay | None:
     """The pass's Replay, or None when the call replays nothing and asks for no replay statistic. `rule` holds
     top_k, top_p, min_p (the Request or the LossOptions), `rows` the pass's [R, C], `kept` the fused lm_head's
     `KeptRows` (None: logits in); `memory` / `tile` as asked (replay runs "fast" only), `sharded` a vocabulary
@@ -64,7 +78,9 @@ def replay_of(rule, sampling_mask: Any, *, rows: tuple[int, int], vocab: int, de
     if ids is not None and kept is not None:
         ids = kept.take(ids.view(*rows, -1))  # [M, K]: the fused lm_head's rows
     top_k = rule.top_k if rule.top_k < vocab else 0
-    return Replay(top_k=top_k, top_p=float(rule.top_p), min_p=float(rule.min_p), kept_ids=ids, full_entropy=full_entropy)
+    return Replay(
+        top_k=top_k, top_p=float(rule.top_p), min_p=float(rule.min_p), kept_ids=ids, full_entropy=full_entropy
+    )
 
 
 def kept_ids(sampling_mask: Any, rows: tuple[int, int], vocab: int) -> Tensor:

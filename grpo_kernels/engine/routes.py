@@ -17,11 +17,12 @@ from torch import Tensor
 
 from grpo_kernels.engine.layout import nan_at_invalid
 from grpo_kernels.engine.plan import Plan, Route
-from grpo_kernels.kernels import function, parallel, parallel_linear, replay
+from grpo_kernels.kernels import function, parallel, parallel_linear, replay_logits
 from grpo_kernels.kernels.backend import CAPABILITIES
 from grpo_kernels.kernels.fused_linear import ChunkLoss, fused_linear_logprobs, fused_linear_token_loss
 from grpo_kernels.kernels.fused_linear_lean import lean_linear_logprobs
 from grpo_kernels.kernels.protocol import compute_dtype
+from grpo_kernels.kernels.replay import REPLAY_STATS
 from grpo_kernels.kernels.torch import grpo_loss as grpo_loss_torch
 from grpo_kernels.losses import token_loss
 from grpo_kernels.losses.epilogue import TokenEpilogue, fits_kernel_epilogue
@@ -39,7 +40,7 @@ def vocab_pass(plan: Plan) -> dict[str, Tensor]:
     opts, kept, shard = plan.pass_options, plan.kept, plan.shard
     if kept is None:  # logits in
         if opts.replay is not None:  # the sampler's support (a vocabulary shard is refused in the plan)
-            out = replay.vocab_pass(plan.rows, plan.targets, plan.mask, opts)
+            out = replay_logits.vocab_pass(plan.rows, plan.targets, plan.mask, opts)
         elif shard is None:
             out = function.vocab_pass(plan.rows, plan.targets, plan.mask, opts)
         else:
@@ -119,7 +120,7 @@ def replay_metrics(stats: dict[str, Tensor], mask: Tensor) -> dict[str, Tensor]:
     ("sampling/log_kept_mass", "sampling/outside_support"); nothing without replay."""
     count = mask.sum().clamp(min=1)
     return {
-        f"sampling/{name}": (stats[name].float() * mask).sum() / count for name in replay.REPLAY_STATS if name in stats
+        f"sampling/{name}": (stats[name].float() * mask).sum() / count for name in REPLAY_STATS if name in stats
     }
 
 

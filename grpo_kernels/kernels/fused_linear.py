@@ -293,7 +293,9 @@ class _FusedLinearTokenLossFunction(torch.autograd.Function):
             grad_entropy = None if grad_entropy is None else grad_entropy[None]  # [1, c]
             grad_args = (lse, entropy if grad_entropy is not None else None, grad_logp, grad_entropy)
             if scratch is None:
-                kernels.token_logprobs_bwd(z, targets[None, r], mask, *grad_args, opts.temperature, z, **opts.transform())
+                kernels.token_logprobs_bwd(
+                    z, targets[None, r], mask, *grad_args, opts.temperature, z, **opts.transform()
+                )
                 sink.add(r, z[0], hidden[r], weight)
             else:
                 sink.add(r, replay.chunk_grad(kernels, state, z, targets[None, r], mask, *grad_args, opts, scratch),

@@ -8,14 +8,28 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from grpo_kernels.kernels.replay import Replay
-
 RowCheck = Callable[[Tensor, Tensor, Tensor | None], None]  # (lse, logp, kept rows or None) -> raises on a bad row
+
+
+@dataclass(frozen=True, eq=False)
+class Replay:
+    """The sampler's support to replay: its rule (top_k 0, top_p 1.0, min_p 0.0: off) or its kept ids per row
+    (`kept_ids` [rows, K] int64, -1 padding, rows in the pass's flattened order); `full_entropy`: the entropy of
+    the whole distribution instead of the support's. With every rule off and no ids it only reports: log kept mass
+    0, no target outside."""
+
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    kept_ids: Tensor | None = None
+    full_entropy: bool = False
+
+    def truncates(self, vocab: int) -> bool:
+        """Whether the support can be smaller than the vocabulary."""
+        return self.kept_ids is not None or 0 < self.top_k < vocab or self.top_p < 1.0 or self.min_p > 0.0
 
 
 @dataclass(frozen=True)
