@@ -142,8 +142,8 @@ def test_a_replaying_pass_takes_the_fast_route(monkeypatch, peaked_model, tokeni
     routes = []
     monkeypatch.setattr(trl_replay, "agreed_memory", lambda weight, mask: routes.append("asked") or "lean")
     ours = base.build(drop_in.GRPOTrainer, peaked_model, tokenizer, temperature=T_SAMPLE, top_p=0.8, beta=0.04)
-    inputs, ids, attention = _batch(ours)
-    loss, _, _ = base.step(ours, inputs)
+    _, ids, attention = _batch(ours)
+    loss, _, _ = base.step(ours, base.make_inputs(ours, old=False, ref=True))
     with torch.no_grad():
         ours._get_per_token_logps_and_entropies(ours.model, ids, attention, base.T)  # the policy: replayed, fast
         assert routes == []
