@@ -6,7 +6,8 @@ memory to the plain step of the same run.
     python -m benchmarks.sampling_replay                  # the size's TRL case (CPU: fp32, N 2,048, H 896, V 151,936)
     python -m benchmarks.sampling_replay --size smoke --rounds 1     # a quick check
 
-Cases run in interleaved rounds in one process after a warm-up each (the order reversed every other round), medians;
+Cases run in interleaved rounds in one process after a warm-up each (the order reversed every other round), medians
+of the wall time and of the process's CPU time (all threads; on a shared CPU it moves less than the wall time);
 peak extra memory as the suites take it (CPU: a fresh process per case, VmHWM over VmRSS; CUDA: the allocator's
 peak). Inputs: `benchmarks.cases.inputs` (logits ~ N(0, 1), so top-p 0.9 alone keeps most of the vocabulary and
 top_k bounds the kept set); the kept sets are the 1,024 largest logits of each position. Floor: the plain step.
@@ -76,18 +77,22 @@ def step(case: str, shape, data: dict):
     return run
 
 
-def times(shape, data: dict, rounds: int) -> dict[str, list[float]]:
-    """Seconds per round of every case, interleaved (round -1: the warm-up)."""
+def times(shape, data: dict, rounds: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Wall seconds and CPU seconds (this process's, all threads) per round of every case, interleaved (round -1: the
+    warm-up). On a CPU shared with other work the CPU seconds move less than the wall time."""
     steps = {case: step(case, shape, data) for case in CASES}
-    seconds: dict[str, list[float]] = {case: [] for case in CASES}
+    wall: dict[str, list[float]] = {case: [] for case in CASES}
+    cpu: dict[str, list[float]] = {case: [] for case in CASES}
     for r in range(-1, rounds):
         for case in list(CASES) if r % 2 else list(CASES)[::-1]:
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             steps[case]()
+            seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - start_cpu
             if r >= 0:
-                seconds[case].append(time.perf_counter() - start)
-            print(f"{case} round {r}: {time.perf_counter() - start:.3f} s", flush=True)
-    return seconds
+                wall[case].append(seconds)
+                cpu[case].append(cpu_seconds)
+            print(f"{case} round {r}: {seconds:.3f} s, CPU {cpu_seconds:.3f} s", flush=True)
+    return wall, cpu
 
 
 def peak_extra_bytes(case: str, size: str, shape, data: dict) -> int:
@@ -104,13 +109,14 @@ def summary(result: dict) -> str:
     lines = [
         f"{result['shape']} on {result['device']}, torch {result['torch']}, {result['rounds']} interleaved rounds",
         "",
-        "| case | median time | × plain | peak extra memory | × plain |",
-        "|---|---|---|---|---|",
+        "| case | median time | × plain | median CPU time | × plain | peak extra memory | × plain |",
+        "|---|---|---|---|---|---|---|",
     ]
     for case, r in result["cases"].items():
         lines.append(
-            f"| {case} | {r['median_s']:.3f} s | {r['median_s'] / plain['median_s']:.2f}× | "
-            f"{r['peak_extra_bytes'] / 2**20:,.0f} MiB | {r['peak_extra_bytes'] / plain['peak_extra_bytes']:.2f}× |"
+            f"| {case} | {r['median_s']:.3f} s | {r['median_s'] / plain['median_s']:.2f}× | {r['median_cpu_s']:.3f} s "
+            f"| {r['median_cpu_s'] / plain['median_cpu_s']:.2f}× | {r['peak_extra_bytes'] / 2**20:,.0f} MiB | "
+            f"{r['peak_extra_bytes'] / plain['peak_extra_bytes']:.2f}× |"
         )
     nv = result["N"] * result["V"] * 4
     lines += ["", f"One [N, V] float32 buffer: {nv / 2**20:,.0f} MiB."]
@@ -131,12 +137,14 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
     device = torch.cuda.get_device_name() if cases.device().type == "cuda" else "cpu"
     result = dict(shape=shape.name, N=shape.N, V=shape.V, device=device, torch=torch.__version__, rounds=args.rounds)
-    seconds = times(shape, data, args.rounds)
+    wall, cpu = times(shape, data, args.rounds)
     result["cases"] = {
         case: dict(
             replay=dict(CASES[case]),
-            seconds=seconds[case],
-            median_s=statistics.median(seconds[case]),
+            seconds=wall[case],
+            median_s=statistics.median(wall[case]),
+            cpu_seconds=cpu[case],
+            median_cpu_s=statistics.median(cpu[case]),
             peak_extra_bytes=peak_extra_bytes(case, args.size, shape, data),
         )
         for case in CASES
