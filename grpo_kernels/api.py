@@ -74,7 +74,9 @@ def token_logprobs(
     inside the support and 0 outside (the support held fixed). A target outside the support is counted as kept
     and flagged. `stats` may ask for `"log_kept_mass"` (log S = lse_support − lse_full, ≤ 0; 0 without
     truncation and at masked rows) and `"outside_support"` (bool: the target lay outside and was counted as kept),
-    on every backend. Not with `process_group`.
+    on every backend. On vocabulary shards (`process_group`) the rule's thresholds are merged over the ranks
+    (min-p: the row's max; top-k: each shard's k largest logits all-gathered, R·k floats a row; top-p walks those
+    candidates, so it needs 1 <= top_k <= 1024 there) and kept ids are split by shard.
     """
     args = dict(locals())  # the call's arguments as one record (whole across a torch.compile graph break)
     check_argument_types(args)

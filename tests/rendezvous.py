@@ -8,6 +8,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 
 @contextmanager
@@ -20,3 +21,20 @@ def rendezvous() -> Iterator[str]:
 def join(rank: int, world: int, store: str) -> None:
     """Join the `world` gloo ranks that meet at `store`."""
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+
+
+def spawn_ranks(worker, world: int, *args, timeout: float = 600) -> None:
+    """Run `worker(rank, store, queue, *args)` on `world` spawned gloo ranks; each puts (rank, None) on the queue,
+    or (rank, its traceback), and a failure on any rank fails the caller with every rank's report."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with rendezvous() as store:
+        procs = [ctx.Process(target=worker, args=(r, store, queue, *args)) for r in range(world)]
+        for p in procs:
+            p.start()
+        reports = [queue.get(timeout=timeout) for _ in procs]
+        for p in procs:
+            p.join(timeout=60)
+    failures = [f"rank {rank}:\n{error}" for rank, error in sorted(reports) if error is not None]
+    assert not failures, "\n".join(failures)
+    assert all(p.exitcode == 0 for p in procs)

@@ -35,6 +35,8 @@ def check_replay(logits, targets, mask, backend, dtype, *, support, inplace=True
     assert torch.equal(got["outside_support"].cpu(), want["outside_support"] & mask.cpu()), "outside flags"
     assert (got["log_kept_mass"] <= 0).all()
     assert_close(logits.grad, want["x"].grad, dtype, "grad logits")
+    if inplace:
+        assert torch.equal(logits.detach(), logits.grad), "the in-place backward leaves the gradient in the logits"
     return got
 
 
@@ -121,6 +123,12 @@ def test_ties_at_the_kth_logit_are_all_kept(backend):
     assert got["outside_support"].sum() == 1 and got["outside_support"][0, 0]
     kept = torch.tensor([5.0, 4.0, 3.0, 3.0, 3.0]).logsumexp(0)
     assert_close(got["logp"][0, 1], 3.0 - kept, torch.float32, "a tied target's logp")
+    # top-p after top-k renormalises over every tied token: with the ties 0.65 of the mass leads, without them 0.88
+    logits = torch.full_like(logits.detach(), -5.0)
+    logits[..., :6] = torch.tensor([2.0, 0.0, 0.0, 0.0, 0.0, -1.0])
+    support = support_of(logits, {"top_k": 2, "top_p": 0.7})
+    assert (support.sum(-1) == 5).all()
+    check_replay(logits, targets, mask, backend, torch.float32, support=support, top_k=2, top_p=0.7)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -198,3 +206,44 @@ def test_errors_name_the_argument():
         gk.LossOptions(top_p=0.0)
     with pytest.raises(ValueError, match="replay_entropy must be one of"):
         gk.LossOptions(replay_entropy="all")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_and_fully_masked_inputs(backend):
+    """B = 0, and every token masked: zeros and zero gradients, under rule and kept-set replay, logits and lm_head."""
+    for B in (0, 2):
+        logits = torch.randn(B, 3, 11, device=DEVICE, requires_grad=True)
+        targets = torch.zeros(B, 3, dtype=torch.long, device=DEVICE)
+        mask = torch.zeros(B, 3, dtype=torch.bool, device=DEVICE)
+        ids = torch.full((B, 3, 2), -1, device=DEVICE)
+        for replay in ({"top_k": 2, "top_p": 0.5}, {"sampling_mask": ids}):
+            out = gk.token_logprobs(logits, targets, mask=mask, stats=STATS, backend=backend, inplace=False, **replay)
+            out["logp"].sum().backward()
+            assert not out["logp"].any() and not out["log_kept_mass"].any() and not logits.grad.any()
+            hidden, weight = torch.randn(B, 3, 4, device=DEVICE), torch.randn(11, 4, device=DEVICE)
+            logp = gk.fused_linear_token_logprobs(hidden, weight, targets, mask=mask, backend=backend, **replay)
+            assert logp.shape == (B, 3) and not logp.any()
+
+
+GPU_BACKENDS = tuple(b for b in BACKENDS if b != "torch")  # triton, and cuda where the extension is built
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+def test_gpu_backends_replay_a_vocabulary_wider_than_a_block(dtype):
+    """The GPU plan's check: triton and cuda replay V = 5,003 (wider than a kernel block) on the GPU, logits and the
+    fused lm_head, against the oracle."""
+    case = Case("multi_block_vocab", temperature=0.7)
+    for backend in GPU_BACKENDS:
+        inputs = make_inputs(case, dtype, DEVICE)
+        support = support_of(inputs["logits"], RULES["all"], temperature=0.7)
+        check_replay(inputs["logits"], inputs["targets"], inputs["mask"], backend, dtype, support=support,
+                     temperature=0.7, **RULES["all"])  # fmt: skip
+        hidden = torch.randn(16, 64, device=DEVICE)  # float32: the same logits in both GEMMs, so the same support
+        weight = torch.randn(case.V, 64, device=DEVICE) / 4
+        targets = torch.randint(0, case.V, (16,), device=DEVICE)
+        got = gk.fused_linear_token_logprobs(hidden, weight, targets, backend=backend, **RULES["all"])
+        logits = torch.nn.functional.linear(hidden, weight)
+        want = gk.token_logprobs(logits, targets, backend="torch", **RULES["all"])
+        assert_close(got, want, torch.float32, f"{backend} fused lm_head")

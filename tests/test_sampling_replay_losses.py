@@ -189,6 +189,32 @@ def test_fused_linear_grpo_loss_matches_oracle(backend, form, replay_entropy, la
     assert_close(out.metrics["sampling/log_kept_mass"], want["log_kept_mass"][m].mean(), torch.float32, "kept mass")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fused_linear_packed_equals_padded(backend):
+    """The packed layout ([N, H] rows, cu_seqlens, [N, K] kept ids) gives the padded layout's loss and gradients."""
+    inputs = linear_inputs(torch.float32)
+    inputs["mask"][:] = True
+    support = linear_support(inputs, RULES["all"], 0.8)
+    ids = padded(support).to(DEVICE)
+    g = torch.Generator().manual_seed(1)
+    side = {"advantages": torch.randn(B, generator=g).to(DEVICE), "old_logp": torch.full((B, T), -2.0, device=DEVICE)}
+    side["ref_logp"] = side["old_logp"] - 0.3
+    results = []
+    for packed in (False, True):
+        leaves = {k: inputs[k].detach().clone().requires_grad_() for k in ("hidden", "weight", "bias")}
+        flat = (lambda x: x.flatten(0, 1)) if packed else (lambda x: x)  # noqa: E731
+        extra = {"cu_seqlens": torch.arange(0, B * T + 1, T, device=DEVICE)} if packed else {}
+        out = gk.fused_linear_grpo_loss(
+            flat(leaves["hidden"]), leaves["weight"], flat(inputs["targets"]), side["advantages"],
+            flat(side["old_logp"]), flat(side["ref_logp"]), bias=leaves["bias"], sampling_mask=flat(ids),
+            chunk_size=CHUNK, backend=backend, **extra, **OPTIONS,
+        )  # fmt: skip
+        out.loss.backward()
+        results.append((out.loss, *(leaves[k].grad for k in ("hidden", "weight", "bias"))))
+    for name, a, b in zip(("loss", "dH", "dW", "db"), *results, strict=True):
+        assert_close(a, b, torch.float32, f"packed {name}")
+
+
 def test_lean_memory_is_refused_and_auto_runs_fast():
     inputs = linear_inputs(torch.float32)
     args = (inputs["hidden"], inputs["weight"], inputs["targets"])

@@ -10,13 +10,12 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import grpo_kernels as gk
 from grpo_kernels.integrations import verl as gk_verl
 from grpo_kernels.kernels import parallel
 from tests.conftest import assert_close
-from tests.rendezvous import join, rendezvous
+from tests.rendezvous import join, spawn_ranks
 
 F32 = torch.float32
 V, H, B, T = 37, 8, 3, 5  # V divisible by neither 2 nor 4
@@ -286,7 +285,7 @@ def _check_sequence_split(world, rank):
         assert_close(d_weight, d_full[1], F32, f"{name} split fused dW summed")
 
 
-def _worker(rank: int, world: int, store: str, checks: tuple[str, ...], references: dict, queue) -> None:
+def _worker(rank: int, store: str, queue, world: int, checks: tuple[str, ...], references: dict) -> None:
     join(rank, world, store)
     sent: list[int] = []
     try:
@@ -329,18 +328,7 @@ def _with_byte_count(sent: list[int], fn) -> None:
 
 
 def _spawn(world: int, checks: tuple[str, ...], references: dict) -> None:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with rendezvous() as store:
-        procs = [ctx.Process(target=_worker, args=(r, world, store, checks, references, queue)) for r in range(world)]
-        for p in procs:
-            p.start()
-        reports = [queue.get(timeout=600) for _ in procs]
-        for p in procs:
-            p.join(timeout=60)
-    failures = [f"rank {rank}:\n{error}" for rank, error in sorted(reports) if error is not None]
-    assert not failures, "\n".join(failures)
-    assert all(p.exitcode == 0 for p in procs)
+    spawn_ranks(_worker, world, world, checks, references)
 
 
 @pytest.fixture(scope="module")

@@ -16,17 +16,20 @@ CPU_CHUNK_ROWS = 512
 CPU_CHUNK_BYTES = 1 << 28  # at most 256 MiB of logits per chunk
 
 
-def chunk_rows(num_rows: int, vocab: int, hidden: int, device: torch.device, chunk_size: int | None, dtype) -> int:
+def chunk_rows(
+    num_rows: int, vocab: int, hidden: int, device: torch.device, chunk_size: int | None, dtype, replay: bool = False
+) -> int:
     """Rows per chunk: `chunk_size`, else what a chunk's logits [rows, V] and hidden rows [rows, H] in `dtype`
-    (plus their float32 copies where `gemm_mode` upcasts) take of a memory budget (CUDA: a quarter of free memory,
-    at most 1 GiB, and 1 GiB inside a graph capture; CPU: 256 MiB and at most 512 rows), at least 1 and at most
-    `num_rows`."""
+    (plus their float32 copies where `gemm_mode` upcasts; on CUDA with sampling `replay` two float32 scratch
+    chunks) take of a memory budget (CUDA: a quarter of free memory, at most 1 GiB, and 1 GiB inside a graph
+    capture; CPU: 256 MiB and at most 512 rows, a budget for the GEMMs' speed rather than for memory), at least 1
+    and at most `num_rows`."""
     if chunk_size is not None:
         return max(1, min(chunk_size, num_rows))
     itemsize = dtype.itemsize
     if fused_linear.gemm_mode(device) == "upcast" and itemsize < 4:
         itemsize += 4
-    row_bytes = itemsize * (vocab + hidden)
+    row_bytes = itemsize * (vocab + hidden) + (8 * vocab if replay and device.type == "cuda" else 0)
     if device.type == "cuda":  # inside a CUDA graph capture the free memory is not asked: the 1 GiB cap
         free = 1 << 32 if torch.cuda.is_current_stream_capturing() else torch.cuda.mem_get_info(device)[0]
         rows = min(free // 4, 1 << 30) // row_bytes

@@ -164,7 +164,7 @@ def build_plan(*, source: Source, tensors: TokenTensors, request: Request, optio
         stats=replay_module.pass_stats(setup.stats, replay, loss),
         replay=replay,
         inplace=request.inplace,
-        chunk_size=_chunk_rows(source, request, setup, kept),
+        chunk_size=_chunk_rows(source, request, setup, kept, replay is not None),
         memory=memory_mode,
         tile=setup.tile,
         head_precision=request.head_precision,
@@ -279,7 +279,7 @@ def _memory_mode(source: Source, request: Request, setup: _Setup, kept: KeptRows
     return memory.resolve_memory(request.memory, setup.backend, rows, source.weight, request.chunk_size, setup.tile)
 
 
-def _chunk_rows(source: Source, request: Request, setup: _Setup, kept: KeptRows | None) -> int | None:
+def _chunk_rows(source: Source, request: Request, setup: _Setup, kept: KeptRows | None, replay: bool) -> int | None:
     """The fused lm_head's rows per chunk ("fast" memory: `memory.chunk_rows`), sized in the logits GEMM's dtype (a
     vocabulary shard's: the weight's). Logits in: the request's (unused)."""
     if kept is None:
@@ -287,4 +287,4 @@ def _chunk_rows(source: Source, request: Request, setup: _Setup, kept: KeptRows 
     weight = source.weight
     dtype = weight.dtype if setup.shard is not None else logits_dtype(request.head_precision, weight.dtype)
     rows = kept.index[0].shape[0]
-    return memory.chunk_rows(rows, weight.shape[0], weight.shape[1], weight.device, request.chunk_size, dtype)
+    return memory.chunk_rows(rows, weight.shape[0], weight.shape[1], weight.device, request.chunk_size, dtype, replay)

@@ -47,7 +47,7 @@ def replay_of(
     """The pass's Replay, or None when the call replays nothing and asks for no replay statistic. `rule` holds
     top_k, top_p, min_p (the Request or the LossOptions), `rows` the pass's [R, C], `kept` the fused lm_head's
     `KeptRows` (None: logits in); `memory` / `tile` as asked (replay runs "fast" only), `sharded` a vocabulary
-    shard (not replayed)."""
+    shard (`check_shard_rule`)."""
     check_sampling_rule(rule.top_k, rule.top_p, rule.min_p)
     truncated = 0 < rule.top_k < vocab or rule.top_p < 1.0 or rule.min_p > 0.0
     if sampling_mask is not None and (rule.top_k != 0 or rule.top_p != 1.0 or rule.min_p != 0.0):
@@ -70,17 +70,32 @@ def replay_of(
             f"with top_k, top_p, min_p or sampling_mask ask for {REPLAY_STATS}"
         )
     if replays and sharded:
-        raise ValueError(
-            "sampling replay (top_k, top_p, min_p, sampling_mask) does not run on a vocabulary shard "
-            "(process_group): the support's threshold needs the whole row"
-        )
+        check_shard_rule(rule.top_k, rule.top_p, vocab)
+        if full_entropy and kept is not None:
+            raise ValueError(
+                "replay_entropy='full' does not run on the fused lm_head's vocabulary shards (process_group): use "
+                "replay_entropy='support', or logits in"
+            )
     ids = None if sampling_mask is None else kept_ids(sampling_mask, rows, vocab).to(device)  # [R·C, K]
     if ids is not None and kept is not None:
-        ids = kept.take(ids.view(*rows, -1))  # [M, K]: the fused lm_head's rows
+        ids = kept.take(ids.view(*rows, ids.shape[-1]))  # [M, K]: the fused lm_head's rows
     top_k = rule.top_k if rule.top_k < vocab else 0
     return Replay(
         top_k=top_k, top_p=float(rule.top_p), min_p=float(rule.min_p), kept_ids=ids, full_entropy=full_entropy
     )
+
+
+SHARD_TOP_K = 1024  # top_p on vocabulary shards: the largest top_k whose candidates the shards all-gather
+
+
+def check_shard_rule(top_k: int, top_p: float, vocab: int) -> None:
+    """top_p on vocabulary shards walks the merged candidates of top-k: it needs 1 <= top_k <= SHARD_TOP_K (each
+    rank sends R·top_k floats per row; prime-rl bounds it at 512)."""
+    if top_p < 1.0 and not 0 < top_k <= min(SHARD_TOP_K, vocab - 1):
+        raise ValueError(
+            f"top_p={top_p} on vocabulary shards (process_group) needs top_k in [1, {SHARD_TOP_K}]: the shards merge "
+            f"their top-k candidates and top-p walks them; got top_k={top_k}"
+        )
 
 
 def kept_ids(sampling_mask: Any, rows: tuple[int, int], vocab: int) -> Tensor:
@@ -100,7 +115,7 @@ def kept_ids(sampling_mask: Any, rows: tuple[int, int], vocab: int) -> Tensor:
             f"sampling_mask must be [B, T, K] (packed or flat: [N, K]) over the {positions} target positions, got "
             f"{list(sampling_mask.shape)}"
         )
-    ids = sampling_mask.reshape(positions, -1).long()
+    ids = sampling_mask.reshape(positions, sampling_mask.shape[-1]).long()
     check_value(
         ((ids < -1) | (ids >= vocab)).any(),
         fail_with(f"sampling_mask ids must lie in [0, V) = [0, {vocab}), with -1 as padding"),

@@ -39,8 +39,8 @@ def vocab_pass(plan: Plan) -> dict[str, Tensor]:
     lm_head's kept rows scattered back), logp NaN at unchecked targets outside [0, V)."""
     opts, kept, shard = plan.pass_options, plan.kept, plan.shard
     if kept is None:  # logits in
-        if opts.replay is not None:  # the sampler's support (a vocabulary shard is refused in the plan)
-            out = replay_logits.vocab_pass(plan.rows, plan.targets, plan.mask, opts)
+        if opts.replay is not None:  # the sampler's support
+            out = replay_logits.vocab_pass(plan.rows, plan.targets, plan.mask, opts, shard)
         elif shard is None:
             out = function.vocab_pass(plan.rows, plan.targets, plan.mask, opts)
         else:
@@ -118,10 +118,11 @@ def linear_token_loss(plan: Plan) -> GRPOLossOutput:
 def replay_metrics(stats: dict[str, Tensor], mask: Tensor) -> dict[str, Tensor]:
     """With sampling replay, the kept tokens' mean log kept mass and the fraction of targets outside the support
     ("sampling/log_kept_mass", "sampling/outside_support"); nothing without replay."""
+    names = [name for name in REPLAY_STATS if name in stats]
+    if not names:  # no op without replay: at small shapes ops are the host time
+        return {}
     count = mask.sum().clamp(min=1)
-    return {
-        f"sampling/{name}": (stats[name].float() * mask).sum() / count for name in REPLAY_STATS if name in stats
-    }
+    return {f"sampling/{name}": (stats[name].float() * mask).sum() / count for name in names}
 
 
 def token_omega(inputs: LossInputs, options: LossOptions, dtype: torch.dtype) -> Tensor:

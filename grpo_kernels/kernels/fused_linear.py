@@ -10,7 +10,9 @@ input dtype (tensor cores) with float32 accumulation (`gemm_mode`). Two Function
   log-probs are, so the gradients are formed in the forward from the logits still in memory and the backward only
   scales them: 3 GEMMs, the floor.
 `PassOptions.head_precision` sets the logits GEMM's dtype (`head_precision.py`); the gradient GEMMs stay in
-the weight's.
+the weight's. With sampling replay (`PassOptions.replay`) each chunk's logits are copied into a compute-dtype
+scratch chunk and masked to the sampler's support before the pass and the in-forward gradient (`replay.py`); the
+backward of the 4-GEMM Function masks them again from each row's saved threshold.
 """
 
 from __future__ import annotations

@@ -19,7 +19,9 @@ Bytes communicated per call, R ranks, n rows of the pass (B·T for logits, the k
 float32 statistics, e = 1 with entropy (else 0):
   16·R (all-gather of each shard's (start, size), int64)  +  4·(3 + e)·n  forward
   + H·itemsize(hidden)·n  backward of the fused lm_head (the dH all-reduce; none for logits in).
-Nothing of size [N, V] or [V, H] crosses ranks.
+Nothing of size [N, V] or [V, H] crosses ranks. Sampling replay adds, per row, 4 bytes for min-p's max, 4·R·top_k
+for top-k's candidates, 4 for top-p's kept mass, and 4 + 4 + 4 to merge the full lse and the outside flags
+(`merge_replay`, when those statistics are asked).
 """
 
 from __future__ import annotations
@@ -91,8 +93,11 @@ def vocab_shard(process_group: Any, local_size: int, vocab_start: int | None, st
         if vocab_start is not None:
             raise ValueError(f"vocab_start={vocab_start} needs a process_group (the vocabulary's shards)")
         return None
-    if stats:
-        raise ValueError(f"stats {stats} are not merged across vocabulary shards: pass stats=() with process_group")
+    merged = ("log_kept_mass", "outside_support")  # the replay statistics (`kernels.replay`)
+    if any(name not in merged for name in stats):
+        raise ValueError(
+            f"stats {stats} are not merged across vocabulary shards: with process_group pass stats=() or {merged}"
+        )
     if vocab_start is not None and vocab_start < 0:
         raise ValueError(f"vocab_start must be >= 0, got {vocab_start}")
     world, rank = dist.get_world_size(process_group), dist.get_rank(process_group)
@@ -140,6 +145,27 @@ def merge_stats(
     entropy = None if entropy_r is None else sums[2] / sums[0] + torch.log(sums[0])
     zero = lambda x: None if x is None else x.masked_fill(~mask, 0.0)  # noqa: E731
     return zero(lse), zero(logp), zero(entropy)
+
+
+def merged_lse(lse_r: Tensor, group: Any) -> Tensor:
+    """The whole row's log-sum-exp from each shard's [n] (max, then sum: two all-reduces)."""
+    m = _all_reduce(lse_r.clone(), group, dist.ReduceOp.MAX)
+    m = torch.where(torch.isfinite(m), m, 0.0)
+    return m + torch.log(_all_reduce(torch.exp(lse_r - m), group))
+
+
+def merge_replay(found: dict[str, Tensor], owned: Tensor, mask: Tensor, opts, group: Any, rows) -> tuple:
+    """A replayed pass's per-shard statistics [n] ("logp", "lse" of the shard's kept columns, "entropy",
+    "lse_full" of all its columns, "outside" on the owner) merged: (lse, logp, entropy or None, {each replay
+    statistic of `opts.stats`}); `rows` the pass's `replay.RowReduce` (its whole vocabulary)."""
+    lse, logp, entropy = merge_stats(found["lse"], found["logp"], found.get("entropy"), owned, mask, group)
+    stats = {}
+    if "log_kept_mass" in opts.stats:
+        kept = (lse - merged_lse(found["lse_full"].float(), group)).clamp_(max=0.0).masked_fill_(~mask, 0.0)
+        stats["log_kept_mass"] = kept if opts.replay.truncates(rows.vocab) else torch.zeros_like(kept)
+    if "outside_support" in opts.stats:
+        stats["outside_support"] = _all_reduce(found["outside"].int(), group, dist.ReduceOp.MAX).bool() & mask
+    return lse, logp, entropy, stats
 
 
 def onehot_slope(x: Tensor, temperature: float, logit_scale: float, softcap: float | None) -> Tensor:

@@ -17,9 +17,16 @@ from grpo_kernels.kernels import backend as backends
 from grpo_kernels.kernels import head_precision
 from grpo_kernels.kernels.function import backend_kernels, checked_rows
 from grpo_kernels.kernels.fused_linear import accumulate, gemm_mode, rows_per_chunk
-from grpo_kernels.kernels.parallel import VocabShard, merge_stats, reduce_hidden_grad, remove_foreign_onehot
+from grpo_kernels.kernels.parallel import (
+    VocabShard,
+    merge_replay,
+    merge_stats,
+    reduce_hidden_grad,
+    remove_foreign_onehot,
+)
 from grpo_kernels.kernels.pass_options import PassOptions
 from grpo_kernels.kernels.protocol import compute_dtype
+from grpo_kernels.kernels.replay import RowReduce, Scratch, masked_window, row_ids, window_forward, window_grad_
 
 
 def _chunk_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, buffer: Tensor, precision: str) -> Tensor:
@@ -46,29 +53,46 @@ class _ParallelFusedLinearFunction(torch.autograd.Function):
         rows, chunks = _row_chunks(hidden, weight, opts)
         w, b = head_precision.operands(weight, bias, opts.head_precision)
         buffer = w.new_empty(rows, weight.shape[0])  # [rows, V_r]
-        logp_r, lse_r = hidden.new_zeros(M, dtype=torch.float32), hidden.new_zeros(M, dtype=torch.float32)
-        entropy_r = hidden.new_zeros(M, dtype=torch.float32) if opts.with_entropy else None
+        found = {name: hidden.new_zeros(M, dtype=torch.float32) for name in ("logp", "lse", "lse_full")}  # [M] each
+        if opts.with_entropy:
+            found["entropy"] = hidden.new_zeros(M, dtype=torch.float32)
+        found["outside"] = torch.zeros(M, dtype=torch.bool, device=hidden.device)
+        replayed = _Replayed(opts, shard, rows, weight)
         for r in chunks:
             backends.count_launch(opts.backend)
             z = _chunk_logits(hidden[r], w, b, buffer, opts.head_precision)  # [1, c, V_r]
-            logp, lse, entropy, _ = kernels.token_logprobs_fwd(
-                z, local[None, r], mask[None, r], opts.temperature, opts.with_entropy, **opts.transform()
+            if replayed.scratch is None:
+                logp, lse, entropy, _ = kernels.token_logprobs_fwd(
+                    z, local[None, r], mask[None, r], opts.temperature, opts.with_entropy, **opts.transform()
+                )
+                logp, lse, entropy = logp[0], lse[0], None if entropy is None else entropy[0]
+            else:
+                window = replayed.window(z[0], r, local, owned, None)
+                logp, lse, entropy, _ = window_forward(kernels, window, local[r], mask[r], opts.with_entropy, ())
+                found["lse_full"][r], found["outside"][r] = window.lse_full, window.outside
+                replayed.keep(window)
+            found["logp"][r], found["lse"][r] = logp, lse
+            if opts.with_entropy:
+                found["entropy"][r] = entropy
+        stats = {}
+        if replayed.scratch is None:
+            lse, logp, entropy = merge_stats(
+                found["lse"], found["logp"], found.get("entropy"), owned, mask, shard.group
             )
-            logp_r[r], lse_r[r] = logp[0], lse[0]
-            if entropy_r is not None:
-                entropy_r[r] = entropy[0]
-        lse, logp, entropy = merge_stats(lse_r, logp_r, entropy_r, owned, mask, shard.group)  # [M] each
+        else:
+            lse, logp, entropy, stats = merge_replay(found, owned, mask, opts, shard.group, replayed.reduce)
         logp = checked_rows(opts.row_check, lse, logp, row_mask)
         entropy = logp.new_empty(0) if entropy is None else entropy
-        if not opts.with_entropy:
-            ctx.mark_non_differentiable(entropy)
+        stats = [stats[name] for name in opts.stats]
+        ctx.mark_non_differentiable(*stats, *([] if opts.with_entropy else [entropy]))
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(hidden, weight, bias, local, owned, mask, lse, entropy)
+        ctx.replayed = replayed.saved()
         ctx.opts, ctx.shard, ctx.reduce_hidden_grad = opts, shard, reduce_hidden_grad
-        return logp, entropy
+        return logp, entropy, *stats
 
     @staticmethod
-    def backward(ctx, grad_logp, grad_entropy):
+    def backward(ctx, grad_logp, grad_entropy, *_grad_stats):
         hidden, weight, bias, local, owned, mask, lse, entropy = ctx.saved_tensors
         opts: PassOptions = ctx.opts
         kernels = backend_kernels(opts.backend)
@@ -84,23 +108,34 @@ class _ParallelFusedLinearFunction(torch.autograd.Function):
         w, b = head_precision.operands(weight, bias, opts.head_precision)
         buffer = w.new_empty(rows, weight.shape[0])  # [rows, V_r]
         pick = lambda x, r: None if x is None else x[None, r]  # noqa: E731  [1, c]
+        replayed = _Replayed(opts, ctx.shard, rows, weight, ctx.replayed)
         for r in chunks:
             backends.count_launch(opts.backend)
             z = _chunk_logits(hidden[r], w, b, buffer, opts.head_precision)  # [1, c, V_r], overwritten by its gradient
-            x0 = z[..., 0].clone()  # [1, c]
-            kernels.token_logprobs_bwd(
-                z,
-                local[None, r],
-                mask[None, r],
-                lse[None, r],
-                pick(entropy if grad_entropy is not None else None, r),
-                pick(grad_logp, r),
-                pick(grad_entropy, r),
-                opts.temperature,
-                z,
-                **opts.transform(),
-            )
-            remove_foreign_onehot(z, x0, pick(owned | ~mask, r), pick(grad_logp, r), opts)
+            if replayed.scratch is not None:
+                window = replayed.window(z[0], r, local, owned, replayed.theta(r), forward=False)
+                foreign = None if grad_logp is None else torch.where((owned | ~mask)[r], 0.0, grad_logp[r])
+                g_entropy = None if grad_entropy is None else grad_entropy[r]
+                grad = window_grad_(
+                    kernels, window, z[0], local[r], mask[r], lse[r], None if g_entropy is None else entropy[r],
+                    None if grad_logp is None else grad_logp[r], g_entropy, opts, replayed.scratch, foreign,
+                )  # fmt: skip
+                z[0].copy_(grad)
+            else:
+                x0 = z[..., 0].clone()  # [1, c]
+                kernels.token_logprobs_bwd(
+                    z,
+                    local[None, r],
+                    mask[None, r],
+                    lse[None, r],
+                    pick(entropy if grad_entropy is not None else None, r),
+                    pick(grad_logp, r),
+                    pick(grad_entropy, r),
+                    opts.temperature,
+                    z,
+                    **opts.transform(),
+                )
+                remove_foreign_onehot(z, x0, pick(owned | ~mask, r), pick(grad_logp, r), opts)
             g = head_precision.cast(z[0], weight.dtype)  # [c, V_r]: the gradient GEMMs run in the weight's dtype
             if grad_hidden is not None:
                 torch.mm(g, weight, out=grad_hidden[r])
@@ -112,6 +147,36 @@ class _ParallelFusedLinearFunction(torch.autograd.Function):
             dist.all_reduce(grad_hidden, group=ctx.shard.group)
         cast = lambda g, like: None if g is None else g.to(like.dtype)  # noqa: E731
         return grad_hidden, cast(grad_weight, weight), cast(grad_bias, bias), None, None, None, None, None
+
+
+class _Replayed:
+    """Sampling replay on the shard's chunks (`opts.replay`; `scratch` None without it): each chunk's logits masked
+    in a compute-dtype scratch to the support merged over the group (`replay.RowReduce`), each row's θ kept for
+    the backward."""
+
+    def __init__(self, opts: PassOptions, shard: VocabShard, rows: int, weight: Tensor, thetas: Tensor | None = None):
+        self.opts, self.shard = opts, shard
+        self.scratch = None if opts.replay is None else Scratch(rows, weight.shape[0], weight.dtype, weight.device)
+        self.reduce = RowReduce(shard.vocab, shard.group)
+        self.thetas, self._kept = thetas, []
+
+    def window(self, z: Tensor, r: slice, local: Tensor, owned: Tensor, theta: Tensor | None, forward: bool = True):
+        """The chunk's rows z [c, V_r] masked (θ [c, 1] from the forward, or None: computed)."""
+        ids = row_ids(self.opts.replay, r)
+        ids = None if ids is None else ids - self.shard.start  # the shard's columns; ids elsewhere dropped
+        replay, scratch = self.opts.replay, self.scratch
+        return masked_window(z, local[r], replay, ids, theta, self.opts, scratch, self.reduce, owned[r], forward)
+
+    def keep(self, window) -> None:
+        if window.theta is not None:
+            self._kept.append(window.theta)
+
+    def saved(self) -> Tensor | None:
+        """Every row's θ [M, 1] (None for kept ids or without replay)."""
+        return torch.cat(self._kept) if self._kept else None
+
+    def theta(self, r: slice) -> Tensor | None:
+        return None if self.thetas is None else self.thetas[r]
 
 
 def fused_linear_logprobs(
@@ -127,7 +192,8 @@ def fused_linear_logprobs(
     """`fused_linear.fused_linear_logprobs` on this rank's shard of the lm_head: {"logp", "entropy" (if asked)}, [M]
     each, over the whole vocabulary; dW and db of the shard; dH summed over the group (inside
     `parallel.partial_hidden_grad`: this rank's share of it)."""
-    logp, entropy = _ParallelFusedLinearFunction.apply(
+    logp, entropy, *stats = _ParallelFusedLinearFunction.apply(
         hidden, weight, bias, targets, row_mask, opts, shard, reduce_hidden_grad()
     )
-    return {"logp": logp} | ({"entropy": entropy} if opts.with_entropy else {})
+    out = {"logp": logp} | ({"entropy": entropy} if opts.with_entropy else {})
+    return out | dict(zip(opts.stats, stats, strict=True))

@@ -71,31 +71,54 @@ def thresholds(z: Tensor, replay: Replay, rows: RowReduce) -> Tensor:
     if replay.min_p > 0.0:  # q_v ≥ min_p · max q  ⟺  z_v ≥ max z + log min_p
         theta = rows.max(z.amax(-1, keepdim=True)) + math.log(replay.min_p)
     candidates = None
-    if 0 < replay.top_k < rows.vocab:  # the k-th largest of all z: min-p keeps a prefix of the sorted z, so max(θ, it)
-        candidates = rows.top(z, replay.top_k)  # [C, k], descending
-        theta = torch.maximum(theta, candidates[:, -1:])
+    k = replay.top_k
+    if 0 < k < rows.vocab:  # the k-th largest of all z: min-p keeps a prefix of the sorted z, so max(θ, it) is exact
+        candidates = rows.top(z, k + 1)  # [C, k + 1], descending: the (k + 1)-th tells a tie at the k-th
+        theta = torch.maximum(theta, candidates[:, k - 1 : k])
     if replay.top_p < 1.0:
-        if candidates is None:
-            candidates = z.sort(dim=-1, descending=True).values  # [C, V]
-        kept = candidates >= theta  # [C, K]
-        # the kept mass over the whole row: ties at the k-th value beyond the k candidates count too
-        top = candidates[:, :1].nan_to_num(0.0, neginf=0.0)  # [C, 1]: the row's max (0 for a row of -inf)
-        mass = torch.where(z >= theta, z - top, -math.inf).exp_().sum(-1, keepdim=True)  # [C, 1]
-        lse_kept = top + rows.sum(mass).log_()  # [C, 1]
-        q = (candidates - lse_kept).exp_().masked_fill_(~kept, 0.0)  # [C, K]
-        before = q.cumsum(-1).sub_(q)  # [C, K]: the mass ahead of each candidate
-        cut = candidates.masked_fill(~(before < replay.top_p) | ~kept, math.inf).amin(-1, keepdim=True)  # [C, 1]
-        theta = torch.maximum(theta, cut)
+        theta = torch.maximum(theta, _top_p_cut(z, replay.top_p, theta, candidates, k, rows))
     return theta
 
 
+def _top_p_cut(z: Tensor, top_p: float, theta: Tensor, candidates: Tensor | None, k: int, rows: RowReduce) -> Tensor:
+    """The smallest candidate whose predecessors' mass, renormalised over {z ≥ θ}, is below top_p, [C, 1]. The
+    candidates are top-k's (k + 1 of them), or every z sorted; tokens tied with the k-th beyond the candidates
+    count in the mass (one host read tells whether a window has any)."""
+    extra = None
+    if candidates is None:
+        candidates = z.sort(dim=-1, descending=True).values  # [C, V]
+    else:
+        kth = candidates[:, k - 1 : k]  # [C, 1]
+        tied = (candidates[:, k : k + 1] == kth) & (kth >= theta)  # [C, 1]: more tokens equal the k-th
+        if bool(tied.any()):
+            extra = rows.sum(torch.count_nonzero(z >= kth, dim=-1)[:, None]) - k  # [C, 1]: the tied beyond k
+            extra = extra.masked_fill_(~tied, 0)
+        candidates = candidates[:, :k]
+    kept = candidates >= theta  # [C, K]
+    top = candidates[:, :1].nan_to_num(0.0, neginf=0.0)  # [C, 1]: the row's max (0 for a row of -inf)
+    mass = (candidates - top).exp_().masked_fill_(~kept, 0.0).sum(-1, keepdim=True)  # [C, 1]
+    if extra is not None:
+        mass += extra * (candidates[:, -1:] - top).exp()
+    q = (candidates - top - mass.log()).exp_().masked_fill_(~kept, 0.0)  # [C, K]
+    before = q.cumsum(-1).sub_(q)  # [C, K]: the mass ahead of each candidate
+    return candidates.masked_fill(~(before < top_p) | ~kept, math.inf).amin(-1, keepdim=True)  # [C, 1]
+
+
+def _row_lse(z: Tensor, out: Tensor) -> Tensor:
+    """logsumexp of each row of z [C, V], [C]: max − log_softmax at the max (a log-prob in [−log V, 0], exact to
+    rounding), through `out` [C, V]: on CPU a fused log_softmax is a few times faster than logsumexp."""
+    top, at = z.max(dim=-1, keepdim=True)  # [C, 1] each
+    lse = top - torch.log_softmax(z, dim=-1, out=out).gather(1, at)  # [C, 1]
+    return torch.where(top == -math.inf, top, lse)[:, 0]  # a row of -inf: -inf
+
+
 def mask_window_(z: Tensor, targets: Tensor, replay: Replay, ids: Tensor | None, theta: Tensor | None,
-                 rows: RowReduce, owned: Tensor | None = None):  # fmt: skip
+                 rows: RowReduce, owned: Tensor | None = None, lse_buffer: Tensor | None = None):  # fmt: skip
     """Set z [C, V] to -inf outside support ∪ {target} in place (targets [C, 1] inside [0, V); ids [C, K] the kept
     ids, or θ [C, 1] from `thresholds`, computed when None). On a shard, `owned` [C] says which rows' target is
     this shard's (the others' stand-in column is not kept for them). Returns (this window's lse over its columns
-    [C], target outside [C] bool (owned rows only), θ)."""
-    lse_full = torch.logsumexp(z, dim=-1)  # [C]
+    [C] through `lse_buffer` [C, V], None without one; target outside [C] bool (owned rows only); θ)."""
+    lse_full = None if lse_buffer is None else _row_lse(z, lse_buffer)  # [C]
     target_z = z.gather(1, targets)  # [C, 1]
     if ids is not None:
         V = z.shape[-1]
@@ -121,7 +144,7 @@ class Window:
     full lse, the outside flags and the rule's θ (None for kept ids)."""
 
     z: Tensor
-    lse_full: Tensor
+    lse_full: Tensor | None
     outside: Tensor
     theta: Tensor | None
 
@@ -150,14 +173,17 @@ def row_ids(replay: Replay, rows: slice) -> Tensor | None:
 
 
 def masked_window(x: Tensor, targets: Tensor, replay: Replay, ids, theta, opts, scratch: Scratch,
-                  rows: RowReduce | None = None, owned: Tensor | None = None) -> Window:  # fmt: skip
+                  rows: RowReduce | None = None, owned: Tensor | None = None,
+                  forward: bool = True) -> Window:  # fmt: skip
     """x [C, V] logits rows (any dtype) copied into scratch, transformed (`opts.transform`, `opts.temperature`) and
-    masked to the support ∪ {target}; targets [C]; `rows` / `owned` on a vocabulary shard (`mask_window_`)."""
+    masked to the support ∪ {target}; targets [C]; `rows` / `owned` on a vocabulary shard (`mask_window_`). The
+    backward's window (`forward=False`) skips the full lse."""
     z = scratch.get("z", x.shape[0]).copy_(x)
     transform_(z, opts.temperature, opts.logit_scale, opts.final_logit_softcapping)
     safe = targets.clamp(0, x.shape[-1] - 1).reshape(-1, 1)  # masked rows may hold any id
     rows = RowReduce(x.shape[-1]) if rows is None else rows
-    lse_full, outside, theta = mask_window_(z, safe, replay, ids, theta, rows, owned)
+    lse_buffer = scratch.get("temp", x.shape[0]) if forward else None
+    lse_full, outside, theta = mask_window_(z, safe, replay, ids, theta, rows, owned, lse_buffer)
     return Window(z, lse_full, outside, theta)
 
 
@@ -208,7 +234,7 @@ def window_grad_(kernels, window: Window, x: Tensor, targets, mask, lse, entropy
     slope = opts.logit_scale / opts.temperature
     cap = opts.final_logit_softcapping
     if cap is not None:  # masked rows may hold NaN logits: their 0 stays 0
-        sech2 = scratch.get("slope", x.shape[0]).copy_(x).mul_(opts.logit_scale / cap)
+        sech2 = scratch.get("temp", x.shape[0]).copy_(x).mul_(opts.logit_scale / cap)
         grad.mul_(sech2.cosh_().square_().reciprocal_().mul_(slope))  # 1/cosh², not 1 − tanh² (cancels near ±1)
         grad.masked_fill_(~mask[:, None], 0.0)
     elif slope != 1.0:
@@ -220,7 +246,9 @@ def chunk_state(z: Tensor, targets: Tensor, opts: PassOptions, rows: slice, scra
                 full_lse: Tensor | None) -> ChunkState:  # fmt: skip
     """A chunk's state for `chunk_grad` again, in the backward: its window masked from the saved θ [c, 1] (or the
     kept ids), and the full pass's saved lse [1, c] (or None)."""
-    window = masked_window(z[0], targets[0], opts.replay, row_ids(opts.replay, rows), theta, opts, scratch)
+    window = masked_window(
+        z[0], targets[0], opts.replay, row_ids(opts.replay, rows), theta, opts, scratch, forward=False
+    )
     return ChunkState(window, full_lse)
 
 

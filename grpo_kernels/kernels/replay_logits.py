@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from grpo_kernels.kernels import backend as backends
+from grpo_kernels.kernels import parallel
 from grpo_kernels.kernels.function import (
     backend_kernels,
     check_not_overwritten,
@@ -19,9 +20,18 @@ from grpo_kernels.kernels.function import (
     mark_overwritten,
 )
 from grpo_kernels.kernels.function import vocab_pass as function_vocab_pass
+from grpo_kernels.kernels.parallel import VocabShard, merge_replay
 from grpo_kernels.kernels.pass_options import PassOptions, Replay
 from grpo_kernels.kernels.protocol import compute_dtype
-from grpo_kernels.kernels.replay import Scratch, masked_window, row_ids, window_forward, window_grad_, window_rows
+from grpo_kernels.kernels.replay import (
+    RowReduce,
+    Scratch,
+    masked_window,
+    row_ids,
+    window_forward,
+    window_grad_,
+    window_rows,
+)
 
 
 def _windows(logits: Tensor, step: int):
@@ -66,18 +76,19 @@ def _full_pass_options(opts: PassOptions) -> PassOptions:
 
 
 class _ReplayLogprobsFunction(torch.autograd.Function):
-    """logits [B, T, V] -> (logp [B, T], entropy [B, T] or empty, *the asked statistics) over the replayed support,
-    a window of rows at a time; saves O(B·T) statistics and each row's θ, never [B, T, V]."""
+    """logits [B, T, V] (a vocabulary shard's [B, T, V_r] with `shard`) -> (logp [B, T], entropy [B, T] or empty,
+    *the asked statistics) over the replayed support, a window of rows at a time; saves O(B·T) statistics and each
+    row's θ, never [B, T, V]."""
 
     @staticmethod
-    def forward(ctx, logits: Tensor, targets: Tensor, mask: Tensor, opts: PassOptions):
+    def forward(ctx, logits: Tensor, targets: Tensor, mask: Tensor, opts: PassOptions, shard: VocabShard | None):
         check_not_overwritten(logits)
-        logp, lse, entropy, stats, theta = _replay_forward(logits, targets, mask, opts)
+        logp, lse, entropy, stats, theta = _replay_forward(logits, targets, mask, opts, shard)
         entropy = logp.new_empty(0) if entropy is None else entropy
         ctx.mark_non_differentiable(*stats, *([] if opts.with_entropy else [entropy]))
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(logits, targets, mask, lse, entropy, theta)
-        ctx.opts = opts
+        ctx.opts, ctx.shard = opts, shard
         ctx.consumed = False
         return logp, entropy, *stats
 
@@ -91,79 +102,127 @@ class _ReplayLogprobsFunction(torch.autograd.Function):
         version = logits._version
         out = in_place_or_new(ctx, logits)
         kernels = backend_kernels(opts.backend)
-        B, T, V = logits.shape
-        scratch = Scratch(window_rows(V, B * T), V, logits.dtype, logits.device)
+        rows_of = _Rows(logits, targets, mask, ctx.shard)
         flat = lambda x: None if x is None else x.reshape(-1)  # noqa: E731
-        targets, mask, lse, g, g_h = flat(targets), flat(mask), flat(lse), flat(grad_logp), flat(grad_entropy)
+        lse, g, g_h = flat(lse), flat(grad_logp), flat(grad_entropy)
         entropy = flat(entropy) if grad_entropy is not None else None
+        scratch = rows_of.scratch()
         backends.count_launch(opts.backend)
         for rows, x in _windows(logits, scratch.shape[0]):
             theta_rows = None if theta.numel() == 0 else theta[rows, None]
-            window = masked_window(x, targets[rows], opts.replay, row_ids(opts.replay, rows), theta_rows, opts, scratch)
+            window = rows_of.window(x, rows, opts, scratch, theta_rows, forward=False)
+            foreign = None
+            if ctx.shard is not None and g is not None:  # the one-hot of rows whose target another shard owns
+                foreign = torch.where(rows_of.owned[rows] | ~rows_of.mask[rows], 0.0, g[rows])
             grad = window_grad_(
                 kernels,
                 window,
                 x,
-                targets[rows],
-                mask[rows],
+                rows_of.targets[rows],
+                rows_of.mask[rows],
                 lse[rows],
                 None if entropy is None else entropy[rows],
                 None if g is None else g[rows],
                 None if g_h is None else g_h[rows],
                 opts,
                 scratch,
+                foreign,
             )
             _at(out, rows).copy_(grad)
         mark_overwritten(ctx, logits, version)
-        return out, None, None, None
+        return out, None, None, None, None
 
 
-def _replay_forward(logits: Tensor, targets: Tensor, mask: Tensor, opts: PassOptions):
-    """The replayed pass, window by window: logp, lse (support), entropy or None, [statistics], θ (or empty)."""
+class _Rows:
+    """A replayed pass's flattened rows: targets (a shard's columns, with the rows whose target it owns), mask."""
+
+    def __init__(self, logits: Tensor, targets: Tensor, mask: Tensor, shard: VocabShard | None):
+        self.logits, self.shard, self.mask = logits, shard, mask.reshape(-1)
+        self.targets, self.owned = targets.reshape(-1), None
+        if shard is not None:
+            self.targets, self.owned = shard.local_targets(self.targets)
+        self.reduce = RowReduce(
+            logits.shape[-1] if shard is None else shard.vocab, None if shard is None else shard.group
+        )
+
+    def scratch(self) -> Scratch:
+        """Windows sized by the whole vocabulary: every rank of a shard's group runs the same windows."""
+        n, V = self.mask.shape[0], self.logits.shape[-1]
+        return Scratch(window_rows(self.reduce.vocab, n), V, self.logits.dtype, self.logits.device)
+
+    def window(self, x: Tensor, rows: slice, opts: PassOptions, scratch: Scratch, theta: Tensor | None,
+               forward: bool = True):  # fmt: skip
+        ids = row_ids(opts.replay, rows)
+        if ids is not None and self.shard is not None:  # the shard's columns; ids elsewhere dropped
+            ids = ids - self.shard.start
+        owned = None if self.owned is None else self.owned[rows]
+        return masked_window(x, self.targets[rows], opts.replay, ids, theta, opts, scratch, self.reduce, owned, forward)
+
+
+def _replay_forward(logits: Tensor, targets: Tensor, mask: Tensor, opts: PassOptions, shard: VocabShard | None):
+    """The replayed pass, window by window: logp, lse (support), entropy or None, [statistics], θ (or empty); on a
+    shard merged over its group (`parallel.merge_replay`)."""
     replay: Replay = opts.replay
     kernels = backend_kernels(opts.backend)
     B, T, V = logits.shape
     dtype = compute_dtype(logits.dtype)
-    scratch = Scratch(window_rows(V, B * T), V, logits.dtype, logits.device)
-    flat_targets, flat_mask = targets.reshape(-1), mask.reshape(-1)
-    logp, lse = (torch.zeros(B * T, dtype=dtype, device=logits.device) for _ in range(2))
-    entropy = torch.zeros_like(logp) if opts.with_entropy else None
-    stats = {
-        name: torch.zeros(B * T, dtype=torch.bool if name in ("is_top1", "outside_support") else dtype,
-                          device=logits.device)
-        for name in opts.stats
-    }  # fmt: skip
+    rows_of = _Rows(logits, targets, mask, shard)
+    scratch = rows_of.scratch()
+    names = ("logp", "lse", "lse_full", *(("entropy",) if opts.with_entropy else ()))
+    out = {name: torch.zeros(B * T, dtype=dtype, device=logits.device) for name in names}  # [B·T] each
+    out["outside"] = torch.zeros(B * T, dtype=torch.bool, device=logits.device)
+    # one process: the statistics come from each window; a shard's are merged once every window's are in
+    local_stats = opts.stats if shard is None else ()
+    stats = {name: torch.zeros(B * T, dtype=torch.bool if name == "outside_support" else dtype,
+                               device=logits.device) for name in local_stats}  # fmt: skip
     theta = torch.empty(B * T if replay.kept_ids is None else 0, dtype=dtype, device=logits.device)
     backends.count_launch(opts.backend)
     for rows, x in _windows(logits, scratch.shape[0]):
-        window = masked_window(x, flat_targets[rows], replay, row_ids(replay, rows), None, opts, scratch)
+        window = rows_of.window(x, rows, opts, scratch, None)
         found = window_forward(
-            kernels, window, flat_targets[rows], flat_mask[rows], opts.with_entropy, opts.stats, replay.truncates(V)
+            kernels,
+            window,
+            rows_of.targets[rows],
+            rows_of.mask[rows],
+            opts.with_entropy,
+            local_stats,
+            replay.truncates(rows_of.reduce.vocab),
         )
-        logp[rows], lse[rows] = found[0], found[1]
-        if entropy is not None:
-            entropy[rows] = found[2]
+        out["logp"][rows], out["lse"][rows] = found[0], found[1]
+        out["lse_full"][rows], out["outside"][rows] = window.lse_full, window.outside
+        if opts.with_entropy:
+            out["entropy"][rows] = found[2]
         for name, x in found[3].items():
             stats[name][rows] = x
         if window.theta is not None:
             theta[rows] = window.theta[:, 0]
-    logp = checked_rows(opts.row_check, lse.view(B, T), logp.view(B, T), None)
+    lse, logp, entropy = out["lse"], out["logp"], out.get("entropy")
+    if shard is not None:
+        lse, logp, entropy, stats = merge_replay(out, rows_of.owned, rows_of.mask, opts, shard.group, rows_of.reduce)
+    logp = checked_rows(opts.row_check, lse.view(B, T), logp.view(B, T), None if shard is None else mask)
     entropy = None if entropy is None else entropy.view(B, T)
     return logp, lse.view(B, T), entropy, [stats[name].view(B, T) for name in opts.stats], theta
 
 
-def vocab_pass(logits: Tensor, targets: Tensor, mask: Tensor, opts: PassOptions) -> dict[str, Tensor]:
-    """`function.vocab_pass` over the replayed support (`opts.replay`): {"logp", "entropy" (if asked; the support's,
-    or the whole distribution's with `Replay.full_entropy`), each of `opts.stats`}, all [B, T]."""
+def vocab_pass(
+    logits: Tensor, targets: Tensor, mask: Tensor, opts: PassOptions, shard: VocabShard | None = None
+) -> dict[str, Tensor]:
+    """`function.vocab_pass` (`parallel.vocab_pass` on a vocabulary shard) over the replayed support
+    (`opts.replay`): {"logp", "entropy" (if asked; the support's, or the whole distribution's with
+    `Replay.full_entropy`), each of `opts.stats`}, all [B, T]."""
     replay: Replay = opts.replay
     full = replay.full_entropy and opts.with_entropy
     if full:  # the entropy from an ordinary pass beside the replayed one
-        from_full = function_vocab_pass(logits, targets, mask, _full_pass_options(opts))
+        plain = _full_pass_options(opts)
+        if shard is None:
+            from_full = function_vocab_pass(logits, targets, mask, plain)
+        else:
+            from_full = parallel.vocab_pass(logits, targets, mask, plain, shard=shard)
         opts = dataclasses.replace(opts, with_entropy=False, inplace=False)
     if torch.is_grad_enabled() and logits.requires_grad:
-        logp, entropy, *stats = _ReplayLogprobsFunction.apply(logits, targets, mask, opts)
+        logp, entropy, *stats = _ReplayLogprobsFunction.apply(logits, targets, mask, opts, shard)
     else:
-        logp, _, entropy, stats, _ = _replay_forward(logits, targets, mask, opts)
+        logp, _, entropy, stats, _ = _replay_forward(logits, targets, mask, opts, shard)
     out = {"logp": logp} | ({"entropy": entropy} if opts.with_entropy else {})
     if full:
         out["entropy"] = from_full["entropy"]
