@@ -76,7 +76,9 @@ def token_logprobs(
     truncation and at masked rows) and `"outside_support"` (bool: the target lay outside and was counted as kept),
     on every backend. On vocabulary shards (`process_group`) the rule's thresholds are merged over the ranks
     (min-p: the row's max; top-k: each shard's k largest logits all-gathered, R·k floats a row; top-p walks those
-    candidates, so it needs 1 <= top_k <= 1024 there) and kept ids are split by shard.
+    candidates, so it needs 1 <= top_k <= 1024 there) and kept ids are split by shard. A `sampling_mask` is checked
+    and padded with host reads even with `check_finite=False`; top_p with top_k reads one flag per window (a tie at
+    the k-th), except inside a torch.compile trace or a CUDA graph capture.
     """
     args = dict(locals())  # the call's arguments as one record (whole across a torch.compile graph break)
     check_argument_types(args)

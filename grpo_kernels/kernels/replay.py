@@ -64,6 +64,11 @@ def _all_reduce(x: Tensor, group: Any, op=dist.ReduceOp.SUM) -> Tensor:
     return x
 
 
+def _no_host_read(z: Tensor) -> bool:
+    """Inside a torch.compile trace or a CUDA graph capture, where a value read on the host breaks the graph."""
+    return torch.compiler.is_compiling() or (z.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
 def thresholds(z: Tensor, replay: Replay, rows: RowReduce) -> Tensor:
     """θ [C, 1] per row of the transformed window z [C, V] (a shard's columns with `rows.group`) such that the
     rule's support is {z ≥ θ}. On shards top-p needs top_k (its candidates; the engine checks)."""
@@ -83,14 +88,14 @@ def thresholds(z: Tensor, replay: Replay, rows: RowReduce) -> Tensor:
 def _top_p_cut(z: Tensor, top_p: float, theta: Tensor, candidates: Tensor | None, k: int, rows: RowReduce) -> Tensor:
     """The smallest candidate whose predecessors' mass, renormalised over {z ≥ θ}, is below top_p, [C, 1]. The
     candidates are top-k's (k + 1 of them), or every z sorted; tokens tied with the k-th beyond the candidates
-    count in the mass (one host read tells whether a window has any)."""
+    count in the mass (one host read tells whether a window has any; counted anyway where no read may happen)."""
     extra = None
     if candidates is None:
         candidates = z.sort(dim=-1, descending=True).values  # [C, V]
     else:
         kth = candidates[:, k - 1 : k]  # [C, 1]
         tied = (candidates[:, k : k + 1] == kth) & (kth >= theta)  # [C, 1]: more tokens equal the k-th
-        if bool(tied.any()):
+        if _no_host_read(z) or bool(tied.any()):
             extra = rows.sum(torch.count_nonzero(z >= kth, dim=-1)[:, None]) - k  # [C, 1]: the tied beyond k
             extra = extra.masked_fill_(~tied, 0)
         candidates = candidates[:, :k]
