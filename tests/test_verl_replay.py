@@ -101,3 +101,37 @@ def test_rollout_rule_names_verls_fields():
         gk_verl.rollout_rule({"top_p": 0.0})
     with pytest.raises(TypeError, match=r"rollout\.top_p must be a number"):
         gk_verl.rollout_rule({"top_p": "0.9"})
+
+
+def _tensor_parallel_worker(rank: int, store: str, queue, world: int) -> None:
+    import traceback
+
+    try:
+        import torch.distributed as dist
+
+        from tests.rendezvous import join
+
+        join(rank, world, store)
+        g = torch.Generator().manual_seed(0)
+        hidden, weight = torch.randn(2, 5, 16, generator=g), torch.randn(150, 16, generator=g) / 2
+        labels = torch.randint(0, 150, (2, 5), generator=g)
+        shard = weight.chunk(world)[rank]  # [V / world, H]: this rank's rows of the lm_head, verl's meaning
+        with pytest.raises(ValueError, match=r"top_p=0.9 on vocabulary shards .* needs top_k in \[1, 1024\]"):
+            gk_verl.linear_cross_entropy(hidden, shard, labels, 0.8, "none", dist.group.WORLD, top_p=0.9)
+        rule = dict(top_k=20, top_p=0.9)
+        logp, entropy = gk_verl.linear_cross_entropy(hidden, shard, labels, 0.8, "none", dist.group.WORLD, **rule)
+        want_logp, want_entropy, _, _ = oracle(hidden, weight, labels, 0.8, rule)
+        assert_close(logp, want_logp.detach().float(), F32, "logprobs")
+        assert_close(entropy, want_entropy.detach().float(), F32, "entropy")
+        dist.destroy_process_group()
+        queue.put((rank, None))
+    except BaseException:
+        queue.put((rank, traceback.format_exc()))
+
+
+def test_tensor_parallel_shards_replay_together():
+    """verl's `dist_process_group` (Megatron's vocabulary-parallel lm_head) on 2 gloo ranks: the shards' replayed
+    log-probs and entropy equal the oracle's on the whole vocabulary; top_p without a top_k bound is refused."""
+    from tests.rendezvous import spawn_ranks
+
+    spawn_ranks(_tensor_parallel_worker, 2, 2)
