@@ -149,3 +149,18 @@ def test_a_replaying_pass_takes_the_fast_route(monkeypatch, peaked_model, tokeni
         assert routes == []
         ours._get_per_token_logps_and_entropies(ours.ref_model, ids, attention, base.T)  # the reference: lean
     assert routes == ["asked"] and torch.isfinite(loss)
+
+
+def test_a_peft_reference_pass_stays_full_vocabulary(peaked_model, tokenizer):
+    """LoRA without a reference model: TRL takes the reference log-probs from the policy with its adapters disabled
+    (`use_adapter(model, None)`); that pass is the reference's (not replayed), the policy's is replayed."""
+    peft = pytest.importorskip("peft")
+    from trl.trainer.utils import use_adapter
+
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    ours = base.build(drop_in.GRPOTrainer, peaked_model, tokenizer, peft_config=lora, beta=0.04, top_p=0.8)
+    assert ours.ref_model is None
+    assert trl_replay.pass_rule(ours, ours.model) == {"top_k": 0, "top_p": 0.8, "min_p": 0.0}
+    with use_adapter(ours.accelerator.unwrap_model(ours.model), adapter_name=None):
+        assert trl_replay.pass_rule(ours, ours.model) == trl_replay.RULE_OFF
+    assert trl_replay.pass_rule(ours, ours.model)["top_p"] == 0.8  # adapters back on
