@@ -164,6 +164,7 @@ def summary_markdown(outdir: Path) -> str:
         ("Host time per call (tiny shapes)", outdir / "host" / "host.md"),
         ("Benchmarks against TRL (interleaved)", outdir / "bench" / "interleaved-trl.md"),
         ("Benchmark suites", outdir / "bench" / "benchmarks.md"),
+        ("Sampling replay against the plain step", outdir / "bench" / "sampling_replay.md"),
     ):
         if path.exists():
             out += [f"## {title}", "", _nested(path.read_text())]

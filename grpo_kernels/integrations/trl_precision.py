@@ -1,5 +1,6 @@
-"""The TRL drop-in's head precision: `GRPOConfig.head_precision` (TRL's config plus the fused head's option), TRL's
-`cast_lm_head_to_fp32` read as head_precision="fp32", and the operands the fused passes take."""
+"""The TRL drop-in's config and head precision: `GRPOConfig` (TRL's config plus the fused head's `head_precision` and
+the sampling replay's `replay_reference`), TRL's `cast_lm_head_to_fp32` read as head_precision="fp32", and the
+operands the fused passes take."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from grpo_kernels.kernels.head_precision import HEAD_PRECISIONS, check_head_prec
 @dataclasses.dataclass
 class GRPOConfig(trl.GRPOConfig):
     """`trl.GRPOConfig` with the fused head's `head_precision` (a plain trl.GRPOConfig runs "auto", or "fp32"
-    under `cast_lm_head_to_fp32`)."""
+    under `cast_lm_head_to_fp32`) and `replay_reference` (a plain trl.GRPOConfig: False)."""
 
     head_precision: str = dataclasses.field(
         default="auto",
@@ -24,6 +25,13 @@ class GRPOConfig(trl.GRPOConfig):
             "help": "Precision of the fused lm_head's logits GEMM: 'auto' (the lm_head's dtype), 'bf16', 'tf32' or "
             "'fp32' (float32 logits; the gradient GEMMs stay in the lm_head's dtype).",
             "choices": list(HEAD_PRECISIONS),
+        },
+    )
+    replay_reference: bool = dataclasses.field(
+        default=False,
+        metadata={
+            "help": "Replay the sampler's top_k / top_p / min_p on the reference model's log-probs too (default: the "
+            "policy's old and current log-probs only; the KL to the reference stays full-vocabulary)."
         },
     )
 

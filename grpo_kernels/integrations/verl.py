@@ -5,6 +5,7 @@ log-prob + entropy entry point.
 
     gk_verl.register()             # then actor_rollout_ref.actor.policy_loss.loss_mode=gk_dapo (gk_<loss_type>)
     gk_verl.patch_fused_kernels()  # with actor_rollout_ref.model.use_fused_kernels=True, fused_kernels_backend=triton
+    gk_verl.patch_fused_kernels(rollout=config.actor_rollout_ref.rollout)  # the same, replaying its top_k / top_p
 
 Both act in the process that calls them, and verl computes its losses in its Ray workers: call them there too, e.g.
 from a module named in `VERL_USE_EXTERNAL_MODULES` (verl imports those in every process that imports verl).
@@ -40,6 +41,7 @@ rollout_is_weights also `[B]`).
 
 from __future__ import annotations
 
+import functools
 import importlib
 import re
 import sys
@@ -312,6 +314,9 @@ def linear_cross_entropy(
     temperature: float = 1.0,
     reduction: str = "none",
     dist_process_group: Any = None,
+    *,
+    top_k: int = 0,
+    top_p: float = 1.0,
 ) -> tuple[Tensor, Tensor]:
     """Drop-in for verl's `verl.utils.kernel.linear_cross_entropy.linear_cross_entropy` (its fused log-prob +
     entropy pass under `use_fused_kernels`), on `fused_linear_token_logprobs(..., with_entropy=True)`.
@@ -324,7 +329,9 @@ def linear_cross_entropy(
     [r·V_r, (r + 1)·V_r) of the lm_head (equal shards), labels are whole-vocabulary ids, logprobs and entropy are the
     whole vocabulary's on every rank (`kernels.parallel`: O(N) statistics cross ranks), dW is the shard's, and dH is
     this rank's share, left for the caller to sum (Megatron's sequence-parallel gather does), as verl's kernel
-    leaves it. A group of one rank holds the whole vocabulary.
+    leaves it. A group of one rank holds the whole vocabulary. `top_k` / `top_p` (0 and 1.0: off) replay a truncated
+    sampler: log-probs and entropy over the tokens it kept (docs/sampling_replay.md); `patch_fused_kernels(rollout=)`
+    sets them from verl's rollout config.
     """
     if reduction not in ("none", "sum", "mean"):
         raise ValueError(f"reduction must be 'none', 'sum' or 'mean', got {reduction!r}")
@@ -339,6 +346,8 @@ def linear_cross_entropy(
             labels.reshape(-1),
             temperature=temperature,
             with_entropy=True,
+            top_k=top_k,
+            top_p=top_p,
             **tp,
         )  # [N], [N]
     if reduction == "sum":
@@ -357,24 +366,48 @@ def _is_ours(fn: Any) -> bool:
     return getattr(fn, "grpo_kernels_patch", False) is True
 
 
-def patch_fused_kernels() -> None:
+def patch_fused_kernels(rollout: Any = None) -> None:
     """Swap verl's `linear_cross_entropy` for this module's everywhere verl holds it: its home module (verl's HF
     model forwards import it from there at each call) and every loaded `verl.*` module that imported it (Megatron's
     fused forwards); modules imported later pick up ours from the home module. verl's
     `fused_kernels_backend="torch"` path (FusedLinearForPPO) does not use it.
+
+    `rollout`: verl's rollout config (`actor_rollout_ref.rollout`: its dataclass, a DictConfig or a dict). Its
+    `top_k` / `top_p` (verl's names and off values: -1 and 1.0) are then replayed on every log-prob pass through
+    the patched function, so that the actor's old and current log-probs match the rollout's processed log-probs.
+    verl calls the same function for a reference model that uses the fused kernels in the same process: its
+    log-probs are replayed too there (docs/verl.md).
 
     Idempotent, and safe across reloads: verl's function is kept on verl's module (not here), ours is told by a
     marker (not by identity), so a patch after `importlib.reload` of this module or of verl's replaces the earlier
     load's function too, and `unpatch_fused_kernels` still restores verl's.
     """
     home = _verl(_HOME)
+    ours = linear_cross_entropy
+    rule = rollout_rule(rollout)
+    if rule != {"top_k": 0, "top_p": 1.0}:
+        ours = functools.partial(linear_cross_entropy, **rule)
+        ours.grpo_kernels_patch = True
     if not _is_ours(home.linear_cross_entropy):  # verl's: first patch, or verl's module was reloaded since
         setattr(home, _ORIGINAL, home.linear_cross_entropy)
     original = getattr(home, _ORIGINAL, None)
     for module in _verl_modules():
         held = getattr(module, "linear_cross_entropy", None)
         if held is not None and (held is original or _is_ours(held)):
-            module.linear_cross_entropy = linear_cross_entropy
+            module.linear_cross_entropy = ours
+
+
+def rollout_rule(rollout: Any) -> dict[str, int | float]:
+    """{"top_k", "top_p"} of verl's rollout config in the project's off values (top_k 0, top_p 1.0); None: off.
+    Refuses, naming the field, a top_k that is not an int >= -1 and a top_p outside (0, 1]."""
+    if rollout is None:
+        return {"top_k": 0, "top_p": 1.0}
+    top_k, top_p = _number(rollout, "top_k", -1, "rollout"), _number(rollout, "top_p", 1.0, "rollout")
+    if not isinstance(top_k, int) or top_k < -1:
+        raise ValueError(f"rollout.top_k must be an int >= -1 (-1 or 0: off), got {top_k!r}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"rollout.top_p must be in (0, 1] (1.0: off), got {top_p!r}")
+    return {"top_k": max(top_k, 0), "top_p": float(top_p)}
 
 
 def unpatch_fused_kernels() -> None:
