@@ -1,0 +1,354 @@
+"""The Triton backend's launches as `torch.library` custom ops, each with a fake (output shapes and dtypes only), and
+the backend's protocol functions over them (`protocol.VOCAB_PASS`, `protocol.EPILOGUE`; the lean tiles in `lean.py`).
+
+Under `torch.compile` each launch is one opaque node of the graph instead of host code to trace (the launchers read
+data pointers, the interpreter runs numpy), so a loss call compiles whole and a CUDA graph can replay it. The ops are
+forward-only or backward-only: the autograd lives in the backend-neutral drivers (`function.py`, `fused_linear*.py`),
+which call the functions below. An op that writes into a caller's buffer says so in `mutates_args`: the backward into
+`out`, or into the logits themselves (`token_logprobs_bwd_inplace`, chosen when `out` is the logits). Outputs a call
+did not ask for (the entropy, a statistic) come back as empty tensors, as a custom op returns tensors only.
+
+The launchers themselves stay plain functions (`token_logprobs.py`, `grpo_loss.py`): `benchmarks.static_report`
+records their launches on meta tensors, where these ops would run their fakes.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+import triton
+from torch import Tensor
+
+from grpo_kernels.kernels.protocol import writes_in_place
+from grpo_kernels.kernels.triton import grpo_loss as loss_launch
+from grpo_kernels.kernels.triton import token_logprobs as launch
+
+STATS = launch._STATS  # the optional statistics, in the ops' output order (`function.TOKEN_STATS`)
+KL_KINDS = loss_launch.KL_KINDS  # the estimators the epilogue implements (the record's `epilogue_kl`)
+
+
+def _row(like: Tensor, rows: tuple[int, ...], asked: bool = True, dtype: torch.dtype = torch.float32) -> Tensor:
+    """A per-row output of shape `rows`, or an empty one where it was not asked for."""
+    return like.new_empty(rows if asked else (0,), dtype=dtype)
+
+
+def _softcap(softcap: float | None) -> float | None:
+    return None if softcap is None else float(softcap)
+
+
+# --- the vocabulary pass ---------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("grpo_kernels_triton::token_logprobs_fwd", mutates_args=())
+def _token_logprobs_fwd(
+    logits: Tensor,
+    targets: Tensor,
+    mask: Tensor,
+    temperature: float,
+    with_entropy: bool,
+    logit_scale: float,
+    softcap: float | None,
+    log_sum_sq_probs: bool,
+    mean_logits: bool,
+    is_top1: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    asked = dict(zip(STATS, (log_sum_sq_probs, mean_logits, is_top1), strict=True))
+    stats = tuple(name for name, on in asked.items() if on)
+    logp, lse, entropy, out = launch.token_logprobs_fwd(
+        logits, targets, mask, temperature, with_entropy, logit_scale=logit_scale, softcap=softcap, stats=stats
+    )
+    entropy = _row(logp, (0,)) if entropy is None else entropy
+    return logp, lse, entropy, *(out[name] if name in out else _row(logp, (0,)) for name in STATS)
+
+
+@_token_logprobs_fwd.register_fake
+def _(logits, targets, mask, temperature, with_entropy, logit_scale, softcap, log_sum_sq_probs, mean_logits, is_top1):
+    rows = tuple(logits.shape[:2])  # [B, T]
+    return (
+        _row(logits, rows),
+        _row(logits, rows),
+        _row(logits, rows, with_entropy),
+        _row(logits, rows, log_sum_sq_probs),
+        _row(logits, rows, mean_logits),
+        _row(logits, rows, is_top1, torch.bool),
+    )
+
+
+def token_logprobs_fwd(
+    logits: Tensor,
+    targets: Tensor,
+    mask: Tensor,
+    temperature: float,
+    with_entropy: bool,
+    *,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    stats: tuple[str, ...] = (),
+) -> tuple[Tensor, Tensor, Tensor | None, dict[str, Tensor]]:
+    """`protocol.VocabPass.token_logprobs_fwd` as one op: logits [B, T, V] (last stride 1), targets [B, T], mask
+    [B, T] bool -> logp, lse, entropy|None, [B, T] float32, and the asked `stats` by name."""
+    logp, lse, entropy, *values = _token_logprobs_fwd(
+        logits, targets, mask, float(temperature), bool(with_entropy), float(logit_scale), _softcap(softcap),
+        *(name in stats for name in STATS),
+    )  # fmt: skip
+    return logp, lse, entropy if with_entropy else None, {n: v for n, v in zip(STATS, values) if n in stats}
+
+
+@torch.library.custom_op("grpo_kernels_triton::token_logprobs_bwd", mutates_args=("out",))
+def _token_logprobs_bwd(
+    logits: Tensor,
+    targets: Tensor,
+    mask: Tensor,
+    lse: Tensor,
+    entropy: Tensor | None,
+    grad_logp: Tensor | None,
+    grad_entropy: Tensor | None,
+    temperature: float,
+    logit_scale: float,
+    softcap: float | None,
+    out: Tensor,
+) -> None:
+    launch.token_logprobs_bwd(
+        logits, targets, mask, lse, entropy, grad_logp, grad_entropy, temperature, out,
+        logit_scale=logit_scale, softcap=softcap,
+    )  # fmt: skip
+
+
+@_token_logprobs_bwd.register_fake
+def _(logits, targets, mask, lse, entropy, grad_logp, grad_entropy, temperature, logit_scale, softcap, out):
+    return None
+
+
+@torch.library.custom_op("grpo_kernels_triton::token_logprobs_bwd_inplace", mutates_args=("logits",))
+def _token_logprobs_bwd_inplace(
+    logits: Tensor,
+    targets: Tensor,
+    mask: Tensor,
+    lse: Tensor,
+    entropy: Tensor | None,
+    grad_logp: Tensor | None,
+    grad_entropy: Tensor | None,
+    temperature: float,
+    logit_scale: float,
+    softcap: float | None,
+) -> None:
+    launch.token_logprobs_bwd(
+        logits, targets, mask, lse, entropy, grad_logp, grad_entropy, temperature, logits,
+        logit_scale=logit_scale, softcap=softcap,
+    )  # fmt: skip
+
+
+@_token_logprobs_bwd_inplace.register_fake
+def _(logits, targets, mask, lse, entropy, grad_logp, grad_entropy, temperature, logit_scale, softcap):
+    return None
+
+
+def token_logprobs_bwd(
+    logits: Tensor,
+    targets: Tensor,
+    mask: Tensor,
+    lse: Tensor,
+    entropy: Tensor | None,
+    grad_logp: Tensor | None,
+    grad_entropy: Tensor | None,
+    temperature: float,
+    out: Tensor,
+    *,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+) -> None:
+    """`protocol.VocabPass.token_logprobs_bwd` as one op: dL/dlogits into `out`, which may be the logits (then the
+    op that declares the logits mutated)."""
+    args = (targets, mask, lse, entropy, grad_logp, grad_entropy, float(temperature), float(logit_scale))
+    if writes_in_place(out, logits):
+        _token_logprobs_bwd_inplace(logits, *args, _softcap(softcap))
+    else:
+        _token_logprobs_bwd(logits, *args, _softcap(softcap), out)
+
+
+# --- the fused loss epilogue -----------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("grpo_kernels_triton::grpo_loss_fwd", mutates_args=())
+def _grpo_loss_fwd(
+    logits: Tensor,
+    targets: Tensor,
+    mask: Tensor,
+    weights: Tensor,
+    advantages: Tensor,
+    old_logp: Tensor | None,
+    ref_logp: Tensor | None,
+    is_ratio: Tensor | None,
+    policy: str,
+    eps_low: float,
+    eps_high: float,
+    delta: float | None,
+    clip_ratio_c: float | None,
+    cispo_two_sided: bool,
+    beta: float,
+    kl_estimator: str,
+    bias_correction: bool,
+    tau_pos: float,
+    tau_neg: float,
+    temperature: float,
+    with_entropy: bool,
+    logit_scale: float,
+    softcap: float | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    epilogue = SimpleNamespace(
+        kind=policy, eps_low=eps_low, eps_high=eps_high, delta=delta, clip_ratio_c=clip_ratio_c,
+        cispo_two_sided=cispo_two_sided, beta=beta, kl_estimator=kl_estimator, bias_correction=bias_correction,
+        tau_pos=tau_pos, tau_neg=tau_neg,
+    )  # fmt: skip
+    logp, lse, entropy, loss, dlogp = loss_launch.grpo_loss_fwd(
+        logits, targets, mask, weights, advantages, old_logp, ref_logp, is_ratio, epilogue, temperature,
+        with_entropy, logit_scale=logit_scale, softcap=softcap,
+    )  # fmt: skip
+    return logp, lse, _row(logp, (0,), dtype=logp.dtype) if entropy is None else entropy, loss, dlogp
+
+
+@_grpo_loss_fwd.register_fake
+def _(logits, targets, mask, weights, advantages, old_logp, ref_logp, is_ratio, policy, eps_low, eps_high, delta,
+      clip_ratio_c, cispo_two_sided, beta, kl_estimator, bias_correction, tau_pos, tau_neg, temperature, with_entropy,
+      logit_scale, softcap):  # fmt: skip
+    rows, dtype = tuple(logits.shape[:2]), weights.dtype  # [B, T]
+    per_row = [_row(weights, rows, dtype=dtype) for _ in range(4)]  # logp, lse, loss, dL/dlogp
+    return per_row[0], per_row[1], _row(weights, rows, with_entropy, dtype), per_row[2], per_row[3]
+
+
+def grpo_loss_fwd(
+    logits: Tensor,
+    targets: Tensor,
+    mask: Tensor,
+    weights: Tensor,
+    advantages: Tensor,
+    old_logp: Tensor | None,
+    ref_logp: Tensor | None,
+    is_ratio: Tensor | None,
+    epilogue,
+    temperature: float,
+    with_entropy: bool,
+    *,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor]:
+    """`protocol.Epilogue.grpo_loss_fwd` as one op: logp, lse, entropy|None, weighted per-token loss, weighted
+    dL/dlogp, each [B, T] float32; `epilogue` a `TokenEpilogue`, passed to the op field by field."""
+    logp, lse, entropy, loss, dlogp = _grpo_loss_fwd(
+        logits, targets, mask, weights, advantages, old_logp, ref_logp, is_ratio, epilogue.kind,
+        float(epilogue.eps_low), float(epilogue.eps_high), None if epilogue.delta is None else float(epilogue.delta),
+        None if epilogue.clip_ratio_c is None else float(epilogue.clip_ratio_c), bool(epilogue.cispo_two_sided),
+        float(epilogue.beta), epilogue.kl_estimator, bool(epilogue.bias_correction), float(epilogue.tau_pos),
+        float(epilogue.tau_neg), float(temperature), bool(with_entropy), float(logit_scale), _softcap(softcap),
+    )  # fmt: skip
+    return logp, lse, entropy if with_entropy else None, loss, dlogp
+
+
+# --- the lean fused lm_head's tiles (`lean.py`) ----------------------------------------------------------------------
+
+
+@torch.library.custom_op("grpo_kernels_triton::token_logprobs_partials", mutates_args=())
+def _token_logprobs_partials(
+    logits: Tensor,
+    targets: Tensor,
+    mask: Tensor,
+    temperature: float,
+    with_entropy: bool,
+    logit_scale: float,
+    softcap: float | None,
+    log_sum_sq_probs: bool,
+    mean_logits: bool,
+    is_top1: bool,
+) -> Tensor:
+    a, b = launch.transform_coefficients(temperature, logit_scale, softcap)
+    stats = dict(zip(STATS, (log_sum_sq_probs, mean_logits, is_top1), strict=True))
+    flags = launch._flags(with_entropy, softcap, [name for name, on in stats.items() if on])
+    return launch.launch_partials(logits, targets, mask, a, b, flags, launch.vocab_plan(logits))
+
+
+@_token_logprobs_partials.register_fake
+def _(logits, targets, mask, temperature, with_entropy, logit_scale, softcap, log_sum_sq_probs, mean_logits, is_top1):
+    B, T, _ = logits.shape
+    splits = launch.vocab_plan(logits)["splits"]
+    return logits.new_empty((launch.PARTIAL_FIELDS, B * T, splits), dtype=torch.float32)
+
+
+def token_logprobs_partials(
+    logits: Tensor,
+    targets: Tensor,
+    mask: Tensor,
+    temperature: float,
+    with_entropy: bool,
+    *,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    stats: tuple[str, ...] = (),
+) -> Tensor:
+    """The V-blocks' partial statistics [PARTIAL_FIELDS, B·T, V-blocks] of logits [B, T, V] (last stride 1; targets
+    int32 and mask contiguous) as one op: a split pass, merged by `token_logprobs_merge`."""
+    return _token_logprobs_partials(
+        logits, targets, mask, float(temperature), bool(with_entropy), float(logit_scale), _softcap(softcap),
+        *(name in stats for name in STATS),
+    )  # fmt: skip
+
+
+@torch.library.custom_op("grpo_kernels_triton::token_logprobs_merge", mutates_args=())
+def _token_logprobs_merge(
+    partial: Tensor,
+    mask: Tensor,
+    vocab: int,
+    temperature: float,
+    with_entropy: bool,
+    logit_scale: float,
+    softcap: float | None,
+    log_sum_sq_probs: bool,
+    mean_logits: bool,
+    is_top1: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    rows = (partial.shape[1],)
+    asked = dict(zip(STATS, (log_sum_sq_probs, mean_logits, is_top1), strict=True))
+    logp, lse, entropy = _row(partial, rows), _row(partial, rows), _row(partial, rows, with_entropy)
+    out = {name: _row(partial, rows, on, torch.int8 if name == "is_top1" else torch.float32) for name, on in asked.items()}
+    a, b = launch.transform_coefficients(temperature, logit_scale, softcap)
+    flags = launch._flags(with_entropy, softcap, [name for name, on in asked.items() if on])
+    outputs = (logp, lse, entropy if with_entropy else logp, *(out[n] if asked[n] else logp for n in STATS))
+    splits = partial.shape[2]
+    launch._token_logprobs_merge_kernel[rows](
+        partial, mask, *outputs, splits, vocab, a, b, **flags,
+        SPLITS=triton.next_power_of_2(splits), num_warps=1, enable_fp_fusion=True,
+    )  # fmt: skip
+    return logp, lse, entropy, out["log_sum_sq_probs"], out["mean_logits"], out["is_top1"].bool()
+
+
+@_token_logprobs_merge.register_fake
+def _(partial, mask, vocab, temperature, with_entropy, logit_scale, softcap, log_sum_sq_probs, mean_logits, is_top1):
+    rows = (partial.shape[1],)
+    return (
+        _row(partial, rows),
+        _row(partial, rows),
+        _row(partial, rows, with_entropy),
+        _row(partial, rows, log_sum_sq_probs),
+        _row(partial, rows, mean_logits),
+        _row(partial, rows, is_top1, torch.bool),
+    )
+
+
+def token_logprobs_merge(
+    partial: Tensor,
+    mask: Tensor,
+    vocab: int,
+    temperature: float,
+    with_entropy: bool,
+    *,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    stats: tuple[str, ...] = (),
+) -> tuple[Tensor, Tensor, Tensor | None, dict[str, Tensor]]:
+    """(logp, lse, entropy or None, {stat: [rows]}) of rows from all their V-blocks' partial statistics [PARTIAL_FIELDS,
+    rows, V-blocks] over a vocabulary of `vocab` columns, as one op; masked rows 0 (False)."""
+    logp, lse, entropy, *values = _token_logprobs_merge(
+        partial, mask, int(vocab), float(temperature), bool(with_entropy), float(logit_scale), _softcap(softcap),
+        *(name in stats for name in STATS),
+    )  # fmt: skip
+    return logp, lse, entropy if with_entropy else None, {n: v for n, v in zip(STATS, values) if n in stats}
