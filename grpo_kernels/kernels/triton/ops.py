@@ -33,6 +33,11 @@ def _row(like: Tensor, rows: tuple[int, ...], asked: bool = True, dtype: torch.d
     return like.new_empty(rows if asked else (0,), dtype=dtype)
 
 
+def _asked(values: list[Tensor], stats: tuple[str, ...]) -> dict[str, Tensor]:
+    """The statistics a call asked for, by name, from an op's outputs for all of `STATS`."""
+    return {name: value for name, value in zip(STATS, values, strict=True) if name in stats}
+
+
 def _softcap(softcap: float | None) -> float | None:
     return None if softcap is None else float(softcap)
 
@@ -92,7 +97,7 @@ def token_logprobs_fwd(
         logits, targets, mask, float(temperature), bool(with_entropy), float(logit_scale), _softcap(softcap),
         *(name in stats for name in STATS),
     )  # fmt: skip
-    return logp, lse, entropy if with_entropy else None, {n: v for n, v in zip(STATS, values) if n in stats}
+    return logp, lse, entropy if with_entropy else None, _asked(values, stats)
 
 
 @torch.library.custom_op("grpo_kernels_triton::token_logprobs_bwd", mutates_args=("out",))
@@ -309,7 +314,7 @@ def _token_logprobs_merge(
     rows = (partial.shape[1],)
     asked = dict(zip(STATS, (log_sum_sq_probs, mean_logits, is_top1), strict=True))
     logp, lse, entropy = _row(partial, rows), _row(partial, rows), _row(partial, rows, with_entropy)
-    out = {name: _row(partial, rows, on, torch.int8 if name == "is_top1" else torch.float32) for name, on in asked.items()}
+    out = {n: _row(partial, rows, on, torch.int8 if n == "is_top1" else torch.float32) for n, on in asked.items()}
     a, b = launch.transform_coefficients(temperature, logit_scale, softcap)
     flags = launch._flags(with_entropy, softcap, [name for name, on in asked.items() if on])
     outputs = (logp, lse, entropy if with_entropy else logp, *(out[n] if asked[n] else logp for n in STATS))
@@ -351,4 +356,4 @@ def token_logprobs_merge(
         partial, mask, int(vocab), float(temperature), bool(with_entropy), float(logit_scale), _softcap(softcap),
         *(name in stats for name in STATS),
     )  # fmt: skip
-    return logp, lse, entropy if with_entropy else None, {n: v for n, v in zip(STATS, values) if n in stats}
+    return logp, lse, entropy if with_entropy else None, _asked(values, stats)
