@@ -18,6 +18,7 @@ CITED = re.compile(r"python -m (benchmarks\.[a-z_]+)([^`\n#]*)")
 
 SMOKE = {
     "benchmarks.check_finite_cost": ["--smoke", "--rounds", "1"],
+    "benchmarks.compiled_step": ["--size", "smoke", "--iters", "1", "--rounds", "1", "--out", "compiled"],
     "benchmarks.head_precision_gap": ["--tokens", "8", "--hidden", "16", "--vocab", "64"],
     "benchmarks.host_overhead": ["--repeats", "1", "--warmup", "0", "--no-peers"],
     "benchmarks.lean_memory": ["--smoke", "--rounds", "1"],
