@@ -18,7 +18,6 @@ CITED = re.compile(r"python -m (benchmarks\.[a-z_]+)([^`\n#]*)")
 
 SMOKE = {
     "benchmarks.check_finite_cost": ["--smoke", "--rounds", "1"],
-    "benchmarks.compiled_step": ["--size", "smoke", "--iters", "1", "--rounds", "1", "--out", "compiled"],
     "benchmarks.head_precision_gap": ["--tokens", "8", "--hidden", "16", "--vocab", "64"],
     "benchmarks.host_overhead": ["--repeats", "1", "--warmup", "0", "--no-peers"],
     "benchmarks.lean_memory": ["--smoke", "--rounds", "1"],
@@ -26,6 +25,7 @@ SMOKE = {
 NO_SMOKE = {
     "benchmarks.gpu_parity": "a GPU (real vocabularies on CUDA)",
     "benchmarks.headline": "a GPU",
+    "benchmarks.compiled_step": "a GPU for its numbers (tests/test_run_gpu.py's dry run runs its smoke size)",
     "benchmarks.interleaved": "TRL's step at its CPU size (minutes)",
     "benchmarks.trl_step": "TRL's step at its CPU size (minutes)",
     "benchmarks.packing_step": "a model forward per layout at its CPU size (minutes)",
