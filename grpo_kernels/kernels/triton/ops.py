@@ -62,6 +62,13 @@ def _row(like: Tensor, rows: tuple[int, ...], asked: bool = True, dtype: torch.d
     return like.new_empty(rows if asked else (0,), dtype=dtype)
 
 
+def _pass_outputs(like: Tensor, rows: tuple[int, ...], with_entropy: bool, *stats: bool) -> tuple[Tensor, ...]:
+    """A pass's outputs, empty, as its fake gives them: logp, lse, entropy, then each of `STATS` (is_top1 bool)."""
+    asked = dict(zip(STATS, stats, strict=True))
+    values = (_row(like, rows, on, torch.bool if name == "is_top1" else torch.float32) for name, on in asked.items())
+    return _row(like, rows), _row(like, rows), _row(like, rows, with_entropy), *values
+
+
 def _asked(values: list[Tensor], stats: tuple[str, ...]) -> dict[str, Tensor]:
     """The statistics a call asked for, by name, from an op's outputs for all of `STATS`."""
     return {name: value for name, value in zip(STATS, values, strict=True) if name in stats}
@@ -98,15 +105,7 @@ def _token_logprobs_fwd(
 
 @_fake(_token_logprobs_fwd)
 def _(logits, targets, mask, temperature, with_entropy, logit_scale, softcap, log_sum_sq_probs, mean_logits, is_top1):
-    rows = tuple(logits.shape[:2])  # [B, T]
-    return (
-        _row(logits, rows),
-        _row(logits, rows),
-        _row(logits, rows, with_entropy),
-        _row(logits, rows, log_sum_sq_probs),
-        _row(logits, rows, mean_logits),
-        _row(logits, rows, is_top1, torch.bool),
-    )
+    return _pass_outputs(logits, tuple(logits.shape[:2]), with_entropy, log_sum_sq_probs, mean_logits, is_top1)
 
 
 def token_logprobs_fwd(
@@ -357,15 +356,7 @@ def _token_logprobs_merge(
 
 @_fake(_token_logprobs_merge)
 def _(partial, mask, vocab, temperature, with_entropy, logit_scale, softcap, log_sum_sq_probs, mean_logits, is_top1):
-    rows = (partial.shape[1],)
-    return (
-        _row(partial, rows),
-        _row(partial, rows),
-        _row(partial, rows, with_entropy),
-        _row(partial, rows, log_sum_sq_probs),
-        _row(partial, rows, mean_logits),
-        _row(partial, rows, is_top1, torch.bool),
-    )
+    return _pass_outputs(partial, (partial.shape[1],), with_entropy, log_sum_sq_probs, mean_logits, is_top1)
 
 
 def token_logprobs_merge(
