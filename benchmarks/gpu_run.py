@@ -162,6 +162,7 @@ def summary_markdown(outdir: Path) -> str:
         out += ["## Parity (float64 oracle)", "", _nested(parity.read_text().split("\n## Every quantity")[0])]
     for title, path in (
         ("Host time per call (tiny shapes)", outdir / "host" / "host.md"),
+        ("The public API compiled against eager", outdir / "compiled" / "compiled_step.md"),
         ("Benchmarks against TRL (interleaved)", outdir / "bench" / "interleaved-trl.md"),
         ("Benchmark suites", outdir / "bench" / "benchmarks.md"),
         ("Sampling replay against the plain step", outdir / "bench" / "sampling_replay.md"),

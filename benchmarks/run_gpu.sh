@@ -9,8 +9,8 @@
 #
 # Plans: two calls that fit 15 minutes of GPU time with the machine's start-up. Each step has a timeout; the sum of a
 # plan's timeouts is its bound (--dry-run prints both plans' steps, timeouts and sums):
-#   first  (480 s)  env 20, build 45, tests 60 (-m cuda, opcheck), parity 150 (triton and cuda, bf16 and fp32),
-#                   headline 155, host 30, report 20
+#   first  (480 s)  env 20, build 35, tests 50 (-m cuda, opcheck), parity 130 (triton and cuda, bf16 and fp32),
+#                   headline 155, host 30, compiled 40, report 20
 #   second (240 s)  env 15, the three bench suites at --bench-size gpu-short (40 + 55 + 35), lean_memory 30,
 #                   packing 30, replay 25, report 10
 # Without --plan: every step but alltests, at the full sizes, within --budget (default 1500 s): the full suites.
@@ -30,6 +30,10 @@
 #   host         python -m benchmarks.host_overhead --device cuda --backend triton: each public function's wall time
 #                per call at tiny shapes against its device time (torch.profiler), ops per call;
 #                OUTDIR/host/host.{json,md}
+#   compiled     python -m benchmarks.compiled_step: the public API on the Triton backend, eager against
+#                torch.compile(mode="reduce-overhead") (a CUDA graph), at N 8,192 (bf16, V 151,936): wall time per
+#                call against the kernels' time, i.e. the API's share of the kernels' bandwidth, for token_logprobs
+#                forward and grpo_loss forward + backward; OUTDIR/compiled/compiled_step.{json,md}
 #   bench_grpo_loss, bench_fused_linear, bench_token_logprobs  (the group "bench")
 #                pytest --bench-size gpu (plan second: gpu-short), one file each, OUTDIR/bench/<step>.json; -rs
 #                prints every skip reason (a peer that is not installed is skipped with a line saying so)
@@ -57,7 +61,8 @@
 #                named in OUTDIR/skipped.txt; the report's timeout stays reserved for it when it is selected
 #   --rebuild    compile the extension even when OUTDIR/build holds one for these sources and this torch
 #   --dry-run    print both plans and every command; run the CPU-checkable steps on the CPU at tiny sizes (env,
-#                parity at smoke size on the torch backend, headline at smoke size, host on the CPU, the suites
+#                parity at smoke size on the torch backend, headline at smoke size, host on the CPU, compiled at
+#                smoke size (Triton's interpreter, the aot_eager compiler), the suites
 #                at --bench-size smoke --benchmark-disable, interleaved at smoke size for the fused lm_head, report);
 #                no GPU needed
 # Environment: PYTHON (default python3), WHEELS (a folder of wheels, e.g. trl and liger-kernel, installed with
@@ -67,8 +72,8 @@
 
 set -uo pipefail
 
-ALL_STEPS=(env build tests alltests parity headline host bench_grpo_loss bench_fused_linear bench_token_logprobs
-    interleaved lean_memory packing replay vllm_mask vllm_train report)
+ALL_STEPS=(env build tests alltests parity headline host compiled bench_grpo_loss bench_fused_linear
+    bench_token_logprobs interleaved lean_memory packing replay vllm_mask vllm_train report)
 declare -A TIMEOUT=([env]=120 [build]=900 [tests]=600 [alltests]=1500 [parity]=900 [headline]=600
     [bench_grpo_loss]=480 [bench_fused_linear]=600 [bench_token_logprobs]=480 [interleaved]=300 [report]=180)
 declare -A MINIMUM=([env]=10 [build]=30 [tests]=30 [alltests]=120 [parity]=90 [headline]=60 [bench_grpo_loss]=30
@@ -77,11 +82,14 @@ TIMEOUT[vllm_train]=420 MINIMUM[vllm_train]=90
 TIMEOUT[lean_memory]=300 MINIMUM[lean_memory]=30
 TIMEOUT[packing]=600 MINIMUM[packing]=30
 TIMEOUT[host]=120 MINIMUM[host]=15
+TIMEOUT[compiled]=300 MINIMUM[compiled]=20
 TIMEOUT[replay]=300 MINIMUM[replay]=20
 TIMEOUT[vllm_mask]=300 MINIMUM[vllm_mask]=90
 # The plans: "step:timeout" in order. Measured on an H100 (2026-11-26): env ~10 s, build 19 s, pytest -m cuda 22 s,
 # gpu_parity triton bf16+fp32 35 s (the cuda backend and the plain implementation come on top), the fused step ~25 s.
-PLAN_FIRST="env:20 build:45 tests:60 parity:150 headline:155 host:30 report:20"
+# compiled has not run on a GPU yet: its 40 s (two graphs compiled by Inductor, their CUDA graphs recorded, the timed
+# calls at ~1-3 ms each) come from build's and tests' margins and parity's.
+PLAN_FIRST="env:20 build:35 tests:50 parity:130 headline:155 host:30 compiled:40 report:20"
 PLAN_SECOND="env:15 bench_grpo_loss:40 bench_fused_linear:55 bench_token_logprobs:35 lean_memory:30 packing:30 replay:25"
 PLAN_SECOND+=" report:10"
 
@@ -144,8 +152,8 @@ expand() {  # a comma list of steps and groups -> one step a line
         fi
     done
 }
-DEFAULT_STEPS="env,build,tests,parity,headline,host,bench,interleaved,lean_memory,packing,replay,vllm_mask,vllm_train"
-DEFAULT_STEPS+=",report"
+DEFAULT_STEPS="env,build,tests,parity,headline,host,compiled,bench,interleaved,lean_memory,packing,replay,vllm_mask"
+DEFAULT_STEPS+=",vllm_train,report"
 [ -z "$PLAN" ] || DEFAULT_STEPS="$(for item in $PLAN_STEPS; do printf '%s,' "${item%%:*}"; done)"
 WANTED="$(expand "${DEFAULT_STEPS%,}")" || exit 2
 if [ -n "$ONLY" ]; then
@@ -224,6 +232,9 @@ commands() {  # GPU and CPU (dry run) command of step $1; an empty CPU one: not 
             GPU=("$PY" -m benchmarks.host_overhead --device cuda --backend triton --repeats 50 --no-peers
                 --json "$OUTDIR/host/host.json")
             CPU=("$PY" -m benchmarks.host_overhead --repeats 2 --warmup 1 --no-peers --json "$OUTDIR/host/host.json") ;;
+        compiled)
+            GPU=("$PY" -m benchmarks.compiled_step --out "$OUTDIR/compiled")
+            CPU=("$PY" -m benchmarks.compiled_step --size smoke --iters 1 --rounds 1 --out "$OUTDIR/compiled") ;;
         alltests) GPU=("$PY" -m pytest -rs -q -p no:cacheprovider tests --junitxml "$OUTDIR/tests/all.xml") ;;
         parity)
             GPU=("$PY" -m benchmarks.gpu_parity --out "$OUTDIR/parity")

@@ -26,6 +26,7 @@ SMOKE = {
 NO_SMOKE = {
     "benchmarks.gpu_parity": "a GPU (real vocabularies on CUDA)",
     "benchmarks.headline": "a GPU",
+    "benchmarks.compiled_step": "a GPU for its numbers (tests/test_run_gpu.py's dry run runs its smoke size)",
     "benchmarks.interleaved": "TRL's step at its CPU size (minutes)",
     "benchmarks.trl_step": "TRL's step at its CPU size (minutes)",
     "benchmarks.packing_step": "a model forward per layout at its CPU size (minutes)",

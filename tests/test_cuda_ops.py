@@ -4,6 +4,8 @@ the out-of-place backward only `out`, the in-place one the logits), fake/meta ke
 --no-build-isolation .`); skipped with the reason otherwise. And `backend="auto"` stays Triton on CUDA."""
 
 import importlib.util
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -104,3 +106,13 @@ def test_auto_keeps_triton_on_cuda(monkeypatch):
     """backend="auto" on CUDA tensors is Triton, also where the CUDA extension is built."""
     monkeypatch.setattr(backends.cuda.launchers, "cuda_usable", lambda device: (True, ""))
     assert backends.resolve_backend("auto", torch.device("cuda")) == "triton"
+
+
+def test_every_extension_op_has_a_meta_kernel():
+    """Read from csrc/bindings.cpp, on any machine: every op the extension defines is `OPS` (all opchecked above) and
+    has a Meta kernel, the fake that torch.compile traces it with."""
+    source = (Path(__file__).resolve().parents[1] / "csrc" / "bindings.cpp").read_text()
+    defined = set(re.findall(r'm\.def\("(\w+)\(', source))
+    meta = source.split("TORCH_LIBRARY_IMPL(grpo_kernels, Meta, m)")[1].split("}")[0]
+    assert defined == set(OPS)
+    assert set(re.findall(r'm\.impl\("(\w+)"', meta)) == defined

@@ -48,6 +48,8 @@ def test_dry_run(tmp_path):
         "-m benchmarks.headline --out",
         "-m benchmarks.headline --size smoke --iters 1",
         "-m benchmarks.host_overhead --device cuda --backend triton",
+        "-m benchmarks.compiled_step --out",
+        "-m benchmarks.compiled_step --size smoke",
         "benchmarks/bench_grpo_loss.py",
         "benchmarks/bench_fused_linear.py",
         "benchmarks/bench_token_logprobs.py",
@@ -70,6 +72,7 @@ def test_dry_run(tmp_path):
         parity="ok",
         headline="ok",
         host="ok",
+        compiled="ok",
         bench_grpo_loss="ok",
         bench_fused_linear="ok",
         bench_token_logprobs="ok",
@@ -94,17 +97,21 @@ def test_dry_run(tmp_path):
     assert {"gemms", "ours", *peers} <= {p for p, r in headline["cases"]["32"].items() if "median_ms" in r}
     interleaved = json.loads((tmp_path / "bench" / "interleaved-trl.json").read_text())
     assert {b["extra_info"]["provider"] for b in interleaved["benchmarks"]} >= {"torch"}
+    compiled = json.loads((tmp_path / "compiled" / "compiled_step.json").read_text())
+    assert compiled["size"] == "smoke" and set(compiled["cases"]) == {"token_logprobs_fwd", "grpo_loss_fwd_bwd"}
+    assert all("wall_ms" in case[mode] for case in compiled["cases"].values() for mode in ("eager", "compiled"))
     summary = (tmp_path / "SUMMARY.md").read_text()
     host = json.loads((tmp_path / "host" / "host.json").read_text())
     assert {r["function"] for r in host["rows"]} == set(host_overhead.FUNCTIONS)
-    for section in ("## Machine", "## Steps", "## Parity (float64 oracle)", "## Host time", "## Benchmarks against"):
+    sections = ("## Machine", "## Steps", "## Parity (float64 oracle)", "## Host time", "## The public API compiled")
+    for section in (*sections, "## Benchmarks against"):
         assert section in summary
     assert (tmp_path / "bench" / "benchmarks.md").exists() and (tmp_path / "logs" / "parity.log").exists()
 
 
 PLAN_BOUNDS = {"first": 480, "second": 240}
 PLAN_STEPS = {
-    "first": ["env", "build", "tests", "parity", "headline", "host", "report"],
+    "first": ["env", "build", "tests", "parity", "headline", "host", "compiled", "report"],
     "second": ["env", "bench_grpo_loss", "bench_fused_linear", "bench_token_logprobs", "lean_memory", "packing"]
     + ["replay", "report"],
 }

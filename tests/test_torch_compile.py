@@ -16,12 +16,13 @@ import pytest
 import torch
 
 import grpo_kernels as gk
+from grpo_kernels.kernels import backend as backends
 
 GRAPH_BREAKS = 0  # the measured count above: a new break fails the test
 B, T, V, H = 2, 4, 32, 16
 
 
-def _problem(function: str = "fused_linear_grpo_loss", check_finite: bool = False):
+def _problem(function: str = "fused_linear_grpo_loss", check_finite: bool = False, backend: str = "torch"):
     torch.manual_seed(0)
     model = torch.nn.ModuleDict(
         dict(embed=torch.nn.Embedding(V, H), layer=torch.nn.Linear(H, H), head=torch.nn.Linear(H, V, bias=False))
@@ -36,7 +37,7 @@ def _problem(function: str = "fused_linear_grpo_loss", check_finite: bool = Fals
 
     def step(ids: torch.Tensor) -> torch.Tensor:
         hidden = torch.tanh(model["layer"](model["embed"](ids)))  # [B, T, H]
-        keywords = dict(loss_type="dapo", beta=0.04, backend="torch", check_finite=check_finite)
+        keywords = dict(loss_type="dapo", beta=0.04, backend=backend, check_finite=check_finite)
         if function == "grpo_loss":
             logits = hidden @ model["head"].weight.T  # [B, T, V]
             return gk.grpo_loss(logits, targets, advantages, old_logp, ref_logp, mask, **keywords).loss
@@ -84,6 +85,25 @@ def test_compiled_call_matches_eager_and_counts_graph_breaks(function, check_fin
     with dynamo.config.patch(nested_graph_breaks=check_finite):
         breaks, reasons = _graph_breaks_against_eager(
             *_problem(function, check_finite), lambda step: torch.compile(step, backend="aot_eager")
+        )
+    expected = 1 if check_finite else 0
+    assert breaks <= expected, f"{breaks} graph breaks, {expected} measured before:\n{reasons}"
+
+
+@pytest.mark.parametrize("check_finite", [False, True])
+@pytest.mark.parametrize("function", ["grpo_loss", "fused_linear_grpo_loss"])
+def test_compiled_triton_call_matches_eager_and_counts_graph_breaks(function, check_finite):
+    """backend="triton" (on CPU tensors, the interpreter): every launch is a custom op with a fake
+    (kernels/triton/ops.py), one opaque node of the graph, so the counts are the torch backend's: 0, and the value
+    checks' one host read with check_finite=True. grpo_loss takes the fused epilogue's op here."""
+    dynamo = pytest.importorskip("torch._dynamo")
+    pytest.importorskip("triton")
+    ok, why = backends.CAPABILITIES["triton"].usable(torch.empty(0).device)
+    if not ok:
+        pytest.skip(why)
+    with dynamo.config.patch(nested_graph_breaks=check_finite):
+        breaks, reasons = _graph_breaks_against_eager(
+            *_problem(function, check_finite, "triton"), lambda step: torch.compile(step, backend="aot_eager")
         )
     expected = 1 if check_finite else 0
     assert breaks <= expected, f"{breaks} graph breaks, {expected} measured before:\n{reasons}"

@@ -51,6 +51,14 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def writes_in_place(out: Tensor, logits: Tensor) -> bool:
+    """Whether a backward told to write into `out` overwrites the logits (the in-place backward, whose op declares
+    the logits mutated): `out` is the logits, or, in eager mode, starts at their address. Under torch.compile only
+    the first is known (fake tensors have no address); another view of them as `out` then takes the op that
+    declares `out` mutated, with the same result."""
+    return out is logits or (not torch.compiler.is_compiling() and out.data_ptr() == logits.data_ptr())
+
+
 class VocabPass(Protocol):
     """`Capabilities.module`: the vocabulary pass over logits [B, T, V] (rows of a chunk of the fused lm_head come
     as [1, c, V]); masked rows give 0 and are never read for their target."""

@@ -13,6 +13,8 @@ import importlib
 import torch
 from torch import Tensor
 
+from grpo_kernels.kernels.protocol import writes_in_place
+
 BUILD_COMMAND = "GRPO_KERNELS_BUILD_CUDA=1 pip install --no-build-isolation ."
 
 
@@ -99,7 +101,7 @@ def token_logprobs_bwd(
     targets, mask = _ids_and_mask(targets, mask)
     args = (targets, mask, _f32(lse), _f32(entropy), _f32(grad_logp), _f32(grad_entropy), float(temperature))
     transform = (float(logit_scale), _softcap(softcap))
-    if out.data_ptr() == logits.data_ptr():
+    if writes_in_place(out, logits):
         ops().token_logprobs_bwd_inplace(logits, *args, *transform)
     else:
         ops().token_logprobs_bwd(logits, *args, *transform, out)

@@ -1,5 +1,6 @@
-"""The Triton backend: the vocabulary pass (`token_logprobs.py`), its fused loss epilogue (`grpo_loss.py`) and the
-lean fused lm_head's tiles (`lean.py`), and its record. Importing this package never imports triton: its record
+"""The Triton backend: the kernels and their launchers (`token_logprobs.py`, the fused loss epilogue `grpo_loss.py`),
+the launches as torch.library custom ops with fakes, which the drivers call (`ops.py`), the lean fused lm_head's
+tiles (`lean.py`), and its record. Importing this package never imports triton: its record
 checks the installed version first (`check_triton_version`, from the package metadata)."""
 
 from __future__ import annotations
@@ -77,12 +78,12 @@ def _check_triton() -> None:
 
 RECORD = Capabilities(
     name="triton",
-    module="grpo_kernels.kernels.triton.token_logprobs",
+    module="grpo_kernels.kernels.triton.ops",
     dtypes=HALF_AND_SINGLE,
     usable=triton_usable,
     stats=True,
     contiguous_vocab=True,
-    epilogue_module="grpo_kernels.kernels.triton.grpo_loss",
+    epilogue_module="grpo_kernels.kernels.triton.ops",
     epilogue_kl=EPILOGUE_KL,
     tile_module="grpo_kernels.kernels.triton.lean",
     before_import=_check_triton,  # a clear error for an unsupported triton, before triton is imported

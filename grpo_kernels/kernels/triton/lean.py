@@ -1,15 +1,15 @@
 """The vocabulary pass on 2-D tiles with the Triton kernels, for the lean fused lm_head: each vocabulary tile is a
 split-V launch whose V-blocks write partial statistics; the partials of all the tiles of a row are merged once, by the
 split pass's merge kernel, when the row's last tile is in. The backward kernel runs on a tile as it is: a target
-outside the tile only never meets its one-hot. Targets are passed relative to the tile (any int32)."""
+outside the tile only never meets its one-hot. Targets are passed relative to the tile (any int32). Every launch is
+one of the backend's custom ops (`ops.py`)."""
 
 from __future__ import annotations
 
 import torch
-import triton
 from torch import Tensor
 
-from grpo_kernels.kernels.triton import token_logprobs as k
+from grpo_kernels.kernels.triton import ops
 
 
 class TileStats:
@@ -19,39 +19,29 @@ class TileStats:
         if mask is None:
             mask = torch.ones(targets.shape, dtype=torch.bool, device=targets.device)
         self.targets, self.mask, self.opts = targets, mask.contiguous(), opts
-        self.a, self.b = k.transform_coefficients(opts.temperature, opts.logit_scale, opts.final_logit_softcapping)
-        self.flags = k._flags(opts.with_entropy, opts.final_logit_softcapping, opts.stats)
         self.parts: list[Tensor] = []
         self.v_t = torch.zeros(targets.shape[0], dtype=torch.float32, device=targets.device)  # v at the target
 
     def add(self, x: Tensor, v0: int) -> None:
         """Fold the tile x [rows, w] (last stride 1), columns v0 .. v0 + w of the vocabulary."""
-        tile = x[None]  # [1, rows, w]
+        opts = self.opts
         rel = (self.targets - v0).to(torch.int32)[None]  # [1, rows]
-        partial = k.launch_partials(tile, rel.contiguous(), self.mask[None], self.a, self.b, self.flags,
-                                    k.vocab_plan(tile))  # fmt: skip
+        partial = ops.token_logprobs_partials(
+            x[None], rel.contiguous(), self.mask[None], opts.temperature, opts.with_entropy, **opts.transform(),
+            stats=opts.stats,
+        )  # fmt: skip
         inside = (rel[0] >= 0) & (rel[0] < x.shape[1])
         self.v_t = torch.where(inside, partial[7, :, 0], self.v_t)  # written only where the target is in the tile
         self.parts.append(partial)
 
     def finish(self, vocab: int) -> tuple[Tensor, Tensor, Tensor | None, dict[str, Tensor]]:
         """(logp, lse, entropy or None, {stat: [rows]}), float32; masked rows 0 (False)."""
-        rows, device = self.targets.shape[0], self.targets.device
+        opts = self.opts
         partial = torch.cat(self.parts, dim=2)  # [PARTIAL_FIELDS, rows, all V-blocks]
         partial[7, :, 0] = self.v_t
-        logp = torch.empty(rows, dtype=torch.float32, device=device)
-        lse = torch.empty_like(logp)
-        entropy = torch.empty_like(logp) if self.opts.with_entropy else None
-        out = {n: torch.empty_like(logp, dtype=torch.int8 if n == "is_top1" else None) for n in self.opts.stats}
-        outputs = (logp, lse, logp if entropy is None else entropy, *(out.get(n, logp) for n in k._STATS))
-        splits = partial.shape[2]
-        k._token_logprobs_merge_kernel[(rows,)](
-            partial, self.mask, *outputs, splits, vocab, self.a, self.b, **self.flags,
-            SPLITS=triton.next_power_of_2(splits), num_warps=1, enable_fp_fusion=True,
-        )  # fmt: skip
-        if "is_top1" in out:
-            out["is_top1"] = out["is_top1"].bool()
-        return logp, lse, entropy, out
+        return ops.token_logprobs_merge(
+            partial, self.mask, vocab, opts.temperature, opts.with_entropy, **opts.transform(), stats=opts.stats
+        )
 
 
 def tile_grad_(x: Tensor, v0: int, targets: Tensor, mask: Tensor, lse: Tensor, entropy: Tensor | None,
@@ -60,7 +50,8 @@ def tile_grad_(x: Tensor, v0: int, targets: Tensor, mask: Tensor, lse: Tensor, e
     rel = (targets - v0).to(torch.int32)[None]
     if mask is None:
         mask = torch.ones(targets.shape, dtype=torch.bool, device=targets.device)
-    k.token_logprobs_bwd(
-        x[None], rel, mask[None], lse[None], None if entropy is None else entropy[None], grad_logp[None],
-        None if grad_entropy is None else grad_entropy[None], opts.temperature, x[None], **opts.transform(),
+    tile = x[None]  # [1, rows, w]: the logits and the buffer the gradient is written into (the in-place op)
+    ops.token_logprobs_bwd(
+        tile, rel, mask[None], lse[None], None if entropy is None else entropy[None], grad_logp[None],
+        None if grad_entropy is None else grad_entropy[None], opts.temperature, tile, **opts.transform(),
     )  # fmt: skip
