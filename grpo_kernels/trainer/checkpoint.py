@@ -52,6 +52,11 @@ class UnreadableCheckpoint(ValueError):
         self.file, self.reason = file, reason
 
 
+class NonFiniteWeights(ValueError):
+    """A checkpoint refused because a policy weight is NaN or infinite: no such checkpoint is ever written, so the
+    latest one on disk stays the last good one."""
+
+
 class CheckpointWriteError(OSError):
     """The file system refused a checkpoint write (file too large, read-only, I/O error, ...); its partial `.tmp/`
     folder is removed."""
@@ -117,6 +122,7 @@ def save(
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
     final = checkpoint_dir(output_dir, step)
+    check_weights_finite(unwrap(policy).model, parallel, final)
     tmp = final.with_name(final.name + ".tmp")
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
     model_state = get_model_state_dict(policy, options=full) if parallel.mode == "fsdp" else None
@@ -164,6 +170,21 @@ def save(
         raise
     _barrier(parallel)
     return final
+
+
+def check_weights_finite(model: nn.Module, parallel: ParallelState, final: Path) -> None:
+    """A `NonFiniteWeights` naming the first NaN / inf weight (on any rank: every rank refuses together)."""
+    local = {name: getattr(p, "to_local", p.detach)() for name, p in model.named_parameters()}  # FSDP2: the shard
+    bad = next((name for name, p in local.items() if not torch.isfinite(p.detach()).all()), None)
+    if parallel.world_size > 1:
+        flag = torch.tensor(float(bad is not None), device=parallel.device)
+        dist.all_reduce(flag)
+        bad = bad or ("a weight on another rank" if float(flag) > 0 else None)
+    if bad is not None:
+        raise NonFiniteWeights(
+            f"checkpoint {final} not written: policy weight {bad} is not finite (NaN or inf); the previous "
+            "checkpoint is kept"
+        )
 
 
 def read(path: str | Path, rank: int, *, lora: bool, ref_model: bool) -> dict:

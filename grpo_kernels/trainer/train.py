@@ -31,6 +31,7 @@ from grpo_kernels.trainer.model import (
     apply_lora,
     check_lengths,
     configure_attention,
+    disable_dropout,
     load_policy,
     model_context,
 )
@@ -40,6 +41,7 @@ from grpo_kernels.trainer.parallel import (
     unwrap,
     wrap_policy,
 )
+from grpo_kernels.trainer.optimizer import build_optimizer
 from grpo_kernels.trainer.policy import PolicyModule, UpdateBatch
 from grpo_kernels.trainer.precision import follower_dtype, policy_dtype
 from grpo_kernels.trainer.ref_model import build_ref_model, sync_ref_model
@@ -92,6 +94,8 @@ class GRPOTrainer:
             model, tokenizer = load_policy(config, self.task)
         check_lengths(tokenizer, self.task, config.max_completion_length, model_context(model), "the model's context")
         model = model.to(self.parallel.device, dtype=policy_dtype(config.dtype, self.parallel.device))
+        if config.disable_dropout:
+            disable_dropout(model)
         max_length = self.task.max_prompt_length + config.max_completion_length
         self.padding_free = configure_attention(model, config, max_length, self.parallel.is_main)
         self.ref_model = build_ref_model(model, self.options.beta)  # the initial weights, without adapters
@@ -109,7 +113,7 @@ class GRPOTrainer:
             checkpoint.load_weights(start.path, self.model, self.ref_model)
         self.policy = wrap_policy(self.components.policy_module(self.model, self.padding_free), self.parallel)
         trainable = [p for p in self.policy.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate, weight_decay=config.weight_decay)
+        self.optimizer = build_optimizer(trainable, lr=config.learning_rate, weight_decay=config.weight_decay)
         if start is not None:
             checkpoint.load_state(start.state, self.policy, self.optimizer)
             self.prompts.load_state_dict(start.state["data"])
@@ -232,6 +236,7 @@ class GRPOTrainer:
     def training_step(self) -> dict[str, float]:
         """One GRPO step on this rank's share of `prompts_per_step` prompts; returns the step's metrics."""
         config, policy = self.config, unwrap(self.policy)
+        self.policy.eval()  # generation and the scoring passes see no dropout: only the update runs in train mode
         # ---- prompts (the same draw on every rank; each keeps its share) -> G rollouts each -> the preset's rewards;
         #      its sampler keeps the groups it wants, generating more rounds where it needs them (DAPO, GPG, XRPO)
         step = self.components.collect(self.prompts, self.rollout)

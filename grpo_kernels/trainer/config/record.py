@@ -98,6 +98,8 @@ class TrainConfig:
     learning_rate: float = 1.0e-3  # AdamW's learning rate
     weight_decay: float = 0.0  # AdamW's weight decay
     max_grad_norm: float = 1.0  # gradients are clipped to this global norm
+    disable_dropout: bool = False  # set every dropout of the policy to 0 (TRL's name); either way generation,
+    # π_old, the reference and evaluation run in eval mode, so dropout only ever acts in the update's own pass
     skip_nonfinite_steps: int = 0  # steps whose grad_norm is not finite (NaN, inf) that may skip their optimizer
     # step, each logged; past that many (0: at the first) the run stops there, its last good checkpoint kept
     sync_ref_model: bool = False  # refresh the reference model from the policy (TR-DPO mixing, TRL's names)
