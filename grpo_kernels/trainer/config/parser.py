@@ -73,7 +73,7 @@ def _add_field(parser, name: str, annotation: str, default: Any, doc: str, valid
     help_text = f"{doc} (default: {shown}{extra})".replace("%", "%%")
     base = annotation.split("|")[0].strip().split("[")[0]
     kwargs: dict[str, Any] = dict(dest=name)
-    if annotation == "bool":
+    if annotation in ("bool", "bool | None"):
         kwargs["action"] = argparse.BooleanOptionalAction
     else:
         kwargs.update(type=_converter(annotation), metavar=_METAVARS.get(base, "VALUE"))
