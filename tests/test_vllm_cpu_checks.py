@@ -6,6 +6,7 @@ nothing is built; the CPU engine is a world of one, in-process, started from dum
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import re
 import sys
@@ -204,3 +205,15 @@ def test_the_stand_in_refuses_fewer_batched_tokens_than_sequences_as_vllm_does(c
     vllm = sys.modules["vllm"]
     with pytest.raises(ValueError, match=re.escape(BATCHED_BELOW_SEQS.format(tokens=4, seqs=8))):
         vllm.LLM("tiny-dir", max_num_seqs=8, max_num_batched_tokens=4)
+
+
+def test_the_benchmark_writes_its_results_to_a_file_and_prints_them_last(monkeypatch, tmp_path, capsys):
+    from benchmarks import vllm_cpu
+
+    logs = []
+    monkeypatch.setattr(vllm_cpu, "noise", lambda model, log_file: logs.append(log_file) or {"vllm/float32": 1e-7})
+    monkeypatch.setattr(vllm_cpu, "step_times", lambda steps, rounds: {"vllm": [], "hf": []})
+    out = tmp_path / "noise.json"
+    vllm_cpu.main(["--rounds", "0", "--out", str(out)])
+    assert json.loads(out.read_text())["noise"] == {"vllm/float32": 1e-7} and logs == [tmp_path / "noise.vllm.log"]
+    assert capsys.readouterr().out.splitlines()[-1] == f"results: {out}; vLLM's log: {tmp_path / 'noise.vllm.log'}"
