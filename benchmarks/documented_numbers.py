@@ -1,14 +1,17 @@
-"""The demo's numbers that the docs quote, measured from a finished run, and the passage of docs/trainer.md that
-holds them.
+"""The numbers the docs quote, from one command: the demo's, measured from a finished run (the passage of
+docs/trainer.md that holds them), and the performance numbers of README.md and docs/benchmarks.md, from the committed
+result files under benchmarks/results/ (`benchmarks/result_numbers.py`).
 
-    python -m grpo_kernels.train --output-dir runs/demo                  # the demo: 600 steps, about 2 minutes
-    python -m benchmarks.documented_numbers runs/demo --write            # rewrites the passage from that run
+    python -m grpo_kernels.train --output-dir runs/demo                  # the demo: 600 steps, 112 s on a 2-core CPU
+    python -m benchmarks.documented_numbers runs/demo --write            # every passage (the demo's from runs/demo)
+    python -m benchmarks.documented_numbers --write                      # the result files' passages only
 
 The passage sits between `BEGIN` and `END` in docs/trainer.md (the README links to it); every reward, accuracy and
 step of it comes from the run: its metrics.jsonl (task reward per step, greedy accuracy at each evaluation) and
 `python -m grpo_kernels.evaluate` on its first and last checkpoints. tests/test_documented_runs.py runs the README's
 demo line to completion and fails while the passage differs from what that run gives: when the trajectory changes,
-the docs are regenerated with the two commands above. Without --write the passage is printed.
+the docs are regenerated with the two commands above; tests/test_result_numbers.py does the same for the result
+files' passages. Without --write the passages are printed.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import json
 import re
 from pathlib import Path
 
+from benchmarks import result_numbers
 from grpo_kernels.compare.report import smooth, task_reward
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -97,13 +101,20 @@ def write(numbers: dict, page: Path = PAGE) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("run", type=Path, help="the demo's run directory (python -m grpo_kernels.train --output-dir)")
-    parser.add_argument("--write", action="store_true", help=f"rewrite the passage of {PAGE.relative_to(ROOT)}")
+    parser.add_argument(
+        "run", type=Path, nargs="?", help="the demo's run directory (python -m grpo_kernels.train --output-dir)"
+    )
+    parser.add_argument("--write", action="store_true", help="rewrite the passages in their pages")
     args = parser.parse_args(argv)
-    numbers = measure(args.run)
     if args.write:
-        write(numbers)
-    print(wrapped(passage(numbers)))
+        result_numbers.write_all()
+    for result in result_numbers.PASSAGES:
+        print(f"{result.page.relative_to(ROOT)}, {result.name}:\n{result_numbers.generated(result)}\n")
+    if args.run is not None:
+        numbers = measure(args.run)
+        if args.write:
+            write(numbers)
+        print(wrapped(passage(numbers)))
 
 
 if __name__ == "__main__":

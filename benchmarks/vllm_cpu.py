@@ -9,15 +9,18 @@
 3. The demo's time per step: `python -m grpo_kernels.train --num-heads 2` with `--rollout vllm --device cpu` and
    with `--rollout hf`, `--steps` steps each, taking turns for `--rounds` rounds; the median step_time after step 1.
 
-    python -m benchmarks.vllm_cpu [--model CHECKPOINT_DIR] [--steps 100] [--rounds 2]
+    python -m benchmarks.vllm_cpu [--model CHECKPOINT_DIR] [--steps 100] [--rounds 2] [--out FILE.json]
 
 `--model`: a trainer checkpoint of the demo (e.g. runs/<run>/checkpoints/step_000600) for the noise of a trained
-policy, whose distributions are sharper than the initial one's.
+policy, whose distributions are sharper than the initial one's. The results go to `--out` (default
+benchmarks/results/cpu/<date>-vllm-cpu.json) and are printed at the end; vLLM's own log goes beside them
+(`<out>.vllm.log`), so it never interleaves with them.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import statistics
@@ -29,11 +32,13 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import report
+
 PROMPTS = 16
 G = 16
 
 
-def build(model, tokenizer, path: str, dtype: str):
+def build(model, tokenizer, path: str, dtype: str, log_file: Path):
     from grpo_kernels.trainer.vllm_cpu import cpu_memory
     from grpo_kernels.trainer.vllm_rollout import VLLMRollout
 
@@ -50,6 +55,7 @@ def build(model, tokenizer, path: str, dtype: str):
         enable_sleep_mode=False,
         gpu_memory_utilization=math.ceil((resident + 2**29) / total * 100) / 100,  # 0.5 GiB of KV cache
         dtype=dtype,
+        log_file=log_file,
     )
     return rollout, time.perf_counter() - tic
 
@@ -82,7 +88,7 @@ def policy(checkpoint: str | None, dtype: torch.dtype):
     return model.to(dtype).eval(), tokenizer, prompts
 
 
-def noise(checkpoint: str | None) -> dict:
+def noise(checkpoint: str | None, log_file: Path) -> dict:
     from grpo_kernels.trainer.rollout import HFRollout
 
     out = {}
@@ -91,7 +97,7 @@ def noise(checkpoint: str | None) -> dict:
         with tempfile.TemporaryDirectory() as path:
             model.save_pretrained(path)
             tokenizer.save_pretrained(path)
-            rollout, seconds = build(model, tokenizer, path, name)
+            rollout, seconds = build(model, tokenizer, path, name, log_file)
             out[f"build_s/{name}"] = seconds
             rollout._weights_valid = True  # as after a push that did nothing: the engine keeps its dummy weights
             torch.manual_seed(1)
@@ -114,7 +120,7 @@ def step_times(steps: int, rounds: int) -> dict:
                 command += ["--steps", str(steps), "--output-dir", run, "--no-progress", "--no-plot"]
                 command += ["--eval-every", "0", "--checkpoint-every", "0"]
                 if rollout == "vllm":
-                    command += ["--device", "cpu", "--no-vllm-enable-sleep-mode"]
+                    command += ["--device", "cpu"]
                     command += ["--vllm-gpu-memory-utilization", "0.15"]
                 tic = time.perf_counter()
                 subprocess.run(command, check=True, capture_output=True)
@@ -135,10 +141,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default=None, help="a trainer checkpoint of the demo (default: the initial policy)")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--out", type=Path, help="JSON path (default: benchmarks/results/cpu/<date>-vllm-cpu.json)")
     args = parser.parse_args(argv)
+    out = args.out or report.RESULTS / "cpu" / f"{datetime.date.today()}-vllm-cpu.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    log_file = out.with_suffix(".vllm.log")
     torch.set_num_threads(1)
-    result = {"noise": noise(args.model), "steps": step_times(args.steps, args.rounds)}
+    result = {"noise": noise(args.model, log_file), "steps": step_times(args.steps, args.rounds)}
+    out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     print(json.dumps(result, indent=2), flush=True)
+    print(f"results: {out}; vLLM's log: {log_file}", flush=True)
 
 
 if __name__ == "__main__":

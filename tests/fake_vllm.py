@@ -28,6 +28,7 @@ What it reproduces, with the vLLM file it follows:
   `weight_transfer_config` from the registry (`vllm/distributed/weight_transfer/factory.py`, `base.py`). With
   `official=False` those are absent, as in vLLM before them; the in-process `llm_engine.model_executor` path is
   always there.
+- Its log: the `vllm` logger with a console handler of its own (`vllm/logger.py`); building an engine logs a warning.
 - The CPU build: `vllm.platforms.current_platform.is_cpu()`, `CPUAttentionBackend.get_supported_head_sizes`, and
   `dispatch_cpu_unquantized_gemm`, which packs a linear weight and empties the parameter.
 
@@ -46,6 +47,7 @@ without the weight-update API (the in-process `load_weights` path).
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import os
 import random
@@ -142,6 +144,7 @@ class LLM:
         self._transfer = self._transfer_engine(kwargs.get("weight_transfer_config"))
         _set_random_seed(seed)  # init_device
         _set_random_seed(seed)  # compile_or_warm_up_model
+        logging.getLogger("vllm.entrypoints.llm").warning("the stand-in engine is built: %s", self.kwargs)
         LLM.built.append(self)
 
     def _transfer_engine(self, config):
@@ -318,6 +321,14 @@ class CPUAttentionBackend:
         return [32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512]
 
 
+def _console_log(monkeypatch) -> None:
+    """The `vllm` logger as vLLM's import leaves it (`vllm/logger.py`): its own console handler, not propagated."""
+    logger, handlers = logging.getLogger("vllm"), [logging.StreamHandler(sys.stdout)]
+    setattr_ = monkeypatch.setattr if monkeypatch is not None else setattr
+    for name, value in (("handlers", handlers), ("propagate", False)):
+        setattr_(logger, name, value)
+
+
 def install(
     monkeypatch,
     *,
@@ -337,6 +348,7 @@ def install(
     vllm = types.ModuleType("vllm")
     vllm.LLM, vllm.SamplingParams, vllm.__version__ = llm, SamplingParams, "0.33.0"
     setitem(sys.modules, "vllm", vllm)
+    _console_log(monkeypatch)
     LLM.built = []
     WeightTransferEngineFactory._registry = {}
     platforms = types.ModuleType("vllm.platforms")

@@ -6,6 +6,8 @@ nothing is built; the CPU engine is a world of one, in-process, started from dum
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
 import re
 import sys
 
@@ -78,7 +80,10 @@ def _rebinding(init):
 @pytest.mark.parametrize(
     "change, message",
     [
-        (dict(enable_sleep_mode=True), r"^--vllm-enable-sleep-mode: vLLM's CPU engine has no sleep mode .* run with "),
+        (
+            dict(enable_sleep_mode=True),
+            r"^--vllm-enable-sleep-mode: vLLM's CPU engine has no sleep mode .* run without",
+        ),
         (dict(world_size=2), r"^--rollout vllm --device cpu runs in one process, got a world of 2"),
         (dict(gpu_memory_utilization=0.6), r"asks vLLM for 12\.00 GiB of the 20\.00 GiB of CPU memory .* only 10\.00"),
         (
@@ -92,6 +97,44 @@ def test_what_the_cpu_engine_cannot_do_is_refused_before_it_is_built(cpu_env, ch
     with pytest.raises(ValueError, match=message):
         make(model, tokenizer, **change)
     assert fake_vllm.LLM.built == []
+
+
+def test_every_unmet_prerequisite_is_named_in_one_error(cpu_env):
+    model, tokenizer = policy(num_heads=4)  # head size 16
+    with pytest.raises(ValueError) as error:
+        make(model, tokenizer, world_size=2, enable_sleep_mode=True, gpu_memory_utilization=0.6)
+    message = str(error.value)
+    assert (
+        message.startswith("--rollout vllm --device cpu cannot start: 4 things to change: (1) ") and "\n" not in message
+    )
+    for part in (
+        "(1) --rollout vllm --device cpu runs in one process",
+        "(2) --vllm-enable-sleep-mode",
+        "(3) vLLM's CPU attention supports head sizes",
+        "(4) vllm_gpu_memory_utilization=0.6",
+    ):
+        assert part in message
+    assert fake_vllm.LLM.built == []
+
+
+def test_sleep_mode_is_off_by_default_on_cpu_and_vllms_log_goes_to_the_run_directory(cpu_env, tmp_path):
+    model, tokenizer = policy()
+    config = TrainConfig(rollout="vllm", device="cpu", vllm_gpu_memory_utilization=0.1, output_dir=str(tmp_path))
+    config = dataclasses.replace(config, max_completion_length=3)
+    parallel = ParallelState(0, 1, torch.device("cpu"), "none")
+    rollout = build_vllm_rollout(config, model, tokenizer, parallel, build_task(config))
+    assert rollout.llm.kwargs["enable_sleep_mode"] is False and "sleep mode off" in rollout.description
+    log = tmp_path / "vllm.log"
+    assert f"vLLM's log: {log}" in rollout.description
+    assert "the stand-in engine is built" in log.read_text()
+    assert [type(h) for h in logging.getLogger("vllm").handlers] == [logging.FileHandler]
+
+    log.unlink()
+    fake_vllm.install(cpu_env, official=True, eos_token_ids=(2,), probs=torch.ones(len(tokenizer)), platform="cpu")
+    config = dataclasses.replace(config, vllm_show_log=True)
+    shown = build_vllm_rollout(config, model, tokenizer, parallel, build_task(config))
+    assert "vLLM's log: the console" in shown.description and not log.exists()
+    assert [type(h) for h in logging.getLogger("vllm").handlers] == [logging.StreamHandler]
 
 
 def test_an_unsupported_head_size_is_refused_before_the_engine_and_the_demo_says_how(cpu_env, tmp_path):
@@ -162,3 +205,15 @@ def test_the_stand_in_refuses_fewer_batched_tokens_than_sequences_as_vllm_does(c
     vllm = sys.modules["vllm"]
     with pytest.raises(ValueError, match=re.escape(BATCHED_BELOW_SEQS.format(tokens=4, seqs=8))):
         vllm.LLM("tiny-dir", max_num_seqs=8, max_num_batched_tokens=4)
+
+
+def test_the_benchmark_writes_its_results_to_a_file_and_prints_them_last(monkeypatch, tmp_path, capsys):
+    from benchmarks import vllm_cpu
+
+    logs = []
+    monkeypatch.setattr(vllm_cpu, "noise", lambda model, log_file: logs.append(log_file) or {"vllm/float32": 1e-7})
+    monkeypatch.setattr(vllm_cpu, "step_times", lambda steps, rounds: {"vllm": [], "hf": []})
+    out = tmp_path / "noise.json"
+    vllm_cpu.main(["--rounds", "0", "--out", str(out)])
+    assert json.loads(out.read_text())["noise"] == {"vllm/float32": 1e-7} and logs == [tmp_path / "noise.vllm.log"]
+    assert capsys.readouterr().out.splitlines()[-1] == f"results: {out}; vLLM's log: {tmp_path / 'noise.vllm.log'}"

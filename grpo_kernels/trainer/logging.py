@@ -17,12 +17,18 @@ from pathlib import Path
 
 from grpo_kernels.shown import shown
 from grpo_kernels.trainer import atomic_write
+from grpo_kernels.trainer.sampler_sync import IS_RATIO, KEPT_MASS, LOGP_DIFFERENCE
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "metrics.png"
-LIVE = ("reward", "rewards/answer", "kl", "entropy")  # shown in the progress bar
+GAP = f"{LOGP_DIFFERENCE}/mean"  # the sampler-sync guard's reading
+# shown in the progress bar, by label; the sampler's where the run logs them (the kept mass: truncated sampling)
+LIVE = {"reward": "reward", "rewards/answer": "answer", "kl": "kl", "entropy": "entropy", KEPT_MASS: "kept_mass"}
+LIVE_SAMPLER = {GAP: "sampler_gap"}
 SUMMARY = ("reward", "rewards/answer", "rewards/closeness", "rewards/format", "eval/answer", "kl", "entropy")
+SUMMARY_SAMPLER = {KEPT_MASS: "kept_mass", f"{IS_RATIO}/mean": "is_ratio", GAP: "sampler_gap"}
 PLOTS = (("reward", "rewards/answer", "eval/answer"), ("kl",), ("entropy",), ("completion_length",))
+SAMPLER_PLOT = ((f"{IS_RATIO}/mean", KEPT_MASS), (GAP,))  # the sampler's panel: ratios on the left, the gap right
 
 
 def start_line(config, step: int, resumed_from: Path | None, config_file: Path) -> str:
@@ -94,7 +100,8 @@ class MetricsLogger:
         if self.tracker is not None:
             self.tracker.log(step, metrics)
         if self.bar is not None:
-            self.bar.update({k.split("/")[-1]: metrics[k] for k in LIVE if k in metrics}, step)
+            live = {**LIVE, **LIVE_SAMPLER}
+            self.bar.update({label: metrics[k] for k, label in live.items() if k in metrics}, step)
 
     def stop(self) -> None:
         """Stop the bar and the tracker (a run interrupted, or at its end)."""
@@ -119,14 +126,15 @@ class MetricsLogger:
 
 
 def summary_table(history: list[dict], wall_seconds: float, steps_run: int) -> str:
-    """First, last and best value of the main metrics (best: the highest, for rewards and accuracies only), wall
-    time; rendered by rich when installed."""
+    """First, last and best value of the main metrics (best: the highest, for rewards and accuracies only), and of
+    the sampler's where the run logs them (kept mass, importance ratio, the guard's gap); wall time; rendered by rich
+    when installed."""
     rows = []
-    for name in SUMMARY:
+    for name, label in [*((n, n) for n in SUMMARY), *SUMMARY_SAMPLER.items()]:
         values = [m[name] for m in history if name in m]
         if values:
             best = f"{max(values):.3f}" if "reward" in name or name.startswith("eval/") else ""
-            rows.append((name, f"{values[0]:.3f}", f"{values[-1]:.3f}", best))
+            rows.append((label, number(values[0]), number(values[-1]), best))
     caption = f"{steps_run} steps in {wall_seconds:.0f} s ({wall_seconds / max(steps_run, 1):.2f} s/step)"
     try:
         from rich.console import Console
@@ -146,8 +154,15 @@ def summary_table(history: list[dict], wall_seconds: float, steps_run: int) -> s
     return text.getvalue()
 
 
+def number(value: float) -> str:
+    """A metric as the progress and the summary show it: three decimals, or two significant digits below 1e-3 (the
+    sampler's gap is ~1e-7 in fp32)."""
+    return f"{value:.3f}" if value == 0 or abs(value) >= 1e-3 else f"{value:.1e}"
+
+
 def plot_metrics(history: list[dict], path: Path) -> str:
-    """PNG of the curves in PLOTS against the step; returns a line saying where it went (or why not)."""
+    """PNG of the curves in PLOTS against the step, and a sampler panel (importance ratio and kept mass, the guard's
+    gap on a log scale) when the run logged them; returns a line saying where it went (or why not)."""
     try:
         import matplotlib
 
@@ -155,21 +170,39 @@ def plot_metrics(history: list[dict], path: Path) -> str:
         import matplotlib.pyplot as plt
     except ImportError:
         return "plot skipped: pip install matplotlib"
-    fig, axes = plt.subplots(1, len(PLOTS), figsize=(4 * len(PLOTS), 3.2))
-    for ax, names in zip(axes, PLOTS, strict=True):
-        for name in names:
-            points = [(m["step"], m[name]) for m in history if name in m]
-            if points:
-                ax.plot(*zip(*points, strict=True), label=name, marker="." if name.startswith("eval") else None)
-        ax.set_xlabel("step")
+    sampler = any(GAP in m for m in history)
+    panels = len(PLOTS) + sampler
+    fig, axes = plt.subplots(1, panels, figsize=(4 * panels, 3.2))
+    for ax, names in zip(axes, PLOTS, strict=False):
+        _curves(ax, history, names)
         ax.set_title(" / ".join(names) if len(names) == 1 else "reward and accuracy")
         if len(names) > 1:
             ax.legend(fontsize=7)
+    if sampler:
+        ratios, (gap,) = SAMPLER_PLOT
+        _curves(axes[-1], history, ratios)
+        right = axes[-1].twinx()
+        _curves(right, history, (gap,), color="tab:red")
+        right.set_yscale("log")
+        right.set_ylabel("sampler gap (nats, log)", fontsize=7)
+        axes[-1].set_title("sampler")
+        axes[-1].legend(fontsize=7, loc="lower left")
+        right.legend(fontsize=7, loc="upper right")
     fig.tight_layout()
     with atomic_write.replacing(path) as tmp:
         fig.savefig(tmp, dpi=100)
     plt.close(fig)
     return f"plot: {path}"
+
+
+def _curves(ax, history: list[dict], names, **style) -> None:
+    """Each metric of `names` that `history` holds, against the step, on `ax`."""
+    for name in names:
+        points = [(m["step"], m[name]) for m in history if name in m]
+        if points:
+            marker = "." if name.startswith("eval") else None
+            ax.plot(*zip(*points, strict=True), label=name.removeprefix("sampling/"), marker=marker, **style)
+    ax.set_xlabel("step")
 
 
 REPORT_TO = ("none", "tensorboard", "wandb")
@@ -239,7 +272,7 @@ class _Bar:
         self.bar = self.rich.add_task("train", total=total, completed=done, live="")
 
     def update(self, live: dict[str, float], step: int) -> None:
-        text = " ".join(f"{k}={v:.3f}" for k, v in live.items())
+        text = " ".join(f"{k}={number(v)}" for k, v in live.items())
         if self.rich is None:
             self.bar.set_postfix_str(text, refresh=False)
             self.bar.update(1)
@@ -271,7 +304,7 @@ class _Lines:
         self.last = now
         elapsed = now - self.start
         left = elapsed / self.steps * (self.total - step)
-        values = " ".join(f"{k}={v:.3f}" for k, v in live.items())
+        values = " ".join(f"{k}={number(v)}" for k, v in live.items())
         print(f"step {step}/{self.total} {values} ({elapsed:.0f} s, about {left:.0f} s left)", flush=True)
 
     def close(self) -> None:

@@ -46,6 +46,7 @@ RESUMABLE = (
     "eval_every",
     "torch_threads",
     "report_to",
+    "vllm_show_log",
     "progress",
     "progress_every",
     "progress_seconds",

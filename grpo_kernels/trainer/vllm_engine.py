@@ -24,6 +24,7 @@ which drives vLLM the same way (`trl/generation/vllm_generation.py`, colocate mo
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import random
@@ -119,6 +120,23 @@ def check_gpu_memory(device: torch.device, utilization: float, trainer: str) -> 
             f"--vllm-gpu-memory-utilization to at most {math.floor(free / total * 100) / 100:.2f}, or lower "
             f"--dtype / --ref-model-dtype (e.g. bfloat16) to free memory"
         )
+
+
+def route_vllm_log(log_file: str | os.PathLike | None) -> None:
+    """vLLM's own log (its `vllm` logger, which vLLM gives a console handler at import: `vllm/logger.py`) into
+    `log_file`, so that the trainer's progress is what the console shows; None: left on the console. A file of an
+    earlier engine of this process is closed."""
+    if log_file is None:
+        return
+    logger = logging.getLogger("vllm")
+    for handler in list(logger.handlers):
+        logger.removeHandler(handler)
+        if isinstance(handler, logging.FileHandler):
+            handler.close()
+    handler = logging.FileHandler(log_file, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [%(name)s] %(message)s"))
+    logger.addHandler(handler)
+    logger.propagate = False
 
 
 def official_weight_api(vllm) -> bool:

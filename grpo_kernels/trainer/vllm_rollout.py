@@ -50,6 +50,7 @@ from grpo_kernels.trainer.rollout import (
     group_ids,
 )
 from grpo_kernels.trainer.vllm_cpu import (
+    check_all,
     check_cpu_memory,
     check_cpu_options,
     check_head_size,
@@ -70,6 +71,7 @@ from grpo_kernels.trainer.vllm_engine import (
     push_weights,
     rank_environment,
     register_in_process_backend,
+    route_vllm_log,
 )
 
 INSTALL_HINT = (
@@ -98,12 +100,22 @@ def vllm_platform():
 def prepare_cpu_engine(
     model: nn.Module, utilization: float, world_size: int, enable_sleep_mode: bool, head_size_hint: str
 ) -> dict[str, str]:
-    """Every check of `vllm_cpu.py` for a CPU engine sampling from `model`, before anything is built; then the patch
-    that lets weight pushes reach it. Returns the environment to build it in (the engine core in this process)."""
-    check_platform(vllm_platform(), torch.device("cpu"))
-    check_cpu_options(world_size, enable_sleep_mode)
-    check_head_size(model.config, supported_head_sizes(), head_size_hint)
-    check_cpu_memory(utilization, *cpu_memory())
+    """Every check of `vllm_cpu.py` for a CPU engine sampling from `model`, before anything is built, all unmet ones
+    in one ValueError (the head size and memory checks need vLLM's CPU build, so they run with it only); then the
+    patch that lets weight pushes reach it. Returns the environment to build it in (the engine core in this
+    process)."""
+    platform = vllm_platform()
+    checks = [
+        lambda: check_platform(platform, torch.device("cpu")),
+        lambda: check_cpu_options(world_size, False),
+        lambda: check_cpu_options(1, enable_sleep_mode),
+    ]
+    if platform.is_cpu():
+        checks += [
+            lambda: check_head_size(model.config, supported_head_sizes(), head_size_hint),
+            lambda: check_cpu_memory(utilization, *cpu_memory()),
+        ]
+    check_all(checks, "--rollout vllm --device cpu cannot start")
     keep_cpu_linear_weights()
     return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
@@ -214,7 +226,8 @@ class VLLMRollout:
     runs on `device` (this rank's GPU) with `seed` (this rank's), in `dtype`, sized for prompts of at most
     `max_prompt_tokens` tokens and `rows_per_call` rows per `generate`; building it leaves the trainer's random state
     as it was. On a `device` of type cpu the engine is vLLM's CPU build (`vllm_cpu.py`); `head_size_hint` ends the
-    error for a head size its attention does not support.
+    error for a head size its attention does not support. `enable_sleep_mode` None: on with CUDA, off on CPU (the CPU
+    engine has none). `log_file`: where vLLM's own log goes (None: the console, as vLLM sets it).
     """
 
     def __init__(
@@ -234,14 +247,18 @@ class VLLMRollout:
         top_p: float = 1.0,
         min_p: float = 0.0,
         gpu_memory_utilization: float = 0.3,
-        enable_sleep_mode: bool = True,
+        enable_sleep_mode: bool | None = None,
         seed: int = 0,
         dtype: str = "bfloat16",
         trainer_memory: str = "the trainer",
         head_size_hint: str = "",
+        log_file: str | os.PathLike | None = None,
     ) -> None:
         vllm = import_vllm()
+        route_vllm_log(log_file)
         device = torch.device(device)
+        on_cpu = device.type == "cpu"
+        enable_sleep_mode = not on_cpu if enable_sleep_mode is None else enable_sleep_mode
         self.model, self.tokenizer = model, tokenizer
         self.max_completion_length, self.temperature = max_completion_length, temperature
         self.top_k, self.top_p, self.min_p = top_k, top_p, min_p  # the sampler's truncation, replayed by the trainer
@@ -249,7 +266,6 @@ class VLLMRollout:
         self.dtype = getattr(torch, dtype)  # the sampler's precision, which sets the sampler-sync guard's limit
         self.eos_token_ids = eos_token_ids(tokenizer, model)  # the set HFRollout stops on too
         self.sizes = engine_sizes(max_prompt_tokens, max_completion_length, rows_per_call)
-        on_cpu = device.type == "cpu"
         if on_cpu:
             environment = prepare_cpu_engine(
                 model, gpu_memory_utilization, world_size, enable_sleep_mode, head_size_hint
@@ -283,7 +299,8 @@ class VLLMRollout:
             f"max_num_seqs {self.sizes.max_num_seqs}, "
             f"max_num_batched_tokens {self.sizes.max_num_batched_tokens}, gpu_memory_utilization "
             f"{gpu_memory_utilization}, end of sequence {list(self.eos_token_ids)}, weight sync: "
-            f"{OFFICIAL if self.official_weight_api else IN_PROCESS}"
+            f"{OFFICIAL if self.official_weight_api else IN_PROCESS}, sleep mode {'on' if enable_sleep_mode else 'off'}"
+            f", vLLM's log: {log_file if log_file is not None else 'the console'}"
         )
 
     def sync_weights(self) -> None:
@@ -366,11 +383,21 @@ def longest_prompt_tokens(task, tokenizer) -> int:
     return max(longest, task.max_prompt_length)
 
 
+def vllm_log_file(config, parallel) -> str | None:
+    """Where vLLM's log goes: vllm.log in the run directory (vllm-rank<N>.log per rank under torchrun); None (the
+    console) with `vllm_show_log` or without a run directory."""
+    if config.vllm_show_log or config.output_dir is None:
+        return None
+    name = "vllm.log" if parallel.world_size == 1 else f"vllm-rank{parallel.rank}.log"
+    return os.path.join(config.output_dir, name)
+
+
 def build_vllm_rollout(config, model: nn.Module, tokenizer, parallel, task) -> VLLMRollout:
     """This rank's `VLLMRollout` for `TrainConfig` `config`: on `parallel.device` with seed `config.seed + rank`, in
     the sampler's dtype (`vllm_dtype`, auto: the policy's), sized for the task's longest prompt and this rank's share
-    of a step's rows (the tiny demo model is written to a temporary directory first, as vLLM builds from one); prints
-    one start-up line per rank (device, seed, sizes, dtypes, weight sync)."""
+    of a step's rows (the tiny demo model is written to a temporary directory first, as vLLM builds from one), with
+    vLLM's log in the run directory unless `vllm_show_log`; prints one start-up line per rank (device, seed, sizes,
+    dtypes, weight sync, where vLLM's log goes)."""
     from grpo_kernels.trainer.config.algorithm import loss_options
     from grpo_kernels.trainer.model import TINY
     from grpo_kernels.trainer.precision import dtype_name, follower_dtype
@@ -407,6 +434,7 @@ def build_vllm_rollout(config, model: nn.Module, tokenizer, parallel, task) -> V
         gpu_memory_utilization=config.vllm_gpu_memory_utilization,
         enable_sleep_mode=config.vllm_enable_sleep_mode,
         seed=config.seed + parallel.rank,
+        log_file=vllm_log_file(config, parallel),
         dtype=dtype_name(sampler),
         trainer_memory=trainer,
         head_size_hint=hint,

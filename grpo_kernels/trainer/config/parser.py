@@ -73,7 +73,7 @@ def _add_field(parser, name: str, annotation: str, default: Any, doc: str, valid
     help_text = f"{doc} (default: {shown}{extra})".replace("%", "%%")
     base = annotation.split("|")[0].strip().split("[")[0]
     kwargs: dict[str, Any] = dict(dest=name)
-    if annotation == "bool":
+    if annotation in ("bool", "bool | None"):
         kwargs["action"] = argparse.BooleanOptionalAction
     else:
         kwargs.update(type=_converter(annotation), metavar=_METAVARS.get(base, "VALUE"))
@@ -96,6 +96,10 @@ examples:
   python -m grpo_kernels.train --preset dapo --paper-settings --learning-rate 1e-3
   python -m grpo_kernels.train --output-dir runs/dapo --resume --steps 200
   python -m grpo_kernels.train --dataset countdown --config my_run.yaml"""
+
+
+TRUNCATION = ("top_k", "top_p", "min_p")  # in the trainer, the sampler's truncation too
+TRUNCATES_BOTH = "; here it truncates both the rollouts' sampling (hf and vllm) and the log-probs (docs/trainer.md)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -129,6 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     loss_docs = field_docs(LossOptions)
     for f in dataclasses.fields(LossOptions):
         if f.name not in PER_STEP_LOSS_OPTIONS and f.name not in taken:
-            default = getattr(defaults.loss, f.name)
-            _add_field(loss_fields, f.name, f.type, default, loss_docs.get(f.name, ""), valid.get(f.name))
+            default, doc = getattr(defaults.loss, f.name), loss_docs.get(f.name, "")
+            if f.name in TRUNCATION:
+                doc += TRUNCATES_BOTH
+            _add_field(loss_fields, f.name, f.type, default, doc, valid.get(f.name))
     return parser

