@@ -22,6 +22,8 @@ METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "metrics.png"
 LIVE = ("reward", "rewards/answer", "kl", "entropy")  # shown in the progress bar
 SUMMARY = ("reward", "rewards/answer", "rewards/closeness", "rewards/format", "eval/answer", "kl", "entropy")
+PHASES = ("generation", "scoring", "old_logp_pass", "reference_pass", "update")  # each step's `time/<phase>`, s
+TIMES = ("step_time", *(f"time/{phase}" for phase in PHASES))  # the metrics that differ between identical runs
 PLOTS = (("reward", "rewards/answer", "eval/answer"), ("kl",), ("entropy",), ("completion_length",))
 
 

@@ -36,8 +36,10 @@ def pass_reasons(config: TrainConfig, components: PresetComponents) -> list[str]
         reasons.append("regularizer 'tr_grpo' computes its token weights from π_old before the update")
     if components.learner is not None:
         reasons.append("learned sequence weights (λ-GRPO, DARO) are set for the update before it runs")
-    if components.preference is not None or components.info is not None:
-        reasons.append("AMIR-GRPO's and Info-GRPO's policy terms run their own update forward")
+    if components.preference is not None:
+        reasons.append("AMIR-GRPO's preference term runs its own update forward")
+    if components.info is not None:
+        reasons.append("Info-GRPO's entropy term runs its own update forward")
     if sampling_replay.truncates(config.loss) and config.loss.replay_entropy == "full":
         reasons.append("replay_entropy 'full' needs the whole vocabulary's entropy, a pass of its own")
     return reasons
