@@ -96,7 +96,8 @@ class MetricsLogger:
         if self.tracker is not None:
             self.tracker.log(step, metrics)
         if self.bar is not None:
-            self.bar.update({k.split("/")[-1]: metrics[k] for k in LIVE if k in metrics}, step)
+            live = {k.split("/")[-1]: metrics[k] for k in LIVE if k in metrics}
+            self.bar.update(live, step, lambda: phase_times(self.history[len(self.history) - self.bar.steps :]))
 
     def stop(self) -> None:
         """Stop the bar and the tracker (a run interrupted, or at its end)."""
@@ -130,6 +131,8 @@ def summary_table(history: list[dict], wall_seconds: float, steps_run: int) -> s
             best = f"{max(values):.3f}" if "reward" in name or name.startswith("eval/") else ""
             rows.append((name, f"{values[0]:.3f}", f"{values[-1]:.3f}", best))
     caption = f"{steps_run} steps in {wall_seconds:.0f} s ({wall_seconds / max(steps_run, 1):.2f} s/step)"
+    phases = phase_times(history[len(history) - steps_run :] if steps_run > 0 else [])
+    caption += f"\nper step: {phases}" if phases else ""
     try:
         from rich.console import Console
         from rich.table import Table
@@ -146,6 +149,17 @@ def summary_table(history: list[dict], wall_seconds: float, steps_run: int) -> s
     text = io.StringIO()
     Console(file=text, width=100).print(table)
     return text.getvalue()
+
+
+def phase_times(history: list[dict]) -> str:
+    """The mean seconds per step of each phase (`time/<phase>`) over the records of `history` that hold it, e.g.
+    "generation 0.12 s, scoring 0.001 s, ..."; "" when none does."""
+    parts = []
+    for phase in PHASES:
+        values = [m[f"time/{phase}"] for m in history if f"time/{phase}" in m]
+        if values:
+            parts.append(f"{phase.replace('_', ' ')} {sum(values) / len(values):.3g} s")
+    return ", ".join(parts)
 
 
 def plot_metrics(history: list[dict], path: Path) -> str:
@@ -223,6 +237,7 @@ class _Bar:
     """A progress bar with live metric fields: rich's, else tqdm's."""
 
     def __init__(self, total: int, done: int) -> None:
+        self.steps = 0  # steps logged since the bar started
         try:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
         except ImportError:
@@ -240,7 +255,8 @@ class _Bar:
         self.rich.start()
         self.bar = self.rich.add_task("train", total=total, completed=done, live="")
 
-    def update(self, live: dict[str, float], step: int) -> None:
+    def update(self, live: dict[str, float], step: int, phases=None) -> None:
+        self.steps += 1
         text = " ".join(f"{k}={v:.3f}" for k, v in live.items())
         if self.rich is None:
             self.bar.set_postfix_str(text, refresh=False)
@@ -264,7 +280,8 @@ class _Lines:
         self.start = self.last = time.perf_counter()
         self.steps = 0
 
-    def update(self, live: dict[str, float], step: int) -> None:
+    def update(self, live: dict[str, float], step: int, phases=None) -> None:
+        """`phases`: a function giving the mean phase times of the steps since the start (`phase_times`)."""
         now = time.perf_counter()
         self.steps += 1
         due = (self.every and step % self.every == 0) or (self.seconds and now - self.last >= self.seconds)
@@ -274,7 +291,9 @@ class _Lines:
         elapsed = now - self.start
         left = elapsed / self.steps * (self.total - step)
         values = " ".join(f"{k}={v:.3f}" for k, v in live.items())
-        print(f"step {step}/{self.total} {values} ({elapsed:.0f} s, about {left:.0f} s left)", flush=True)
+        per_step = phases() if phases is not None else ""
+        per_step = f"; per step: {per_step}" if per_step else ""
+        print(f"step {step}/{self.total} {values} ({elapsed:.0f} s, about {left:.0f} s left{per_step})", flush=True)
 
     def close(self) -> None:
         pass

@@ -1,5 +1,6 @@
 """GRPOTrainer: the GRPO loop, readable top to bottom in `training_step`: prompts -> G rollouts each -> rewards ->
-advantages -> old-policy and reference log-probs (fused, no grad) -> μ fused-loss updates -> weight sync -> metrics;
+old-policy (where the update pass cannot give it: `old_logprobs.py`) and reference log-probs (fused, no grad) ->
+advantages -> μ fused-loss updates -> weight sync -> metrics;
 `train` adds periodic evaluation and checkpoints. The run directory's rules (a new run needs an empty
 `output_dir`; `resume` continues the run there with its own configuration, from its latest readable checkpoint) are
 `run_dir.py`'s.
