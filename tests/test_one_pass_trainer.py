@@ -14,7 +14,7 @@ import torch
 from grpo_kernels.trainer import vllm_rollout
 from grpo_kernels.trainer.components import PresetComponents
 from grpo_kernels.trainer.config import apply_preset
-from grpo_kernels.trainer.logging import PHASES, TIMES
+from grpo_kernels.trainer.logging import PHASES, TIMES, MetricsLogger
 from grpo_kernels.trainer.model import build_tiny_llama, build_tokenizer
 from grpo_kernels.trainer.old_logprobs import old_logp_source, pass_reasons
 from grpo_kernels.trainer.parallel import ParallelState
@@ -146,3 +146,14 @@ def test_which_presets_keep_the_pi_old_pass(preset, reason):
     if reason is not None:
         with pytest.raises(ValueError, match=r"^old_logprobs 'sampler' \(bypass mode\) cannot serve: "):
             old_logp_source(dataclasses.replace(config, old_logprobs="sampler"), components)
+
+
+def test_the_progress_line_and_the_summary_show_the_phase_times(tmp_path, capsys):
+    logger = MetricsLogger(tmp_path, total_steps=2, progress=True, progress_every=1, progress_seconds=0)
+    for step in (1, 2):
+        logger.log(step, {"reward": 0.5, **{f"time/{phase}": 0.25 * step for phase in PHASES}})
+    table = logger.close(plot=False)
+    lines = capsys.readouterr().out.splitlines()
+    assert "per step: generation 0.25 s, scoring 0.25 s, old logp pass 0.25 s" in lines[0]
+    assert "per step: generation 0.375 s" in lines[1]  # the mean over the steps so far
+    assert "per step: generation 0.375 s, scoring 0.375 s, old logp pass 0.375 s, reference pass 0.375 s" in table

@@ -123,7 +123,7 @@ class MetricsLogger:
 
 def summary_table(history: list[dict], wall_seconds: float, steps_run: int) -> str:
     """First, last and best value of the main metrics (best: the highest, for rewards and accuracies only), wall
-    time; rendered by rich when installed."""
+    time, the phases' mean times per step; rendered by rich when installed."""
     rows = []
     for name in SUMMARY:
         values = [m[name] for m in history if name in m]
@@ -132,7 +132,7 @@ def summary_table(history: list[dict], wall_seconds: float, steps_run: int) -> s
             rows.append((name, f"{values[0]:.3f}", f"{values[-1]:.3f}", best))
     caption = f"{steps_run} steps in {wall_seconds:.0f} s ({wall_seconds / max(steps_run, 1):.2f} s/step)"
     phases = phase_times(history[len(history) - steps_run :] if steps_run > 0 else [])
-    caption += f"\nper step: {phases}" if phases else ""
+    phases = f"per step: {phases}" if phases else ""  # a line below the table, too long for its caption
     try:
         from rich.console import Console
         from rich.table import Table
@@ -140,7 +140,7 @@ def summary_table(history: list[dict], wall_seconds: float, steps_run: int) -> s
         lines = [f"{'metric':<20}{'first':>10}{'last':>10}{'best':>10}"] + [
             f"{r[0]:<20}{r[1]:>10}{r[2]:>10}{r[3]:>10}" for r in rows
         ]
-        return "\n".join([*lines, caption])
+        return "\n".join([*lines, caption, phases]).rstrip("\n")
     table = Table(title="GRPO run summary", caption=caption)
     for column in ("metric", "first", "last", "best"):
         table.add_column(column, justify="left" if column == "metric" else "right")
@@ -148,7 +148,7 @@ def summary_table(history: list[dict], wall_seconds: float, steps_run: int) -> s
         table.add_row(*row)
     text = io.StringIO()
     Console(file=text, width=100).print(table)
-    return text.getvalue()
+    return text.getvalue() + (f"{phases}\n" if phases else "")
 
 
 def phase_times(history: list[dict]) -> str:
