@@ -13,7 +13,7 @@ import torch
 
 from grpo_kernels.trainer import vllm_rollout
 from grpo_kernels.trainer.components import PresetComponents
-from grpo_kernels.trainer.config import apply_preset
+from grpo_kernels.trainer.config import apply_preset, parse_args
 from grpo_kernels.trainer.logging import PHASES, TIMES, MetricsLogger
 from grpo_kernels.trainer.model import build_tiny_llama, build_tokenizer
 from grpo_kernels.trainer.old_logprobs import old_logp_source, pass_reasons
@@ -157,3 +157,20 @@ def test_the_progress_line_and_the_summary_show_the_phase_times(tmp_path, capsys
     assert "per step: generation 0.25 s, scoring 0.25 s, old logp pass 0.25 s" in lines[0]
     assert "per step: generation 0.375 s" in lines[1]  # the mean over the steps so far
     assert "per step: generation 0.375 s, scoring 0.375 s, old logp pass 0.375 s, reference pass 0.375 s" in table
+
+
+def test_the_flags_and_the_yaml_keys(tmp_path):
+    flags = ["--old-logprobs", "sampler", "--sampler-sync", "warn", "--sampler-sync-tolerance", "0.01"]
+    config = parse_args(flags)
+    assert (config.old_logprobs, config.sampler_sync, config.sampler_sync_tolerance) == ("sampler", "warn", 0.01)
+    yaml_file = tmp_path / "run.yaml"
+    yaml_file.write_text("old_logprobs: pass\nsampler_sync: 'off'\n")
+    from_yaml = parse_args(["--config", str(yaml_file)])
+    assert (from_yaml.old_logprobs, from_yaml.sampler_sync, from_yaml.sampler_sync_tolerance) == ("pass", "off", None)
+    for bad, message in (
+        (["--sampler-sync", "loud"], "sampler_sync must be one of"),
+        (["--old-logprobs", "twice"], "old_logprobs must be one of"),
+        (["--sampler-sync-tolerance", "0"], "sampler_sync_tolerance must be > 0"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            parse_args(bad)
