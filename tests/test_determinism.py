@@ -6,12 +6,13 @@ from pathlib import Path
 
 from grpo_kernels.trainer import train
 from grpo_kernels.trainer.config import parse_args
+from grpo_kernels.trainer.logging import TIMES
 
 # dapo (a fresh AdamW state at step 1, dynamic sampling drawing from the random stream) on lone-digit answers, which
 # the tiny policy gets right often enough for the filter to keep groups
 RUN = ["--preset", "dapo", "--steps", "3", "--prompts-per-step", "4", "--num-generations", "4"]
 RUN += ["--max-completion-length", "1", "--no-plot", "--no-progress"]
-TIMING = ("step_time",)
+TIMING = TIMES
 
 
 def training_numbers(output_dir: Path, *flags: str) -> list[dict]:

@@ -17,12 +17,12 @@ from grpo_kernels.trainer import checkpoint as checkpoint_module
 from grpo_kernels.trainer.__main__ import main
 from grpo_kernels.trainer.checkpoint import checkpoint_dir, latest
 from grpo_kernels.trainer.config import apply_preset
-from grpo_kernels.trainer.logging import read_metrics
+from grpo_kernels.trainer.logging import TIMES, read_metrics
 from grpo_kernels.trainer.train import GRPOTrainer
 
 TINY = dict(prompts_per_step=4, num_generations=4, eval_every=0, checkpoint_every=1, progress=False, plot=False)
 TINY_FLAGS = ["--prompts-per-step", "4", "--num-generations", "4", "--eval-every", "0", "--checkpoint-every", "1"]
-TIMING = ("step_time",)
+TIMING = TIMES
 
 
 def tiny(output_dir: Path, **overrides) -> TrainConfig:

@@ -16,14 +16,14 @@ from grpo_kernels.options import LossOptions
 from grpo_kernels.trainer import TrainConfig, parse_args, train
 from grpo_kernels.trainer.checkpoint import checkpoint_dir, latest
 from grpo_kernels.trainer.config import apply_preset
-from grpo_kernels.trainer.logging import read_metrics
+from grpo_kernels.trainer.logging import TIMES, read_metrics
 from grpo_kernels.trainer.run_dir import save_config
 from grpo_kernels.trainer.tasks import AdditionTask
 from grpo_kernels.trainer.update import importance_sampling_ratio
 
 REPO = Path(__file__).resolve().parents[1]
 QUIET = dict(progress=False, plot=False)
-TIMING = ("step_time",)  # the only metrics allowed to differ between two runs of the same config
+TIMING = TIMES  # the only metrics allowed to differ between two runs of the same config
 
 
 def demo(tmp_path: Path, **overrides) -> TrainConfig:

@@ -1,8 +1,9 @@
 """The trainer's data parallelism on CPU (gloo): 2 processes × half the batch × 2 accumulation micro-batches (or,
 padding-free, uneven micro-batches filled by a token budget) make the same update as 1 process on the whole batch,
-under DDP and under FSDP2, for every kind of normaliser; and
-`torchrun -m grpo_kernels.train` runs, logs once and checkpoints."""
+under DDP and under FSDP2, for every kind of normaliser, also where the update pass is its own π_old pass
+(`one_pass.py`); and `torchrun -m grpo_kernels.train` runs, logs once and checkpoints."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import torch.multiprocessing as mp
 from grpo_kernels.options import LossOptions
 from grpo_kernels.trainer.logging import read_metrics
 from grpo_kernels.trainer.model import build_tiny_llama, build_tokenizer
+from grpo_kernels.trainer.one_pass import OwnPass
 from grpo_kernels.trainer.parallel import ParallelState, wrap_policy
 from grpo_kernels.trainer.policy import PolicyModule, UpdateBatch
 from grpo_kernels.trainer.update import inner_updates
@@ -32,6 +34,7 @@ LOSSES = {  # one per normaliser kind of grpo_kernels.distributed.micro_batch_sc
     "seq_mean": dict(loss_type="grpo", loss_agg_mode="seq-mean-token-mean"),  # num_sequences_in_batch
 }
 MODES = ("ddp", "fsdp")
+ONE_PASS = ("grpo", "dapo")  # per-row and num_items_in_batch normalisers, with the update pass as π_old's
 
 
 def _model() -> torch.nn.Module:
@@ -57,11 +60,26 @@ def _batch() -> UpdateBatch:
     )
 
 
+def _with_pi_old(batch: UpdateBatch) -> UpdateBatch:
+    """`batch` with old_logp from a no-grad pass of the initial model: the two-pass path's π_old."""
+    with torch.no_grad():
+        logp, _ = PolicyModule(_model()).logprobs(batch.input_ids, batch.attention_mask, batch.completion_mask, 1.0)
+    return dataclasses.replace(batch, old_logp=logp)
+
+
 def _update(
-    batch: UpdateBatch, state: ParallelState, loss: dict, accumulation: int, max_tokens: int | None = None
+    batch: UpdateBatch,
+    state: ParallelState,
+    loss: dict,
+    accumulation: int,
+    max_tokens: int | None = None,
+    one_pass: bool = False,
 ) -> tuple[float, list]:
     """One SGD step (lr 1, no clipping) on `batch`: (the step's loss, the full parameters after it). With
-    `max_tokens`: padding-free, micro-batches filled up to that many tokens."""
+    `max_tokens`: padding-free, micro-batches filled up to that many tokens; with `one_pass`, π_old is the update
+    pass's own."""
+    if one_pass:
+        batch = dataclasses.replace(batch, old_logp=None)
     policy = wrap_policy(PolicyModule(_model(), padding_free=max_tokens is not None), state)
     optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
     stats = inner_updates(
@@ -73,6 +91,7 @@ def _update(
         max_grad_norm=1e9,
         gradient_accumulation_steps=accumulation,
         max_tokens_per_microbatch=max_tokens,
+        own_pass=OwnPass() if one_pass else None,
     )
     params = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for p in policy.parameters()]
     return stats["loss"], [p.clone() for p in params]
@@ -97,6 +116,12 @@ def _rank(rank: int, store: str, results) -> None:
             dist.all_reduce(total)
             if rank == 0:
                 results[mode, name, "tokens"] = (total.item() / 2, params)
+        for name in ONE_PASS:
+            value, params = _update(half, state, LOSSES[name], accumulation=2, one_pass=True)
+            total = torch.tensor(value, dtype=torch.float64)
+            dist.all_reduce(total)
+            if rank == 0:
+                results[mode, name, "one_pass"] = (total.item() / 2, params)
     dist.destroy_process_group()
 
 
@@ -113,7 +138,9 @@ def two_rank_updates() -> dict:
 def one_process_updates() -> dict:
     """loss -> (the step's loss, the parameters after it) of 1 process on the whole batch."""
     single = ParallelState(0, 1, torch.device("cpu"), "none")
-    return {name: _update(_batch(), single, loss, accumulation=1) for name, loss in LOSSES.items()}
+    updates = {name: _update(_batch(), single, loss, accumulation=1) for name, loss in LOSSES.items()}
+    two_pass = {(name, "two_pass"): _update(_with_pi_old(_batch()), single, LOSSES[name], 1) for name in ONE_PASS}
+    return {**updates, **two_pass}
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -129,6 +156,16 @@ def test_two_ranks_with_accumulation_equal_one_process(mode, two_rank_updates, o
             assert got_loss == pytest.approx(want_loss, rel=1e-5, abs=1e-7), key
             for g, w in zip(got, want, strict=True):
                 torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6, msg=lambda m, key=key: f"{key}: {m}")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_two_ranks_one_pass_equal_one_process_two_pass(mode, two_rank_updates, one_process_updates):
+    for name in ONE_PASS:
+        want_loss, want = one_process_updates[name, "two_pass"]
+        got_loss, got = two_rank_updates[mode, name, "one_pass"]
+        assert got_loss == pytest.approx(want_loss, rel=1e-5, abs=1e-7), name
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("mode", MODES)

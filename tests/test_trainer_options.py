@@ -11,12 +11,12 @@ import torch
 
 from grpo_kernels.trainer import TrainConfig
 from grpo_kernels.trainer.checkpoint import checkpoint_dir
-from grpo_kernels.trainer.logging import MetricsLogger
+from grpo_kernels.trainer.logging import TIMES, MetricsLogger
 from grpo_kernels.trainer.tasks import AdditionTask
 from grpo_kernels.trainer.train import GRPOTrainer
 
 QUIET = dict(progress=False, plot=False, eval_every=0)
-TIMING = "step_time"
+TIMING = TIMES
 
 
 def run(tmp_path, **overrides) -> tuple[GRPOTrainer, list[dict]]:
@@ -26,7 +26,7 @@ def run(tmp_path, **overrides) -> tuple[GRPOTrainer, list[dict]]:
 
 
 def without_timing(history: list[dict]) -> list[dict]:
-    return [{k: v for k, v in m.items() if k != TIMING} for m in history]
+    return [{k: v for k, v in m.items() if k not in TIMING} for m in history]
 
 
 @pytest.mark.parametrize("preset_loss", [dict(loss_type="grpo"), dict(loss_type="bnpo"), dict(loss_type="dapo")])

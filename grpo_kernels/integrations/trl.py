@@ -44,6 +44,7 @@ except ImportError as error:  # pragma: no cover - exercised only without TRL
 from grpo_kernels.api import fused_linear_grpo_loss, fused_linear_token_logprobs
 from grpo_kernels.integrations import hf, trl_replay, zero3
 from grpo_kernels.integrations.trl_precision import GRPOConfig, head_operands, head_precision
+from grpo_kernels.integrations.trl_sampler_sync import check_trl_sampler_sync
 from grpo_kernels.losses.loss import GRPOLossOutput
 from grpo_kernels.options import CLIP_LOSS_TYPES, LossOptions
 
@@ -79,7 +80,9 @@ class _FusedHead:
     """Overrides of trl.GRPOTrainer; mixed in before TRL's class (GRPOTrainer here, or by `patch`)."""
 
     def _compute_loss(self, model, inputs):
-        """TRL's `_compute_loss` with the loss and its gradients from `fused_linear_grpo_loss`."""
+        """TRL's `_compute_loss` with the loss and its gradients from `fused_linear_grpo_loss`; the sampler-sync
+        guard first (`trl_sampler_sync`)."""
+        check_trl_sampler_sync(self, _unwrapped(self, model), inputs)
         if self.top_entropy_quantile < 1.0:  # TRL's algebra on the fused log-probs: a quantile over all processes
             return super()._compute_loss(model, inputs)
         _check_text_only(inputs)

@@ -1,6 +1,6 @@
-"""The TRL drop-in's config and head precision: `GRPOConfig` (TRL's config plus the fused head's `head_precision` and
-the sampling replay's `replay_reference`), TRL's `cast_lm_head_to_fp32` read as head_precision="fp32", and the
-operands the fused passes take."""
+"""The TRL drop-in's config and head precision: `GRPOConfig` (TRL's config plus the fused head's `head_precision`,
+the sampling replay's `replay_reference` and the sampler-sync guard's `sampler_sync`), TRL's `cast_lm_head_to_fp32`
+read as head_precision="fp32", and the operands the fused passes take."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import trl
 from torch import Tensor
 
 from grpo_kernels.kernels.head_precision import HEAD_PRECISIONS, check_head_precision
+from grpo_kernels.trainer.sampler_sync import SAMPLER_SYNC
 
 
 @dataclasses.dataclass
@@ -26,6 +27,19 @@ class GRPOConfig(trl.GRPOConfig):
             "'fp32' (float32 logits; the gradient GEMMs stay in the lm_head's dtype).",
             "choices": list(HEAD_PRECISIONS),
         },
+    )
+    sampler_sync: str = dataclasses.field(
+        default="off",
+        metadata={
+            "help": "The sampler-sync guard on a training micro-batch's old and sampler log-probs (vLLM, or a "
+            "rollout_func's): 'stop' raises StaleSampler before the backward when their mean gap over every "
+            "process is over sampler_sync_tolerance, 'warn' warns, 'off' (default, TRL's behaviour) does nothing.",
+            "choices": list(SAMPLER_SYNC),
+        },
+    )
+    sampler_sync_tolerance: float | None = dataclasses.field(
+        default=None,
+        metadata={"help": "The guard's limit in nats per token (None: 1e-3 in fp32, 5e-2 in bf16 / fp16)."},
     )
     replay_reference: bool = dataclasses.field(
         default=False,

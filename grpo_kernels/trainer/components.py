@@ -22,6 +22,7 @@ live beside it:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -137,6 +138,7 @@ class PresetComponents:
         self.learner = build_learner([r for r in regularizers if r.name in LEARNED], config, parallel, problems)
         self.preference, self.info = self._policy_terms(regularizers, problems)  # kwargs of the forward's term
         self.policy: PreferencePolicy | InfoPolicy | None = None
+        self.generation_seconds = 0.0  # the latest `collect`'s time in the rollout engine
         if self.info is not None:
             self.sampler = InfoRounds(augmentation(task))
         for r in regularizers:
@@ -175,7 +177,9 @@ class PresetComponents:
 
     # ------------------------------------------------------------------------------------------------- per step
     def collect(self, prompts: PromptStream, rollout: Rollout) -> StepSamples:
-        """This rank's share of `prompts_per_step` fresh prompts -> G rollouts each -> rewards -> the sampler."""
+        """This rank's share of `prompts_per_step` fresh prompts -> G rollouts each -> rewards -> the sampler;
+        `generation_seconds` is then the time its rollouts took."""
+        self.generation_seconds = 0.0
         collected = self.sampler(_Rounds(self, prompts, rollout))
         round = collected.round
         group_ids = torch.unique(round.batch.group_ids.cpu(), return_inverse=True)[1]  # [B] dense
@@ -201,36 +205,39 @@ class PresetComponents:
             inputs=inputs,
         )
 
-    def advantage_inputs(self, step: StepSamples, old_logp: Tensor, entropy: Tensor) -> dict[str, Tensor]:
-        """`rewards` ([B], or [B, K] for a matrix estimator), `group_ids` and the inputs the estimator names, on CPU."""
-        mask = step.batch.completion_mask.to(old_logp.device)  # [B, T]
+    def advantage_inputs(self, step: StepSamples, old_logp: Tensor | None, entropy: Tensor | None) -> dict[str, Tensor]:
+        """`rewards` ([B], or [B, K] for a matrix estimator), `group_ids` and the inputs the estimator names, on CPU.
+        π_old's `old_logp` and `entropy` [B, T] are None where no estimator input reads them (no π_old pass ran)."""
+        mask = step.batch.completion_mask  # [B, T]
         lengths = mask.sum(1).float()  # [B]
         available = {
             "correctness": step.correct,  # [B]
             "lengths": lengths,  # [B]
-            "mean_logp": (old_logp * mask).sum(1) / lengths.clamp(min=1),  # [B]
             "entropy": entropy,  # [B, T]
             "mask": mask,  # [B, T]
             **step.inputs,
         }
+        if old_logp is not None:
+            available["mean_logp"] = (old_logp * mask).sum(1) / lengths.clamp(min=1)  # [B]
         inputs = {"rewards": step.terms if self.matrix else step.rewards, "group_ids": step.group_ids}
         return {**inputs, **{name: available[name].cpu() for name in self.advantage_input_names}}
 
-    def weights(self, step: StepSamples, old_logp: Tensor) -> StepWeights:
+    def weights(self, step: StepSamples, old_logp: Tensor | None) -> StepWeights:
         """Token weights [B, T] (TR-GRPO's, from π_old: the policy of the first inner update) and sequence weights
-        [B] (the sampler's times the learned ones)."""
+        [B] (the sampler's times the learned ones). `old_logp` is None where no π_old pass ran (no TR-GRPO)."""
+        device = step.batch.completion_mask.device
         token = None
         for r in self.token_weights:
             factor = REGULARIZERS.get(r.name)(old_logp, **r.kwargs)  # [B, T]
             token = factor if token is None else token * factor
-        sequence = None if step.sequence_weights is None else step.sequence_weights.to(old_logp.device)  # [B]
+        sequence = None if step.sequence_weights is None else step.sequence_weights.to(device)  # [B]
         if isinstance(self.policy, PreferencePolicy):
             self.policy.set_step(self.rewards.on_verdict(step.terms, step.correct), step.group_ids)
         elif isinstance(self.policy, InfoPolicy):
             self.policy.set_step(step.inputs["augmented"])
         if self.learner is None:
             return StepWeights(token=token, sequence=sequence, learned=None)
-        learned, context = self.learner.weights(step, old_logp.device)  # [B]
+        learned, context = self.learner.weights(step, device)  # [B]
         learned = learned if sequence is None else learned * sequence
         return StepWeights(token=token, sequence=learned.detach().requires_grad_(), learned=learned, context=context)
 
@@ -314,7 +321,9 @@ class _Rounds:
         return self.prompts.next(count)[local_rows(count, self.components.parallel)]
 
     def generate(self, prompts: list[Prompt], num_generations: int) -> Round:
+        tic = time.perf_counter()
         batch = self.rollout.generate([p.text for p in prompts], num_generations)
+        self.components.generation_seconds += time.perf_counter() - tic
         answers = [prompts[i].answer for i in batch.group_ids.tolist()]
         return Round(prompts, batch, self.components.task.score(batch.completions, answers, batch.truncated))
 

@@ -27,6 +27,8 @@ LIVE = {"reward": "reward", "rewards/answer": "answer", "kl": "kl", "entropy": "
 LIVE_SAMPLER = {GAP: "sampler_gap"}
 SUMMARY = ("reward", "rewards/answer", "rewards/closeness", "rewards/format", "eval/answer", "kl", "entropy")
 SUMMARY_SAMPLER = {KEPT_MASS: "kept_mass", f"{IS_RATIO}/mean": "is_ratio", GAP: "sampler_gap"}
+PHASES = ("generation", "scoring", "old_logp_pass", "reference_pass", "update")  # each step's `time/<phase>`, s
+TIMES = ("step_time", *(f"time/{phase}" for phase in PHASES))  # the metrics that differ between identical runs
 PLOTS = (("reward", "rewards/answer", "eval/answer"), ("kl",), ("entropy",), ("completion_length",))
 SAMPLER_PLOT = ((f"{IS_RATIO}/mean", KEPT_MASS), (GAP,))  # the sampler's panel: ratios on the left, the gap right
 
@@ -100,8 +102,8 @@ class MetricsLogger:
         if self.tracker is not None:
             self.tracker.log(step, metrics)
         if self.bar is not None:
-            live = {**LIVE, **LIVE_SAMPLER}
-            self.bar.update({label: metrics[k] for k, label in live.items() if k in metrics}, step)
+            live = {label: metrics[k] for k, label in {**LIVE, **LIVE_SAMPLER}.items() if k in metrics}
+            self.bar.update(live, step, lambda: phase_times(self.history[len(self.history) - self.bar.steps :]))
 
     def stop(self) -> None:
         """Stop the bar and the tracker (a run interrupted, or at its end)."""
@@ -127,8 +129,8 @@ class MetricsLogger:
 
 def summary_table(history: list[dict], wall_seconds: float, steps_run: int) -> str:
     """First, last and best value of the main metrics (best: the highest, for rewards and accuracies only), and of
-    the sampler's where the run logs them (kept mass, importance ratio, the guard's gap); wall time; rendered by rich
-    when installed."""
+    the sampler's where the run logs them (kept mass, importance ratio, the guard's gap); wall time; the phases'
+    mean times per step; rendered by rich when installed."""
     rows = []
     for name, label in [*((n, n) for n in SUMMARY), *SUMMARY_SAMPLER.items()]:
         values = [m[name] for m in history if name in m]
@@ -136,6 +138,8 @@ def summary_table(history: list[dict], wall_seconds: float, steps_run: int) -> s
             best = f"{max(values):.3f}" if "reward" in name or name.startswith("eval/") else ""
             rows.append((label, number(values[0]), number(values[-1]), best))
     caption = f"{steps_run} steps in {wall_seconds:.0f} s ({wall_seconds / max(steps_run, 1):.2f} s/step)"
+    phases = phase_times(history[len(history) - steps_run :] if steps_run > 0 else [])
+    phases = f"per step: {phases}" if phases else ""  # a line below the table, too long for its caption
     try:
         from rich.console import Console
         from rich.table import Table
@@ -143,7 +147,7 @@ def summary_table(history: list[dict], wall_seconds: float, steps_run: int) -> s
         lines = [f"{'metric':<20}{'first':>10}{'last':>10}{'best':>10}"] + [
             f"{r[0]:<20}{r[1]:>10}{r[2]:>10}{r[3]:>10}" for r in rows
         ]
-        return "\n".join([*lines, caption])
+        return "\n".join([*lines, caption, phases]).rstrip("\n")
     table = Table(title="GRPO run summary", caption=caption)
     for column in ("metric", "first", "last", "best"):
         table.add_column(column, justify="left" if column == "metric" else "right")
@@ -151,7 +155,18 @@ def summary_table(history: list[dict], wall_seconds: float, steps_run: int) -> s
         table.add_row(*row)
     text = io.StringIO()
     Console(file=text, width=100).print(table)
-    return text.getvalue()
+    return text.getvalue() + (f"{phases}\n" if phases else "")
+
+
+def phase_times(history: list[dict]) -> str:
+    """The mean seconds per step of each phase (`time/<phase>`) over the records of `history` that hold it, e.g.
+    "generation 0.12 s, scoring 0.001 s, ..."; "" when none does."""
+    parts = []
+    for phase in PHASES:
+        values = [m[f"time/{phase}"] for m in history if f"time/{phase}" in m]
+        if values:
+            parts.append(f"{phase.replace('_', ' ')} {sum(values) / len(values):.3g} s")
+    return ", ".join(parts)
 
 
 def number(value: float) -> str:
@@ -254,6 +269,7 @@ class _Bar:
     """A progress bar with live metric fields: rich's, else tqdm's."""
 
     def __init__(self, total: int, done: int) -> None:
+        self.steps = 0  # steps logged since the bar started
         try:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
         except ImportError:
@@ -271,7 +287,8 @@ class _Bar:
         self.rich.start()
         self.bar = self.rich.add_task("train", total=total, completed=done, live="")
 
-    def update(self, live: dict[str, float], step: int) -> None:
+    def update(self, live: dict[str, float], step: int, phases=None) -> None:
+        self.steps += 1
         text = " ".join(f"{k}={number(v)}" for k, v in live.items())
         if self.rich is None:
             self.bar.set_postfix_str(text, refresh=False)
@@ -295,7 +312,8 @@ class _Lines:
         self.start = self.last = time.perf_counter()
         self.steps = 0
 
-    def update(self, live: dict[str, float], step: int) -> None:
+    def update(self, live: dict[str, float], step: int, phases=None) -> None:
+        """`phases`: a function giving the mean phase times of the steps since the start (`phase_times`)."""
         now = time.perf_counter()
         self.steps += 1
         due = (self.every and step % self.every == 0) or (self.seconds and now - self.last >= self.seconds)
@@ -305,7 +323,9 @@ class _Lines:
         elapsed = now - self.start
         left = elapsed / self.steps * (self.total - step)
         values = " ".join(f"{k}={number(v)}" for k, v in live.items())
-        print(f"step {step}/{self.total} {values} ({elapsed:.0f} s, about {left:.0f} s left)", flush=True)
+        per_step = phases() if phases is not None else ""
+        per_step = f"; per step: {per_step}" if per_step else ""
+        print(f"step {step}/{self.total} {values} ({elapsed:.0f} s, about {left:.0f} s left{per_step})", flush=True)
 
     def close(self) -> None:
         pass

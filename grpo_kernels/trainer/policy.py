@@ -21,6 +21,7 @@ from grpo_kernels.api import fused_linear_grpo_loss
 from grpo_kernels.integrations.hf import completion_hidden_states, lm_head, logit_transform, policy_logprobs
 from grpo_kernels.options import LossOptions
 from grpo_kernels.packing import PackedSequences
+from grpo_kernels.trainer.one_pass import OwnPass, own_pass_loss
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,11 +33,12 @@ class UpdateBatch:
     attention_mask: Tensor  # [B, P + T]
     completion_mask: Tensor  # [B, T] bool
     advantages: Tensor  # [B] or [B, T]
-    old_logp: Tensor  # [B, T]
+    old_logp: Tensor | None  # [B, T]; None: the update pass's own log-probs, detached (`one_pass.py`)
     ref_logp: Tensor | None = None  # [B, T]
     is_ratio: Tensor | None = None  # [B, T] or [B]
     token_weights: Tensor | None = None  # [B, T]
     sequence_weights: Tensor | None = None  # [B]
+    sampling_logp: Tensor | None = None  # [B, T] the sampler's log-probs, for the correction of the pass's own π_old
 
     @property
     def targets(self) -> Tensor:
@@ -104,9 +106,8 @@ class PolicyModule(nn.Module):
         self.model = model
         self.padding_free = padding_free
 
-    def forward(self, batch: UpdateBatch, options: LossOptions) -> tuple[Tensor, dict[str, Tensor]]:
-        """(loss, metrics) of the fused lm_head + GRPO loss on `batch`; the [B, T, V] logits are never stored.
-        The model's own logit scaling and soft-capping (Gemma 2/3, Cohere, Granite) apply, as in `logprobs`."""
+    def fused_loss(self, batch: UpdateBatch, options: LossOptions) -> tuple[Tensor, dict[str, Tensor]]:
+        """The fused loss on `batch`, its π_old given (`batch.old_logp`)."""
         weight, bias = lm_head(self.model)
         scale, softcap = logit_transform(self.model)
         options = dataclasses.replace(options, logit_scale=scale, final_logit_softcapping=softcap)
@@ -150,8 +151,23 @@ class PolicyModule(nn.Module):
         )
         return out.loss, out.metrics
 
+    def forward(
+        self, batch: UpdateBatch, options: LossOptions, own_pass: OwnPass | None = None
+    ) -> tuple[Tensor, dict[str, Tensor]] | tuple[Tensor, dict[str, Tensor], dict[str, Tensor]]:
+        """(loss, metrics) of the fused lm_head + GRPO loss on `batch`; the [B, T, V] logits are never stored.
+        The model's own logit scaling and soft-capping (Gemma 2/3, Cohere, Granite) apply, as in `logprobs`.
+        With `own_pass` the update pass is also the log-prob pass (`one_pass.py`): (loss, metrics, its detached
+        log-probs, kept mass and sampler ratio)."""
+        if own_pass is not None:
+            return own_pass_loss(self, batch, options, own_pass)
+        return self.fused_loss(batch, options)
+
     @torch.no_grad()
-    def logprobs(
+    def logprobs(self, *args, **kwargs) -> tuple[Tensor, Tensor] | dict[str, Tensor]:
+        """`pass_logprobs` without gradients: the π_old and reference passes."""
+        return self.pass_logprobs(*args, **kwargs)
+
+    def pass_logprobs(
         self,
         input_ids: Tensor,
         attention_mask: Tensor,
@@ -163,7 +179,7 @@ class PolicyModule(nn.Module):
         min_p: float = 0.0,
         stats: tuple[str, ...] = (),
     ) -> tuple[Tensor, Tensor] | dict[str, Tensor]:
-        """(log π(completion token), entropy), each [B, T], 0 where masked; no gradients. `top_k`, `top_p`,
+        """(log π(completion token), entropy), each [B, T], 0 where masked, differentiable. `top_k`, `top_p`,
         `min_p`: over the truncated sampler's support (sampling replay); `stats`: a dict of "logp", "entropy" and
         each named statistic, [B, T] (`fused_linear_token_logprobs`)."""
         options = dict(temperature=temperature, with_entropy=True, top_k=top_k, top_p=top_p, min_p=min_p, stats=stats)

@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
 from grpo_kernels.trainer.parallel import ParallelState
 
 LOGP_DIFFERENCE = "sampling/sampling_logp_difference"
 IS_RATIO = "sampling/importance_sampling_ratio"
 KEPT_MASS = "sampling/kept_mass"  # with truncated sampling: the mass π_old puts on the sampler's support
+SAMPLER_SYNC = ("stop", "warn", "off")  # what the guard does when the gap is over its limit
 LOGP_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-3, torch.bfloat16: 5e-2, torch.float16: 5e-2}  # nats
 
 
@@ -94,12 +95,35 @@ def over_ranks(metrics: dict[str, float], parallel: ParallelState) -> dict[str, 
     return out
 
 
-def check_sampler_sync(metrics: dict[str, float], tolerance: float, step: int) -> None:
-    """`StaleSampler` when the mean gap of `metrics` (`over_ranks`' output) is over `tolerance` at `step`."""
+def check_sampler_sync(metrics: dict[str, float], tolerance: float, step: int, dropout: tuple[str, ...] = ()) -> None:
+    """`StaleSampler` when the mean gap of `metrics` (`over_ranks`' output) is over `tolerance` at `step`. `dropout`
+    (`dropout_settings`): the policy's dropout, which the message names as the other possible cause."""
     mean, largest = metrics[f"{LOGP_DIFFERENCE}/mean"], metrics[f"{LOGP_DIFFERENCE}/max"]
     if mean > tolerance:
+        other = ""
+        if dropout:
+            other = (
+                f"; or the policy's dropout ({', '.join(dropout)}) was on in generation or a log-prob pass (the model "
+                "in train mode), which draws a different network each time"
+            )
         raise StaleSampler(
             f"step {step}: the sampler's log-probs of its own tokens differ from the policy's by {mean:.3g} nats per "
             f"token on average (max {largest:.3g}; the limit is {tolerance:g}, above the two engines' float error): "
-            f"the sampler does not have the policy's weights, a weight push did not reach it"
+            f"the sampler does not have the policy's weights, a weight push did not reach it{other}"
         )
+
+
+def dropout_settings(model: nn.Module) -> tuple[str, ...]:
+    """The model's dropout above 0: its config's `*dropout*` / `*pdrop*` fields as `name=value`, else its
+    `nn.Dropout` modules' probabilities."""
+    config = getattr(model, "config", None)
+    named = [
+        f"{name}={value:g}"
+        for name, value in sorted(vars(config).items() if config is not None else ())
+        if ("dropout" in name or "pdrop" in name) and isinstance(value, float | int) and not isinstance(value, bool)
+        if value > 0
+    ]
+    if named:
+        return tuple(named)
+    rates = sorted({m.p for m in model.modules() if isinstance(m, nn.Dropout) and m.p > 0})
+    return tuple(f"nn.Dropout(p={p:g})" for p in rates)

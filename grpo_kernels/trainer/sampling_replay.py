@@ -25,16 +25,26 @@ def truncates(options: LossOptions) -> bool:
     return options.top_k > 0 or options.top_p < 1.0 or options.min_p > 0.0
 
 
+def pass_keywords(options: LossOptions, stats: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The keywords of a policy log-prob pass (`PolicyModule.logprobs`): with truncated sampling the sampler's rule
+    and the statistics `log_kept_mass` and `stats` (a dict result), else none."""
+    if not truncates(options):
+        return {}
+    return {**sampler_rule(options), "stats": ("log_kept_mass", *stats)}
+
+
+def named_logprobs(out: tuple[Tensor, Tensor] | dict[str, Tensor]) -> dict[str, Tensor]:
+    """A log-prob pass's result as a dict: {"logp", "entropy"} and the statistics it was asked for."""
+    return out if isinstance(out, dict) else dict(zip(("logp", "entropy"), out, strict=True))
+
+
 def old_policy_logprobs(policy, batch, options: LossOptions) -> tuple[Tensor, Tensor, Tensor | None]:
     """(log π_old, entropy, log kept mass or None) of the rollout `batch`'s completions, each [B, T]: over the
     sampler's support when sampling is truncated (the log kept mass log S ≤ 0 from the same pass), else over the
     whole vocabulary (no kept mass). `policy`: the `PolicyModule`."""
     inputs = (batch.input_ids, batch.attention_mask, batch.completion_mask, options.temperature)
-    if not truncates(options):
-        logp, entropy = policy.logprobs(*inputs)  # [B, T] each
-        return logp, entropy, None
-    out = policy.logprobs(*inputs, **sampler_rule(options), stats=("log_kept_mass",))  # [B, T] each
-    return out["logp"], out["entropy"], out["log_kept_mass"]
+    out = named_logprobs(policy.logprobs(*inputs, **pass_keywords(options)))  # [B, T] each
+    return out["logp"], out["entropy"], out.get("log_kept_mass")
 
 
 def reference_rule(options: LossOptions, replay_reference: bool) -> dict[str, Any]:

@@ -1,5 +1,6 @@
 """GRPOTrainer: the GRPO loop, readable top to bottom in `training_step`: prompts -> G rollouts each -> rewards ->
-advantages -> old-policy and reference log-probs (fused, no grad) -> μ fused-loss updates -> weight sync -> metrics;
+old-policy (where the update pass cannot give it: `old_logprobs.py`) and reference log-probs (fused, no grad) ->
+advantages -> μ fused-loss updates -> weight sync -> metrics;
 `train` adds periodic evaluation and checkpoints. The run directory's rules (a new run needs an empty
 `output_dir`; `resume` continues the run there with its own configuration, from its latest readable checkpoint) are
 `run_dir.py`'s.
@@ -35,6 +36,8 @@ from grpo_kernels.trainer.model import (
     load_policy,
     model_context,
 )
+from grpo_kernels.trainer.old_logprobs import old_logp_source
+from grpo_kernels.trainer.one_pass import OwnPass
 from grpo_kernels.trainer.parallel import (
     init_parallel,
     mean_over_ranks,
@@ -47,13 +50,20 @@ from grpo_kernels.trainer.precision import follower_dtype, policy_dtype
 from grpo_kernels.trainer.ref_model import build_ref_model, sync_ref_model
 from grpo_kernels.trainer.rollout import HFRollout, Rollout, RolloutBatch
 from grpo_kernels.trainer.run_names import with_output_dir
-from grpo_kernels.trainer.sampler_sync import check_sampler_sync, logp_tolerance, over_ranks, sampling_metrics
+from grpo_kernels.trainer.sampler_sync import (
+    StaleSampler,
+    check_sampler_sync,
+    dropout_settings,
+    logp_tolerance,
+    over_ranks,
+    sampling_metrics,
+)
 from grpo_kernels.trainer.sampling_replay import old_policy_logprobs, reference_rule, sampler_rule
 from grpo_kernels.trainer.settings import resolve_settings
 from grpo_kernels.trainer.signals import StopAtStepBoundary
 from grpo_kernels.trainer.size_limits import check_sizes
 from grpo_kernels.trainer.tasks import PromptStream, build_task
-from grpo_kernels.trainer.update import NonFiniteUpdate, inner_updates, sampler_correction
+from grpo_kernels.trainer.update import NonFiniteUpdate, correction_of, inner_updates, sampler_correction
 
 
 class GRPOTrainer:
@@ -125,7 +135,11 @@ class GRPOTrainer:
             rollout = build_rollout(config, unwrap(self.policy), tokenizer, self.parallel, self.task)
         self.rollout = rollout
         trained = next(self.model.parameters()).dtype
-        self.sampler_tolerance = logp_tolerance(trained, getattr(rollout, "dtype", trained))  # the guard's limit
+        self.sampler_tolerance = config.sampler_sync_tolerance or logp_tolerance(
+            trained, getattr(rollout, "dtype", trained)
+        )  # the guard's limit
+        self.dropout = dropout_settings(self.model)  # the guard's other suspect
+        self.old_logp_source = old_logp_source(config, self.components)  # "update", "pass" or "sampler"
         self.components.bind_policy(self.model, tokenizer, self.ref_model)  # DRA's embeddings, PVPO's pre-rollouts
 
     # ------------------------------------------------------------------------------------------------ the loop
@@ -239,34 +253,53 @@ class GRPOTrainer:
         self.policy.eval()  # generation and the scoring passes see no dropout: only the update runs in train mode
         # ---- prompts (the same draw on every rank; each keeps its share) -> G rollouts each -> the preset's rewards;
         #      its sampler keeps the groups it wants, generating more rounds where it needs them (DAPO, GPG, XRPO)
+        tic = time.perf_counter()
         step = self.components.collect(self.prompts, self.rollout)
         batch = step.batch
-        # ---- old-policy and reference log-probs: forward only, fused lm_head
-        #      (over the sampler's support when sampling is truncated: `sampling_replay.py`)
-        old_logp, entropy, log_kept_mass = old_policy_logprobs(policy, batch, self.options)  # [B, T] each or None
+        generation = self.components.generation_seconds
+        times = {"time/generation": generation, "time/scoring": time.perf_counter() - tic - generation}
+        # ---- old-policy and reference log-probs: forward only, fused lm_head (over the sampler's support when
+        #      sampling is truncated: `sampling_replay.py`); π_old only where the update pass cannot give it
+        tic = time.perf_counter()
+        old_logp = entropy = is_ratio = None  # [B, T] each, is_ratio [B, T] or [B]
+        sampling: dict[str, float] = {}
+        if self.old_logp_source == "pass":
+            old_logp, entropy, log_kept_mass = old_policy_logprobs(policy, batch, self.options)
+            is_ratio = sampler_correction(old_logp, batch, config)  # π_old / π_sampler
+            sampling = self.sampler_sync(old_logp, batch, is_ratio, log_kept_mass)  # the guard may stop here
+        elif self.old_logp_source == "sampler":  # verl's bypass mode
+            old_logp = batch.sampling_logp
+        times["time/old_logp_pass"] = time.perf_counter() - tic
+        tic = time.perf_counter()
         ref_logp = self.reference_logprobs(batch)  # [B, T] or None
-        is_ratio = sampler_correction(old_logp, batch, config)  # [B, T], [B] or None: π_old / π_sampler
-        sampling = over_ranks(
-            sampling_metrics(old_logp, batch.sampling_logp, batch.completion_mask, is_ratio, log_kept_mass),
-            self.parallel,
-        )
-        check_sampler_sync(sampling, self.sampler_tolerance, self.step)  # a sampler without the policy's weights
+        times["time/reference_pass"] = time.perf_counter() - tic
         # ---- advantages (group-relative, over the global batch; `rewards` and `advantages` stay apart) and the
         #      regularizers' token / sequence weights
         advantages = self.advantages(step, old_logp, entropy)  # [B] or [B, T]
         weights = self.components.weights(step, old_logp)
-        # ---- μ inner updates with the fused loss (normalisers of the global batch), then the learned weights' step
+        # ---- μ inner updates with the fused loss (normalisers of the global batch), then the learned weights' step;
+        #      without a π_old pass the first update's passes give the guard its log-probs before its optimizer step
+        tic = time.perf_counter()
+        own_pass = (
+            None if self.old_logp_source == "pass" else OwnPass(correction_of(config) if old_logp is None else None)
+        )
         update = UpdateBatch(
             input_ids=batch.input_ids,
             attention_mask=batch.attention_mask,
             completion_mask=batch.completion_mask,
-            advantages=advantages.to(old_logp.device),
+            advantages=advantages.to(batch.completion_mask.device),
             old_logp=old_logp,
             ref_logp=ref_logp,
             is_ratio=is_ratio,
             token_weights=weights.token,
             sequence_weights=weights.sequence,
+            sampling_logp=None if own_pass is None else batch.sampling_logp,
         )
+
+        def first_pass(reported: dict[str, Tensor]) -> None:
+            logp, ratio, kept_mass = reported["logp"], reported.get("is_ratio"), reported.get("log_kept_mass")
+            sampling.update(self.sampler_sync(logp, batch, ratio, kept_mass))
+
         stats = inner_updates(
             self.policy,
             self.optimizer,
@@ -276,23 +309,46 @@ class GRPOTrainer:
             max_grad_norm=config.max_grad_norm,
             gradient_accumulation_steps=config.gradient_accumulation_steps,
             max_tokens_per_microbatch=config.max_tokens_per_microbatch,
+            own_pass=own_pass,
+            before_first_step=None if own_pass is None else first_pass,
         )
         stats.update(self.components.learn(weights))
+        times["time/update"] = time.perf_counter() - tic
         # ---- weight sync (sampler and reference)
         self.rollout.sync_weights()
         sync_ref_model(self.ref_model, self.model, self.step, config)
         # ---- metrics, averaged over ranks
-        metrics = {**step.metrics, **batch.metrics(), **stats, **sampling}
+        metrics = {**step.metrics, **batch.metrics(), **stats, **sampling, **times}
         return mean_over_ranks(metrics, self.parallel)
 
     # ------------------------------------------------------------------------------------------- the stages
-    def advantages(self, step: StepSamples, old_logp: Tensor, entropy: Tensor) -> Tensor:
+    def advantages(self, step: StepSamples, old_logp: Tensor | None, entropy: Tensor | None) -> Tensor:
         """The advantage estimator on the rewards and per-step inputs of every rank (group and batch statistics are
         global); this rank's rows of the result."""
         inputs = self.components.advantage_inputs(step, old_logp, entropy)  # rewards, group_ids, what it names
         everything = gather_inputs(inputs, self.parallel)  # [K·B, ...]
         advantages = self.advantage_fn(**everything, **self.components.advantage_kwargs)  # [K·B] or [K·B, T]
-        return local_part(advantages, len(step.rewards), old_logp.shape[1], self.parallel)  # [B] or [B, T]
+        length = step.batch.completion_mask.shape[1]
+        return local_part(advantages, len(step.rewards), length, self.parallel)  # [B] or [B, T]
+
+    def sampler_sync(
+        self, old_logp: Tensor, batch: RolloutBatch, is_ratio: Tensor | None, log_kept_mass: Tensor | None
+    ) -> dict[str, float]:
+        """TRL's `sampling/*` metrics of π_old (`old_logp`, [B, T]) against the sampler, over the ranks, and the
+        sampler-sync guard on them (`config.sampler_sync`: stop, warn or off)."""
+        mask = batch.completion_mask
+        metrics = sampling_metrics(old_logp, batch.sampling_logp, mask, is_ratio, log_kept_mass)
+        metrics = over_ranks(metrics, self.parallel)
+        if self.config.sampler_sync == "off":
+            return metrics
+        try:
+            check_sampler_sync(metrics, self.sampler_tolerance, self.step, self.dropout)
+        except StaleSampler as error:
+            if self.config.sampler_sync == "stop":
+                raise
+            if self.parallel.is_main:
+                print(f"warning: {error} (--sampler-sync warn: training goes on)", flush=True)
+        return metrics
 
     def reference_logprobs(self, batch: RolloutBatch) -> Tensor | None:
         """log π_ref(completion) [B, T] (fused lm_head, no grad), or None without a reference model."""

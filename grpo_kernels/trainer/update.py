@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -15,6 +16,7 @@ from grpo_kernels.distributed import micro_batch_scale, num_items_in_batch, num_
 from grpo_kernels.losses.policy import POLICY_LOSSES
 from grpo_kernels.options import LossOptions
 from grpo_kernels.shown import shown
+from grpo_kernels.trainer.one_pass import OwnPass
 from grpo_kernels.trainer.parallel import no_gradient_sync, unwrap
 from grpo_kernels.trainer.policy import UpdateBatch, token_budget_groups
 from grpo_kernels.trainer.rollout import RolloutBatch
@@ -56,19 +58,36 @@ def importance_sampling_ratio(
     return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
 
 
+@dataclasses.dataclass(frozen=True)
+class SamplerCorrection:
+    """TrainConfig's `vllm_importance_sampling_*` correction: `ratio` is π_old / π_sampler, [B, T] or [B]."""
+
+    mode: str
+    clip_min: float | None
+    clip_max: float | None
+
+    def ratio(self, old_logp: Tensor, sampling_logp: Tensor, mask: Tensor) -> Tensor:
+        return importance_sampling_ratio(old_logp, sampling_logp, mask, self.mode, self.clip_min, self.clip_max)
+
+
+def correction_of(config) -> SamplerCorrection | None:
+    """The correction TrainConfig `config` asks for, or None when it is off."""
+    if not config.vllm_importance_sampling_correction:
+        return None
+    return SamplerCorrection(
+        config.vllm_importance_sampling_mode,
+        config.vllm_importance_sampling_clip_min,
+        config.vllm_importance_sampling_clip_max,
+    )
+
+
 def sampler_correction(old_logp: Tensor, batch: RolloutBatch, config) -> Tensor | None:
     """The `is_ratio` of TrainConfig's `vllm_importance_sampling_*` options, or None when the correction is off.
     With `HFRollout` it is 1 up to float error (the sampler is the policy itself): a live consistency check."""
-    if not config.vllm_importance_sampling_correction:
+    correction = correction_of(config)
+    if correction is None:
         return None
-    return importance_sampling_ratio(
-        old_logp,
-        batch.sampling_logp,
-        batch.completion_mask,
-        mode=config.vllm_importance_sampling_mode,
-        clip_min=config.vllm_importance_sampling_clip_min,
-        clip_max=config.vllm_importance_sampling_clip_max,
-    )  # [B, T] or [B]
+    return correction.ratio(old_logp, batch.sampling_logp, batch.completion_mask)  # [B, T] or [B]
 
 
 def inner_updates(
@@ -81,6 +100,8 @@ def inner_updates(
     max_grad_norm: float,
     gradient_accumulation_steps: int = 1,
     max_tokens_per_microbatch: int | None = None,
+    own_pass: OwnPass | None = None,
+    before_first_step: Callable[[dict[str, Tensor]], None] | None = None,
 ) -> dict[str, float]:
     """μ = `num_iterations` optimizer steps on this rank's rollout batch with the fused lm_head + GRPO loss, each
     accumulated over micro-batches (`micro_batches`); the metrics are averaged over them.
@@ -90,7 +111,10 @@ def inner_updates(
     micro-batches make the same update as one process on the whole batch. `loss` is the step batch's loss; the
     other metrics are token-weighted means over the micro-batches (averaged over ranks: the whole batch's means).
     An update whose grad_norm is not finite is not taken: `NonFiniteUpdate` names the first non-finite metric.
-    Everything after `batch` is passed by keyword: the counts and the norm are numbers a positional swap would take.
+    With `own_pass` each micro-batch's forward is also its log-prob pass (`one_pass.py`); what the first update's
+    passes report, rows joined in order, goes to `before_first_step` after their backward and before the first
+    optimizer step (the sampler-sync guard, which may stop the step there). Everything after `batch` is passed by
+    keyword: the counts and the norm are numbers a positional swap would take.
     """
     policy.train()
     micro_batches = split_batch(batch, gradient_accumulation_steps, max_tokens_per_microbatch, policy)
@@ -104,15 +128,20 @@ def inner_updates(
     scales = [float(micro_batch_scale(normaliser, mask, masks)) for mask in masks]
     shares = [float(mask.sum()) / max(options.num_items_in_batch, 1.0) for mask in masks]  # token share × K
     totals: dict[str, float] = defaultdict(float)
-    for _ in range(num_iterations):
+    extra = () if own_pass is None else (own_pass,)
+    for iteration in range(num_iterations):
         optimizer.zero_grad(set_to_none=True)
+        reported: list[dict[str, Tensor]] = []
         for i, (micro, scale, share) in enumerate(zip(micro_batches, scales, shares, strict=True)):
             with no_gradient_sync(policy, sync=i == len(micro_batches) - 1):
-                loss, metrics = policy(micro, options)
+                loss, metrics, *passed = policy(micro, options, *extra)
                 (loss * scale).backward()
             totals["loss"] += loss.item() * scale
             for name, value in metrics.items():
                 totals[name] += float(value) * share
+            reported.extend(passed)
+        if iteration == 0 and before_first_step is not None:
+            before_first_step({name: torch.cat([r[name] for r in reported]) for name in reported[0]})
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), max_grad_norm)
         norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
         if not math.isfinite(norm):  # the norm of the reduced gradients: every rank refuses together

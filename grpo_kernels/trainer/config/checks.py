@@ -12,8 +12,10 @@ from grpo_kernels.options import IMPORTANCE_SAMPLING_LEVELS, KL_ESTIMATORS, LOSS
 from grpo_kernels.shown import shown
 from grpo_kernels.trainer.config.record import DEMO_MAX_LENGTH, NOT_CLI, ROLLOUTS, TrainConfig
 from grpo_kernels.trainer.logging import REPORT_TO
+from grpo_kernels.trainer.old_logprobs import OLD_LOGPROBS
 from grpo_kernels.trainer.parallel import PARALLEL_MODES
 from grpo_kernels.trainer.precision import DTYPES
+from grpo_kernels.trainer.sampler_sync import SAMPLER_SYNC
 from grpo_kernels.trainer.sampling_replay import truncates
 from grpo_kernels.trainer.update import IS_MODES
 
@@ -45,7 +47,13 @@ _AT_LEAST = {  # field -> its smallest value (None, where the field allows it, i
     "progress_seconds": 0.0,
     "skip_nonfinite_steps": 0,
 }
-_POSITIVE = ("learning_rate", "max_grad_norm", "vllm_gpu_memory_utilization", "vllm_importance_sampling_clip_max")
+_POSITIVE = (
+    "learning_rate",
+    "max_grad_norm",
+    "vllm_gpu_memory_utilization",
+    "vllm_importance_sampling_clip_max",
+    "sampler_sync_tolerance",
+)
 _AT_MOST = {"vllm_gpu_memory_utilization": 1.0, "ref_model_mixup_alpha": 1.0, "seed": 2**63 - 1}
 
 
@@ -57,6 +65,8 @@ def choices() -> dict[str, Sequence[str]]:
         "rollout": ROLLOUTS,
         "advantage": ADVANTAGES.names(),
         "vllm_importance_sampling_mode": IS_MODES,
+        "old_logprobs": OLD_LOGPROBS,
+        "sampler_sync": SAMPLER_SYNC,
         "dtype": DTYPES,
         "ref_model_dtype": DTYPES,
         "vllm_dtype": DTYPES,

@@ -1,0 +1,45 @@
+"""The TRL drop-in's sampler-sync guard (`GRPOConfig.sampler_sync`, off by default: TRL's behaviour): each training
+micro-batch compares TRL's old log-probs with the sampler's (vLLM's, or a `rollout_func`'s) over the kept tokens of
+every process, before the loss and its backward, so before the optimizer step; a mean gap over the limit stops
+(`StaleSampler`, the trainer's message and limits: `grpo_kernels/trainer/sampler_sync.py`) or warns."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+from grpo_kernels.trainer.sampler_sync import (
+    LOGP_DIFFERENCE,
+    StaleSampler,
+    check_sampler_sync,
+    dropout_settings,
+    logp_tolerance,
+)
+
+
+def check_trl_sampler_sync(trainer, model: nn.Module, inputs: dict) -> None:
+    """The guard on one micro-batch of `trainer` (a drop-in `GRPOTrainer`) in training mode; nothing when
+    `sampler_sync` is "off" or the inputs lack either log-probs (no vLLM, no rollout_func log-probs)."""
+    action = getattr(trainer.args, "sampler_sync", "off")
+    old, sampled = inputs.get("old_per_token_logps"), inputs.get("sampling_per_token_logps")
+    if action == "off" or old is None or sampled is None or not trainer.model.training:
+        return
+    delta = (old - sampled).abs()  # [B, T]
+    kept = inputs["completion_mask"].bool() & ~torch.isnan(delta)  # NaN: a token the sampler could not score
+    gaps = delta.masked_fill(~kept, 0.0)
+    local = torch.stack([gaps.sum(), kept.sum().to(gaps.dtype), gaps.max() if gaps.numel() else gaps.new_zeros(())])
+    every = trainer.accelerator.gather(local[None].float())  # [processes, 3]: the same numbers on every process
+    metrics = {
+        f"{LOGP_DIFFERENCE}/mean": float(every[:, 0].sum() / every[:, 1].sum().clamp(min=1.0)),
+        f"{LOGP_DIFFERENCE}/max": float(every[:, 2].max()),
+    }
+    dtype = next(model.parameters()).dtype
+    tolerance = getattr(trainer.args, "sampler_sync_tolerance", None) or logp_tolerance(dtype, dtype)
+    try:
+        check_sampler_sync(metrics, tolerance, trainer.state.global_step + 1, dropout_settings(model))
+    except StaleSampler as error:
+        if action == "stop":
+            raise
+        warnings.warn(str(error), stacklevel=2)
