@@ -23,7 +23,9 @@ The math is `losses/mismatch.py`; docs/mismatch.md compares the frameworks.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from grpo_kernels.shown import shown
@@ -218,11 +220,36 @@ VERL_PRESETS: dict[str, tuple[dict, str | None]] = {
 }
 
 
+CORRECTION_FIELDS = frozenset(f.name for f in dataclasses.fields(RolloutCorrection) if f.init)
+
+
 def preset(name: str) -> tuple[RolloutCorrection, str | None]:
     """verl's preset `name` as (the record, the loss_type it needs: "gpg" for verl's REINFORCE, else None)."""
-    _check_choice("rollout correction preset", name, tuple(VERL_PRESETS))
+    _check_choice("rollout_correction preset", name, tuple(VERL_PRESETS))
     fields, verl_loss = VERL_PRESETS[name]
     return RolloutCorrection(**fields), VERL_BYPASS_LOSS.get(verl_loss)
+
+
+def as_rollout_correction(value) -> tuple[RolloutCorrection | None, str | None]:
+    """`LossOptions.rollout_correction` as given (a record, a mapping of its fields, a verl preset name, or None)
+    as (the record or None, the loss_type a preset needs or None); anything else is a TypeError naming the option."""
+    if value is None or isinstance(value, RolloutCorrection):
+        return value, None
+    if isinstance(value, str):
+        return preset(value)
+    if isinstance(value, Mapping):
+        unknown = sorted(map(str, set(value) - CORRECTION_FIELDS))
+        if unknown:
+            raise TypeError(f"rollout_correction: unknown field(s) {unknown}; valid fields are {sorted(CORRECTION_FIELDS)}")
+        return RolloutCorrection(**value), None
+    raise TypeError(
+        f"rollout_correction must be a RolloutCorrection, a mapping of its fields or a preset name, got {shown(value)}"
+    )
+
+
+def correction_fields(correction: RolloutCorrection) -> dict:
+    """The record's fields as given to its constructor (a config file's mapping)."""
+    return {name: getattr(correction, name) for name in sorted(CORRECTION_FIELDS)}
 
 
 def _parse_bounds(name: str, spec: str | float) -> tuple[float | None, float]:
