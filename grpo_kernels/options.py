@@ -246,7 +246,8 @@ def resolve_options(options, loss_options: dict) -> LossOptions:
         if any(isinstance(value, torch.Tensor) for value in loss_options.values()):
             return LossOptions.from_kwargs(**loss_options)
         try:
-            return _options_of(tuple(sorted((name, type(v), v) for name, v in loss_options.items())))
+            named = sorted(loss_options.items(), key=lambda item: item[0])  # by name: a record value has no order
+            return _options_of(tuple((name, type(value), value) for name, value in named))
         except TypeError as error:  # an unhashable value (a list...): built, not cached
             if "unhashable" not in str(error):
                 raise
