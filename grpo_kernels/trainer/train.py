@@ -240,7 +240,8 @@ class GRPOTrainer:
         #      (over the sampler's support when sampling is truncated: `sampling_replay.py`)
         old_logp, entropy, log_kept_mass = old_policy_logprobs(policy, batch, self.options)  # [B, T] each or None
         ref_logp = self.reference_logprobs(batch)  # [B, T] or None
-        is_ratio = sampler_correction(old_logp, batch, config)  # [B, T], [B] or None: π_old / π_sampler
+        corrected = self.options.rollout_correction is not None  # the loss corrects: TRL's is_ratio is off
+        is_ratio = None if corrected else sampler_correction(old_logp, batch, config)  # [B, T], [B] or None
         sampling = over_ranks(
             sampling_metrics(old_logp, batch.sampling_logp, batch.completion_mask, is_ratio, log_kept_mass),
             self.parallel,
@@ -259,6 +260,7 @@ class GRPOTrainer:
             old_logp=old_logp,
             ref_logp=ref_logp,
             is_ratio=is_ratio,
+            sampling_logp=batch.sampling_logp.to(old_logp.device) if corrected else None,
             token_weights=weights.token,
             sequence_weights=weights.sequence,
         )
