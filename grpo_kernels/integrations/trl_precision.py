@@ -17,7 +17,8 @@ from grpo_kernels.kernels.head_precision import HEAD_PRECISIONS, check_head_prec
 @dataclasses.dataclass
 class GRPOConfig(trl.GRPOConfig):
     """`trl.GRPOConfig` with the fused head's `head_precision` (a plain trl.GRPOConfig runs "auto", or "fp32"
-    under `cast_lm_head_to_fp32`) and `replay_reference` (a plain trl.GRPOConfig: False)."""
+    under `cast_lm_head_to_fp32`), `replay_reference` (a plain trl.GRPOConfig: False) and `rollout_correction`
+    (`LossOptions.rollout_correction`; a plain trl.GRPOConfig: None, TRL's own correction)."""
 
     head_precision: str = dataclasses.field(
         default="auto",
@@ -25,6 +26,15 @@ class GRPOConfig(trl.GRPOConfig):
             "help": "Precision of the fused lm_head's logits GEMM: 'auto' (the lm_head's dtype), 'bf16', 'tf32' or "
             "'fp32' (float32 logits; the gradient GEMMs stay in the lm_head's dtype).",
             "choices": list(HEAD_PRECISIONS),
+        },
+    )
+    rollout_correction: str | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "The sampler-mismatch correction beyond TRL's four vllm_importance_sampling modes (docs/mismatch.md):"
+            " a verl preset name (e.g. 'decoupled_k3_rs_token_tis'); in Python also a RolloutCorrection or a mapping "
+            "of its fields. It replaces vllm_importance_sampling_correction and needs the sampler's log-probs "
+            "(use_vllm)."
         },
     )
     replay_reference: bool = dataclasses.field(
