@@ -243,3 +243,25 @@ def test_presets_are_verls(name):
         default = {"rollout_is": None, "rollout_is_threshold": 2.0, "bypass_mode": False}.get(field)
         assert str(fields.get(field, default)) == str(getattr(verl_config, field)), field
     assert (verl_loss or "ppo_clip") == verl_config.loss_type or not verl_config.bypass_mode
+
+
+@DTYPES
+@pytest.mark.parametrize("name, loss_type", (("bypass_ppo_clip_k3_rs", "dapo"), ("bypass_pg_geo_rs_seq_tis", "gpg")))
+def test_registered_loss_takes_verls_rollout_correction(name, loss_type, dtype):
+    """A gk_ policy loss under verl's bypass rollout_correction equals verl's bypass_mode loss: loss, gradient
+    w.r.t. log_prob, and the rollout_corr/ metrics."""
+    from grpo_kernels.integrations import verl as gk_verl
+
+    _, _, log_prob, sampling, advantages, mask = logits_case(9, dtype, _spread(name))
+    config = actor_config("token-mean", policy_loss=dict(rollout_correction=getattr(RolloutCorrectionConfig, name)()))
+    arguments = dict(advantages=advantages, response_mask=mask.to(dtype), loss_agg_mode="token-mean", config=config)
+    theirs, their_metrics = core_algos.compute_policy_loss_bypass_mode(sampling, log_prob, **arguments)
+    ours, our_metrics = gk_verl.policy_loss_fn(loss_type)(sampling, log_prob, **arguments)
+    tol = TOL[dtype]
+    torch.testing.assert_close(ours, theirs, rtol=tol, atol=tol)
+    grads = [torch.autograd.grad(loss, log_prob, retain_graph=True)[0] for loss in (ours, theirs)]
+    torch.testing.assert_close(*grads, rtol=tol, atol=tol)
+    shared = [n for n in their_metrics if n.startswith("rollout_corr/") and n in our_metrics]
+    assert "rollout_corr/rollout_rs_masked_fraction" in shared and "rollout_corr/chi2_token" in shared
+    for n in shared:
+        assert our_metrics[n] == pytest.approx(their_metrics[n], rel=tol, abs=tol, nan_ok=True), n
