@@ -109,7 +109,9 @@ class LossOptions:
         try:
             correction, needed_loss = as_rollout_correction(given)
         except (TypeError, ValueError) as error:
-            raise type(error)(str(error) if str(error).startswith("rollout_correction") else f"rollout_correction: {error}") from None
+            raise type(error)(
+                str(error) if str(error).startswith("rollout_correction") else f"rollout_correction: {error}"
+            ) from None
         object.__setattr__(self, "rollout_correction", correction)
         if needed_loss is not None and self.loss_type != needed_loss:
             raise ValueError(

@@ -1,4 +1,4 @@
-"""RolloutCorrection: one record for every correction of the sampler–trainer mismatch (`LossOptions.rollout_correction`).
+"""RolloutCorrection: one record for every correction of the sampler–trainer mismatch (LossOptions.rollout_correction).
 
 The sampler (vLLM) and the trainer never compute the same log-probs, and the sampler may lag. The frameworks correct
 this with importance-sampling (IS) weights, rejection of outlying tokens or sequences, or both; this record holds all
@@ -166,11 +166,18 @@ VERL_PRESETS: dict[str, tuple[dict, str | None]] = {
     ),
     "decoupled_geo_rs": (dict(rollout_rs="seq_mean_k1", rollout_rs_threshold="0.999_1.001"), None),
     "decoupled_geo_rs_seq_tis": (
-        dict(rollout_is="sequence", rollout_is_threshold=2.0, rollout_rs="seq_mean_k1", rollout_rs_threshold="0.999_1.001"),
+        dict(
+            rollout_is="sequence",
+            rollout_is_threshold=2.0,
+            rollout_rs="seq_mean_k1",
+            rollout_rs_threshold="0.999_1.001",
+        ),
         None,
     ),
     "decoupled_geo_rs_token_tis": (
-        dict(rollout_is="token", rollout_is_threshold=2.0, rollout_rs="seq_mean_k1", rollout_rs_threshold="0.999_1.001"),
+        dict(
+            rollout_is="token", rollout_is_threshold=2.0, rollout_rs="seq_mean_k1", rollout_rs_threshold="0.999_1.001"
+        ),
         None,
     ),
     "decoupled_k3_rs": (dict(rollout_rs="seq_mean_k3", rollout_rs_threshold=0.01), None),
@@ -240,7 +247,9 @@ def as_rollout_correction(value) -> tuple[RolloutCorrection | None, str | None]:
     if isinstance(value, Mapping):
         unknown = sorted(map(str, set(value) - CORRECTION_FIELDS))
         if unknown:
-            raise TypeError(f"rollout_correction: unknown field(s) {unknown}; valid fields are {sorted(CORRECTION_FIELDS)}")
+            raise TypeError(
+                f"rollout_correction: unknown field(s) {unknown}; valid fields are {sorted(CORRECTION_FIELDS)}"
+            )
         return RolloutCorrection(**value), None
     raise TypeError(
         f"rollout_correction must be a RolloutCorrection, a mapping of its fields or a preset name, got {shown(value)}"
@@ -272,7 +281,9 @@ def _parse_rules(statistics: str | None, thresholds: float | str | None) -> tupl
     shared by every statistic; a k1 statistic given only an upper ratio bound gets its reciprocal as the lower."""
     if statistics is None:
         if thresholds is not None:
-            raise ValueError(f"rollout_rs_threshold needs rollout_rs, got threshold {shown(thresholds)} and no rollout_rs")
+            raise ValueError(
+                f"rollout_rs_threshold needs rollout_rs, got threshold {shown(thresholds)} and no rollout_rs"
+            )
         return ()
     if not isinstance(statistics, str):
         raise TypeError(f"rollout_rs must be a comma-separated str, got {shown(statistics)}")

@@ -67,10 +67,16 @@ def test_trl_modes_are_points(mode, clip):
 
 NEMO_POINTS = {  # NeMo's (truncated_importance_sampling_type, ratio, ratio_min, sequence level) -> the record
     "tis": (("tis", 1.3, None, False), dict(rollout_is="token", rollout_is_threshold=1.3)),
-    "tis_min": (("tis", 1.3, 0.9, False), dict(rollout_is="token", rollout_is_threshold=1.3, rollout_is_threshold_lower=0.9)),
+    "tis_min": (
+        ("tis", 1.3, 0.9, False),
+        dict(rollout_is="token", rollout_is_threshold=1.3, rollout_is_threshold_lower=0.9),
+    ),
     "icepop": (("icepop", 1.3, 0.8, False), dict(rollout_is="token", rollout_is_threshold="0.8_1.3")),
     "seq_tis": (("tis", 1.5, None, True), dict(rollout_is="sequence", rollout_is_threshold=1.5)),
-    "seq_mask_tis": (("seq-mask-tis", 1.01, 0.99, False), dict(rollout_is="token", rollout_is_threshold=None, geo_mask="0.99_1.01")),
+    "seq_mask_tis": (
+        ("seq-mask-tis", 1.01, 0.99, False),
+        dict(rollout_is="token", rollout_is_threshold=None, geo_mask="0.99_1.01"),
+    ),
 }
 
 
@@ -92,8 +98,17 @@ def test_nemo_rl_points(name):
     logp = torch.log_softmax(logits, -1).gather(-1, x["targets"][..., None])[..., 0]
     expected = ref.nemo_token_loss(logp, x["old"], x["adv"][:, None], mask, nemo_weights, 0.2)
     out = gk.grpo_loss(
-        logits, x["targets"], x["adv"], x["old"], None, x["mask"], inplace=False, loss_type="dapo",
-        sampling_logp=x["sampling"], rollout_correction=correction, num_items_in_batch=float(mask.sum()) + 1e-8,
+        logits,
+        x["targets"],
+        x["adv"],
+        x["old"],
+        None,
+        x["mask"],
+        inplace=False,
+        loss_type="dapo",
+        sampling_logp=x["sampling"],
+        rollout_correction=correction,
+        num_items_in_batch=float(mask.sum()) + 1e-8,
     )  # fmt: skip  (NeMo's masked mean divides by count + 1e-8)
     torch.testing.assert_close(out.loss, expected, rtol=1e-12, atol=1e-12)
     grads = [torch.autograd.grad(loss, logits, retain_graph=True)[0] for loss in (out.loss, expected)]
@@ -129,7 +144,9 @@ def _packed(x: dict) -> dict:
     mask = x["mask"]
     lengths = mask.sum(-1)
     cu = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).to(torch.int32)
-    return dict(logits=x["logits"][mask], targets=x["targets"][mask], old=x["old"][mask], sampling=x["sampling"][mask], cu=cu)
+    return dict(
+        logits=x["logits"][mask], targets=x["targets"][mask], old=x["old"][mask], sampling=x["sampling"][mask], cu=cu
+    )
 
 
 @pytest.mark.parametrize(
@@ -175,8 +192,16 @@ def test_no_host_read(bypass):
     old = None if bypass else x["old"]
     with HostReads() as host:
         out = gk.grpo_loss(
-            logits, x["targets"], x["adv"], old, None, x["mask"], sampling_logp=x["sampling"], check_finite=False,
-            rollout_correction=correction, backend="triton",
+            logits,
+            x["targets"],
+            x["adv"],
+            old,
+            None,
+            x["mask"],
+            sampling_logp=x["sampling"],
+            check_finite=False,
+            rollout_correction=correction,
+            backend="triton",
         )  # fmt: skip  (triton: the Python path is the CUDA one; the torch pass reads its rows' test)
         out.loss.backward()
     assert host.reads == []
@@ -214,7 +239,10 @@ def test_no_graph_break(function):
 @pytest.mark.parametrize(
     "fields, message",
     (
-        (dict(rollout_is="token", rollout_is_threshold=0.0), "rollout_correction: rollout_is_threshold must be finite and > 0"),
+        (
+            dict(rollout_is="token", rollout_is_threshold=0.0),
+            "rollout_correction: rollout_is_threshold must be finite and > 0",
+        ),
         (dict(rollout_is="token", rollout_is_threshold=-2.0), "rollout_is_threshold must be finite and > 0"),
         (dict(rollout_is="token", rollout_is_threshold=float("nan")), "rollout_is_threshold must be finite and > 0"),
         (dict(rollout_is="token", rollout_is_threshold="2.0_0.5"), "rollout_is_threshold must have lower <= upper"),

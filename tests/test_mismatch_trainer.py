@@ -12,14 +12,28 @@ from grpo_kernels.trainer.config.files import from_dict
 from grpo_kernels.trainer.tasks import AdditionTask
 from grpo_kernels.trainer.train import GRPOTrainer
 
-QUIET = ["--no-progress", "--no-plot", "--eval-every", "0", "--checkpoint-every", "0", "--prompts-per-step", "4", "--num-generations", "4"]
+QUIET = [
+    "--no-progress",
+    "--no-plot",
+    "--eval-every",
+    "0",
+    "--checkpoint-every",
+    "0",
+    "--prompts-per-step",
+    "4",
+    "--num-generations",
+    "4",
+]
 
 
 @pytest.mark.parametrize(
     "flag, bypass",
     (
         ("bypass_ppo_clip_k3_rs", True),
-        ("{rollout_is: token, rollout_is_threshold: '0.5_2.0', rollout_rs: 'seq_mean_k3', rollout_rs_threshold: 0.1}", False),
+        (
+            "{rollout_is: token, rollout_is_threshold: '0.5_2.0', rollout_rs: seq_mean_k3, rollout_rs_threshold: 0.1}",
+            False,
+        ),
     ),
     ids=("preset", "fields"),
 )

@@ -31,10 +31,10 @@ class GRPOConfig(trl.GRPOConfig):
     rollout_correction: str | None = dataclasses.field(
         default=None,
         metadata={
-            "help": "The sampler-mismatch correction beyond TRL's four vllm_importance_sampling modes (docs/mismatch.md):"
-            " a verl preset name (e.g. 'decoupled_k3_rs_token_tis'); in Python also a RolloutCorrection or a mapping "
-            "of its fields. It replaces vllm_importance_sampling_correction and needs the sampler's log-probs "
-            "(use_vllm)."
+            "help": "The sampler-mismatch correction beyond TRL's four vllm_importance_sampling modes "
+            "(docs/mismatch.md): a verl preset name (e.g. 'decoupled_k3_rs_token_tis'); in Python also a "
+            "RolloutCorrection or a mapping of its fields. It replaces vllm_importance_sampling_correction and "
+            "needs the sampler's log-probs (use_vllm)."
         },
     )
     replay_reference: bool = dataclasses.field(

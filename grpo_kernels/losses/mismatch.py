@@ -25,6 +25,7 @@ from grpo_kernels.losses.mismatch_metrics import (
 )
 from grpo_kernels.rollout_correction import SAFETY_BOUND, RejectionRule, RolloutCorrection
 
+
 class Correction(NamedTuple):
     """`weights` [B, T] (0 at padding; None: no weight), `keep` [B, T] bool (the tokens rejection keeps; None: no
     rejection) and the metrics, 0-dim tensors under `rollout_corr/` + verl's or NeMo's name."""
