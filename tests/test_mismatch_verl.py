@@ -180,16 +180,7 @@ def test_bypass_losses_equal_verls(name, dtype):
         old_log_prob=sampling, log_prob=log_prob, advantages=advantages, response_mask=mask.to(dtype),
         loss_agg_mode="token-mean", config=config,
     )  # fmt: skip
-    correction, loss_type = preset(name)
-    options, _ = options_from_config(loss_type or "dapo", config, "token-mean", mask, {})
-    ours = gk.grpo_loss(
-        logits, targets, advantages[:, 0], None, None, mask, sampling_logp=sampling, inplace=False,
-        options=type(options)(**{**_fields(options), "rollout_correction": correction}),
-    )  # fmt: skip
-    tol = TOL[dtype]
-    torch.testing.assert_close(ours.loss, theirs, rtol=tol, atol=tol)
-    grad_ours, grad_theirs = (torch.autograd.grad(loss, logits)[0] for loss in (ours.loss, theirs))
-    torch.testing.assert_close(grad_ours, grad_theirs, rtol=tol, atol=tol)
+    assert_same_loss(theirs, name, config, (logits, targets, advantages, None, mask, sampling), dtype)
 
 
 @DTYPES
@@ -208,8 +199,15 @@ def test_decoupled_losses_equal_verls(name, dtype):
         old_log_prob=old, log_prob=log_prob, advantages=advantages, response_mask=verl_mask,
         loss_agg_mode="token-mean", config=config, rollout_is_weights=weights,
     )  # fmt: skip
-    correction, _ = preset(name)
-    options, _ = options_from_config("dapo", config, "token-mean", mask, {})
+    assert_same_loss(theirs, name, config, (logits, targets, advantages, old, mask, sampling), dtype)
+
+
+def assert_same_loss(theirs, name: str, config, tensors: tuple, dtype) -> None:
+    """`grpo_loss` with preset `name` on verl's config (dapo, or gpg for verl's REINFORCE) equals verl's loss
+    `theirs`: the loss and its gradient w.r.t. the logits."""
+    logits, targets, advantages, old, mask, sampling = tensors
+    correction, loss_type = preset(name)
+    options, _ = options_from_config(loss_type or "dapo", config, "token-mean", mask, {})
     ours = gk.grpo_loss(
         logits, targets, advantages[:, 0], old, None, mask, sampling_logp=sampling, inplace=False,
         options=type(options)(**{**_fields(options), "rollout_correction": correction}),
