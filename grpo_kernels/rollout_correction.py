@@ -114,10 +114,17 @@ class RolloutCorrection:
             object.__setattr__(self, "geo_bounds", (geo_lower, geo_upper))
 
     @property
-    def needs_policy_logp(self) -> bool:
-        """Whether the weights or masks depend on the policy's own log-probs (bypass, IPO, the squared-log term):
-        then they are formed after the vocabulary pass, on the whole `[B, T]`."""
+    def reads_policy_logp(self) -> bool:
+        """Whether the correction reads the policy's own log-probs (bypass, IPO, the squared-log term): then it is
+        formed after the vocabulary pass, on the whole `[B, T]`."""
         return self.bypass_mode or self.ipo_threshold is not None or self.log_ratio_penalty != 0.0
+
+    @property
+    def loss_reads_policy_logp(self) -> bool:
+        """Whether the loss itself (not only the metrics) depends on the correction formed from the policy's
+        log-probs: then no token-level fused epilogue can form it."""
+        weighs = self.rollout_is is not None or bool(self.rules) or self.geo_bounds is not None
+        return self.ipo_threshold is not None or self.log_ratio_penalty != 0.0 or (self.bypass_mode and weighs)
 
     @classmethod
     def from_trl(cls, mode: str, clip_min: float | None = None, clip_max: float | None = 3.0) -> RolloutCorrection:

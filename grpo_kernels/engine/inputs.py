@@ -101,7 +101,7 @@ class LossInputs:
             return self
         if correction.bypass_mode:
             return dataclasses.replace(self, old_logp=self.sampling_logp)
-        return self if correction.needs_policy_logp else self.with_correction(options, None)
+        return self if correction.reads_policy_logp else self.with_correction(options, None)
 
     def with_correction(self, options: LossOptions, logp: Tensor | None) -> LossInputs:
         """The rollout correction applied: its IS weight as `is_ratio`, its rejection removed from the mask, its
@@ -118,7 +118,7 @@ class LossInputs:
         every route builds them (a correction that reads the policy's log-probs is formed here)."""
         logp = padded(self.layout, logp)
         correction = options.rollout_correction
-        inputs = self.with_correction(options, logp) if correction and correction.needs_policy_logp else self
+        inputs = self.with_correction(options, logp) if correction and correction.reads_policy_logp else self
         return build_terms(
             logp,
             entropy=None if entropy is None else padded(self.layout, entropy),
