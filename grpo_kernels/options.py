@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from grpo_kernels.rollout_correction import RolloutCorrection, as_rollout_correction
 from grpo_kernels.shown import shown
 
 TRL_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
@@ -100,8 +101,23 @@ class LossOptions:
     ppo_kl_coef: float = 0.1  # kl_cov: coefficient of |logp − old_logp| on those tokens (verl's config default)
     dro_beta: float | None = None  # dro: coefficient β of the penalty ½β(logp − old_logp)²; required (> 0) for dro
     epsilon_low: float | None = None  # verl-style alias of `epsilon`: moved into it on construction, then None
+    rollout_correction: RolloutCorrection | None = None  # the sampler-mismatch correction (docs/mismatch.md): a
+    # RolloutCorrection, a mapping of its fields, or a verl preset name (bypass_ppo_clip, decoupled_k3_rs, ...)
 
     def __post_init__(self) -> None:
+        given = self.rollout_correction
+        try:
+            correction, needed_loss = as_rollout_correction(given)
+        except (TypeError, ValueError) as error:
+            raise type(error)(
+                str(error) if str(error).startswith("rollout_correction") else f"rollout_correction: {error}"
+            ) from None
+        object.__setattr__(self, "rollout_correction", correction)
+        if needed_loss is not None and self.loss_type != needed_loss:
+            raise ValueError(
+                f"rollout_correction preset {shown(given)} is verl's REINFORCE: it needs "
+                f"loss_type={needed_loss!r}, got loss_type={self.loss_type!r}"
+            )
         _check_types(self)
         if self.epsilon_low is not None:
             if self.epsilon not in (_EPSILON_DEFAULT, self.epsilon_low):
@@ -232,7 +248,8 @@ def resolve_options(options, loss_options: dict) -> LossOptions:
         if any(isinstance(value, torch.Tensor) for value in loss_options.values()):
             return LossOptions.from_kwargs(**loss_options)
         try:
-            return _options_of(tuple(sorted((name, type(v), v) for name, v in loss_options.items())))
+            named = sorted(loss_options.items(), key=lambda item: item[0])  # by name: a record value has no order
+            return _options_of(tuple((name, type(value), value) for name, value in named))
         except TypeError as error:  # an unhashable value (a list...): built, not cached
             if "unhashable" not in str(error):
                 raise
@@ -283,6 +300,8 @@ def _check_types(options: LossOptions) -> None:
         value = getattr(options, f.name)
         allowed = {part.strip() for part in f.type.split("|")}
         if value is None and "None" in allowed or isinstance(value, torch.Tensor) and "torch.Tensor" in allowed:
+            continue
+        if "RolloutCorrection" in allowed:  # converted (and validated) by as_rollout_correction
             continue
         if isinstance(value, bool):
             ok = "bool" in allowed

@@ -8,6 +8,7 @@ shape `[R, C]` (`[B, T]`, or `[1, N]` packed); the loss algebra sees the padded 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +18,7 @@ from torch import Tensor
 from grpo_kernels.engine import finite
 from grpo_kernels.engine.layout import Layout
 from grpo_kernels.engine.sync import ValueCheck
+from grpo_kernels.losses.mismatch import rollout_correction
 from grpo_kernels.losses.terms import TokenTerms, build_terms
 from grpo_kernels.options import LossOptions
 
@@ -59,6 +61,7 @@ class LossInputs:
     sequence_weights: Tensor | None
     sampling_logp: Tensor | None = None  # the sampler's log-probs, for the off-policy sequence mask
     sequence_group: Any = None  # the process group the sequences are split across (context parallel)
+    correction_metrics: dict[str, Tensor] | None = None  # the rollout correction's, when formed from the inputs
 
     @classmethod
     def of(
@@ -89,22 +92,47 @@ class LossInputs:
             layout=layout, mask=padded(layout, layout.mask, False), sequence_group=sequence_group, **view
         ), checks
 
+    def corrected(self, options: LossOptions) -> LossInputs:
+        """These inputs under `options.rollout_correction` (`losses.mismatch`): under bypass π_old is the sampler's;
+        a correction of the inputs alone (decoupled, no IPO or squared-log term) is formed here, before the pass, so
+        that every route, fused ones included, takes its IS weight and rejected mask as given inputs."""
+        correction = options.rollout_correction
+        if correction is None:
+            return self
+        if correction.bypass_mode:
+            return dataclasses.replace(self, old_logp=self.sampling_logp)
+        return self if correction.reads_policy_logp else self.with_correction(options, None)
+
+    def with_correction(self, options: LossOptions, logp: Tensor | None) -> LossInputs:
+        """The rollout correction applied: its IS weight as `is_ratio`, its rejection removed from the mask, its
+        metrics kept; `logp` [B, T] (padded view): the policy's, when the correction reads it."""
+        correction = options.rollout_correction
+        policy = None if logp is None else logp.detach()
+        train = policy if correction.bypass_mode else self.old_logp
+        weights, keep, metrics = rollout_correction(train, self.sampling_logp, self.mask, correction, policy)
+        mask = self.mask if keep is None else self.mask & keep  # [B, T]
+        return dataclasses.replace(self, mask=mask, is_ratio=weights, correction_metrics=metrics)
+
     def terms(self, logp: Tensor, entropy: Tensor | None, options: LossOptions) -> TokenTerms:
         """TokenTerms of the loss algebra from the pass's logp / entropy [R, C], in the padded view: the one way
-        every route builds them."""
+        every route builds them (a correction that reads the policy's log-probs is formed here)."""
+        logp = padded(self.layout, logp)
+        correction = options.rollout_correction
+        inputs = self.with_correction(options, logp) if correction and correction.reads_policy_logp else self
         return build_terms(
-            padded(self.layout, logp),
+            logp,
             entropy=None if entropy is None else padded(self.layout, entropy),
-            mask=self.mask,
-            old_logp=self.old_logp,
-            ref_logp=self.ref_logp,
-            advantages=self.advantages,
-            is_ratio=self.is_ratio,
-            token_weights=self.token_weights,
-            sampling_logp=self.sampling_logp,
+            mask=inputs.mask,
+            old_logp=inputs.old_logp,
+            ref_logp=inputs.ref_logp,
+            advantages=inputs.advantages,
+            is_ratio=inputs.is_ratio,
+            token_weights=inputs.token_weights,
+            sampling_logp=inputs.sampling_logp,
             options=options,
-            sequence_weights=self.sequence_weights,
-            sequence_group=self.sequence_group,
+            sequence_weights=inputs.sequence_weights,
+            sequence_group=inputs.sequence_group,
+            correction_metrics=inputs.correction_metrics,
         )
 
 

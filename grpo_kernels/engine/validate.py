@@ -277,6 +277,21 @@ def check_side_inputs(given, *, token: tuple, sequence: tuple, device, options: 
         raise ValueError(f"num_items_in_batch must be a number or a 1-element tensor, got {_shape(items.shape)}")
     if options.beta != 0.0 and given.ref_logp is None:
         raise ValueError(f"ref_logp is required when beta != 0 (beta={options.beta})")
+    if options.rollout_correction is not None:
+        check_correction_inputs(given, options.rollout_correction)
+
+
+def check_correction_inputs(given, correction) -> None:
+    """`rollout_correction` needs the sampler's log-probs, forms the IS weight itself, and takes π_old from the
+    sampler under bypass (old_logp None) or from old_logp otherwise."""
+    if given.sampling_logp is None:
+        raise ValueError("rollout_correction needs sampling_logp (the sampler's log-probs), got None")
+    if given.is_ratio is not None:
+        raise ValueError("rollout_correction forms the IS weight: pass is_ratio=None, got a tensor")
+    if correction.bypass_mode and given.old_logp is not None:
+        raise ValueError("rollout_correction.bypass_mode takes old_logp from sampling_logp: pass old_logp=None")
+    if not correction.bypass_mode and given.old_logp is None:
+        raise ValueError("rollout_correction (decoupled: bypass_mode=False) needs old_logp (π_old), got None")
 
 
 def _fail(message: str) -> Callable[[], None]:
@@ -357,5 +372,7 @@ def check_call(
     if loss:
         sequence = ((cu_seqlens.numel() - 1,), "[S]") if flat else ((x.shape[0],), "[B]")
         check_side_inputs(tensors, token=token, sequence=sequence, device=x.device, options=options)
+        if options.rollout_correction is not None and request.sequence_group is not None:
+            raise ValueError("rollout_correction does not run with sequence_group (its sequence statistics are local)")
         checks += check_normalisers(options, values=values)
     return Checked(stats=stats, tile=tile, checks=tuple(checks))

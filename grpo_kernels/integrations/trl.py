@@ -47,6 +47,7 @@ from grpo_kernels.integrations.trl_precision import GRPOConfig, head_operands, h
 from grpo_kernels.integrations.trl_sampler_sync import check_trl_sampler_sync
 from grpo_kernels.losses.loss import GRPOLossOutput
 from grpo_kernels.options import CLIP_LOSS_TYPES, LossOptions
+from grpo_kernels.rollout_correction import as_rollout_correction
 
 __all__ = ["GRPOConfig", "GRPOTrainer", "check_supported", "head_precision", "patch"]
 
@@ -219,6 +220,7 @@ class _FusedHead:
         max over processes (logged when the loss reports them)."""
         names = ["entropy", *(["kl"] if self.beta != 0.0 else []), *TYPE_METRICS.get(self.loss_type, ())]
         names += [name for name in REPLAY_METRICS if name in metrics]
+        names += [name for name in metrics if name.startswith("rollout_corr/")]  # the correction's (token-weighted)
         sequence_ratio = self.importance_sampling_level == "sequence" and advantages.dim() == 1  # one per sequence
         per_sequence = [
             n for n in names if n == "vespo/phi_seq_mean" or (sequence_ratio and n not in ("entropy", "kl"))
@@ -279,6 +281,12 @@ def check_supported(trainer: trl.GRPOTrainer) -> None:
         raise ValueError("PEFT prompt learning (virtual tokens) is not supported by grpo_kernels.integrations.trl")
     head_precision(args)
     trl_replay.check_sampler(args)
+    correction, needed_loss = as_rollout_correction(getattr(args, "rollout_correction", None))
+    if correction is not None and (needed_loss is not None or args.top_entropy_quantile < 1.0):
+        raise ValueError(
+            "rollout_correction: verl's REINFORCE presets (loss_type 'gpg') and top_entropy_quantile < 1 (TRL's own "
+            "loss algebra) are not supported by grpo_kernels.integrations.trl"
+        )
     if args.loss_type == "vespo" and args.importance_sampling_level == "sequence":
         if args.beta != 0.0 and args.use_bias_correction_kl:
             raise ValueError(
@@ -318,6 +326,7 @@ def _loss_options(trainer: trl.GRPOTrainer, inputs: dict, mode: str, entropy_coe
         top_entropy_quantile=trainer.top_entropy_quantile,
         off_policy_mask_threshold=trainer.off_policy_mask_threshold,
         entropy_coef=entropy_coef,
+        rollout_correction=getattr(args, "rollout_correction", None),
         **trl_replay.sampling_rule(args),
         **{name: getattr(args, name) for name in CONFIG_OPTIONS},
     )
@@ -325,6 +334,14 @@ def _loss_options(trainer: trl.GRPOTrainer, inputs: dict, mode: str, entropy_coe
 
 def _loss_tensors(trainer: trl.GRPOTrainer, inputs: dict) -> dict[str, Tensor | None]:
     """The tensor arguments of `fused_linear_grpo_loss` from TRL's inputs (`_prepare_inputs`' keys)."""
+    correction, _ = as_rollout_correction(getattr(trainer.args, "rollout_correction", None))
+    if correction is not None:  # it forms the IS weight from the sampler's log-probs; bypass: they are π_old
+        return {
+            "advantages": inputs["advantages"],
+            "old_logp": None if correction.bypass_mode else inputs.get("old_per_token_logps"),
+            "ref_logp": inputs["ref_per_token_logps"] if trainer.beta != 0.0 else None,
+            "sampling_logp": inputs.get("sampling_per_token_logps"),
+        }
     is_ratio = None
     if trainer.loss_type == "vespo":  # VESPO folds any rollout IS ratio into its sequence weight
         is_ratio = inputs.get("importance_sampling_ratio")

@@ -18,7 +18,8 @@ from grpo_kernels.trainer.sampler_sync import SAMPLER_SYNC
 @dataclasses.dataclass
 class GRPOConfig(trl.GRPOConfig):
     """`trl.GRPOConfig` with the fused head's `head_precision` (a plain trl.GRPOConfig runs "auto", or "fp32"
-    under `cast_lm_head_to_fp32`) and `replay_reference` (a plain trl.GRPOConfig: False)."""
+    under `cast_lm_head_to_fp32`), `replay_reference` (a plain trl.GRPOConfig: False) and `rollout_correction`
+    (`LossOptions.rollout_correction`; a plain trl.GRPOConfig: None, TRL's own correction)."""
 
     head_precision: str = dataclasses.field(
         default="auto",
@@ -40,6 +41,15 @@ class GRPOConfig(trl.GRPOConfig):
     sampler_sync_tolerance: float | None = dataclasses.field(
         default=None,
         metadata={"help": "The guard's limit in nats per token (None: 1e-3 in fp32, 5e-2 in bf16 / fp16)."},
+    )
+    rollout_correction: str | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "The sampler-mismatch correction beyond TRL's four vllm_importance_sampling modes "
+            "(docs/mismatch.md): a verl preset name (e.g. 'decoupled_k3_rs_token_tis'); in Python also a "
+            "RolloutCorrection or a mapping of its fields. It replaces vllm_importance_sampling_correction and "
+            "needs the sampler's log-probs (use_vllm)."
+        },
     )
     replay_reference: bool = dataclasses.field(
         default=False,

@@ -33,7 +33,10 @@ Differences from verl's functions, at numerical extremes only: log-ratios are cl
 vanilla, sapo, cispo the same; gspo at +10; clip_cov, kl_cov, geo_mean not at all), and means over no tokens are 0.
 `tests/test_verl.py` holds each registered loss to verl's own function of the same kind, and
 `tests/test_verl_engine.py` runs them in verl's engine-side `ppo_loss` (the call verl's workers make).
-verl's `bypass_mode` is the trainer's choice of old log-probs (the rollout's), not a loss: see docs/verl.md.
+verl's `bypass_mode` is the trainer's choice of old log-probs (the rollout's): see docs/verl.md. A registered loss
+whose `policy_loss.rollout_correction` has `bypass_mode=True` forms that correction itself, as verl's `bypass_mode`
+loss does (`bypass_correction`: rejection, REINFORCE's IS weights, the `rollout_corr/` metrics); a decoupled one is
+verl's trainer's, applied before the loss (docs/mismatch.md).
 A registered loss refuses, in one line naming the argument, a config that is not a mapping (verl's ActorConfig or
 a DictConfig), a non-numeric field it reads, and tensors whose shapes are not log_prob's `[B, T]` (advantages and
 rollout_is_weights also `[B]`).
@@ -55,8 +58,10 @@ from torch import Tensor
 from grpo_kernels.api import fused_linear_token_logprobs
 from grpo_kernels.kernels import parallel
 from grpo_kernels.losses.loss import compute_loss
+from grpo_kernels.losses.mismatch import rollout_correction
 from grpo_kernels.losses.terms import build_terms
 from grpo_kernels.options import CLIPPED_SURROGATE_TYPES, DPPO_TYPES, LOSS_TYPES, LossOptions
+from grpo_kernels.rollout_correction import RolloutCorrection
 
 INSTALL = 'pip install "grpo-kernels[verl]"'
 PREFIX = "gk_"
@@ -128,16 +133,23 @@ def policy_loss_fn(loss_type: str, **loss_options) -> PolicyLossFn:
     ) -> tuple[Tensor, dict[str, Any]]:
         _check_call(fn.__name__, config, old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
         options, dp_size = options_from_config(loss_type, config, loss_agg_mode, response_mask, loss_options)
+        mask, corrected = response_mask, bypass_correction(config, loss_type, log_prob, old_log_prob, response_mask)
+        if corrected is not None:  # verl's bypass: π_old is the rollout's, the correction reads the policy's logp
+            rollout_is_weights = corrected.weights
+            mask = mask if corrected.keep is None else (mask.bool() & corrected.keep).to(mask.dtype)  # [B, T]
         terms = build_terms(
             log_prob,
             old_logp=old_log_prob,
             advantages=advantages,
-            mask=response_mask,
+            mask=mask,
             is_ratio=rollout_is_weights,
             options=options,
         )
         output, _ = compute_loss(terms, options)
-        return output.loss * dp_size, _verl_metrics(loss_type, output.metrics, terms)
+        metrics = _verl_metrics(loss_type, output.metrics, terms)
+        if corrected is not None:
+            metrics.update({name: value.item() for name, value in corrected.metrics.items()})
+        return output.loss * dp_size, metrics
 
     fn.__name__ = fn.__qualname__ = f"{PREFIX}{loss_type}"
     fn.__doc__ = f"grpo-kernels' {loss_type!r} loss with verl's policy-loss signature (policy_loss_fn)."
@@ -275,6 +287,22 @@ def options_from_config(
         factor = (response_mask.shape[-1] if factor is None else factor) * max(count, 1)
     fields.update(loss_agg_mode=mode, num_items_in_batch=tokens, num_sequences_in_batch=sequences)
     return LossOptions(**fields, loss_scale_factor=factor), dp_size
+
+
+def bypass_correction(config: Any, loss_type: str, log_prob: Tensor, old_log_prob: Tensor, response_mask: Tensor):
+    """verl's `policy_loss.rollout_correction` under `bypass_mode` (old_log_prob is the rollout's): the correction of
+    the policy's log-probs against it (`losses.mismatch.rollout_correction`), as verl's bypass loss forms it; None
+    when the config holds no correction or a decoupled one (verl's trainer applies that before the loss). verl's
+    `loss_type="reinforce"` is this project's gpg: another registered loss is refused in one line."""
+    settings = _get(_get(config, "policy_loss", {}), "rollout_correction")
+    if settings is None or not _get(settings, "bypass_mode", False):
+        return None
+    if _get(settings, "loss_type", "ppo_clip") == "reinforce" and loss_type != "gpg":
+        raise ValueError(
+            f"{PREFIX}{loss_type}: policy_loss.rollout_correction.loss_type='reinforce' is verl's REINFORCE: use gk_gpg"
+        )
+    correction = RolloutCorrection.from_verl(settings)
+    return rollout_correction(log_prob.detach(), old_log_prob, response_mask.bool(), correction)
 
 
 def _verl_metrics(loss_type: str, metrics: dict[str, Tensor], terms) -> dict[str, Any]:

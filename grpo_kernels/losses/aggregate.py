@@ -36,7 +36,8 @@ def item_mean(mask: Tensor, options: LossOptions, group: Any = None) -> Tensor:
     rescales it (÷ processes · accumulation ÷ steps_per_generation), which can fall below 1, and divides by that."""
     if options.num_items_in_batch is None:
         return mask / batch_sum(mask, group).to(mask.dtype).clamp(min=1.0)  # [B, T]
-    return mask / torch.as_tensor(options.num_items_in_batch).to(mask.device, mask.dtype)  # [B, T]
+    z = torch.as_tensor(options.num_items_in_batch, dtype=mask.dtype, device=mask.device)  # a float: not via float32
+    return mask / z  # [B, T]
 
 
 def constant_length(mask: Tensor, options: LossOptions, group: Any = None) -> Tensor:

@@ -56,6 +56,7 @@ def is_token_level(options: LossOptions) -> bool:
         and options.importance_sampling_level == "token"
         and options.off_policy_mask_threshold is None  # a mean over the whole sequence
         and options.top_entropy_quantile == 1.0  # a quantile over the whole batch
+        and (options.rollout_correction is None or not options.rollout_correction.loss_reads_policy_logp)
     )
 
 

@@ -63,6 +63,9 @@ def per_token_loss(
         per_token = per_token * terms.is_ratio
     if options.beta != 0.0:
         per_token = per_token + options.beta * (kl_penalty(terms, options) if kl is None else kl)  # [B, T]
+    correction = options.rollout_correction
+    if correction is not None and correction.log_ratio_penalty != 0.0:  # prime-rl: τ·(log π_θ − log π_sampler)²
+        per_token = per_token + correction.log_ratio_penalty * (terms.logp - terms.sampling_logp).square()  # [B, T]
     if terms.weights is not None:
         per_token = per_token * terms.weights  # [B, T]
     return per_token
@@ -162,4 +165,6 @@ def loss_metrics(terms: TokenTerms, options: LossOptions, kl: Tensor | None = No
         metrics["cispo_clip_ratio"] = metrics["clip_ratio/region_mean"]
     if options.loss_type == "clip_cov":  # verl's name: the fraction detached
         metrics["pg_clipfrac"] = clip_cov_fraction(terms, options)
+    if terms.correction_metrics is not None:
+        metrics.update(terms.correction_metrics)
     return {name: value.detach() if value.requires_grad else value for name, value in metrics.items()}

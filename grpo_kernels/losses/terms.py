@@ -30,6 +30,7 @@ class TokenTerms:
     ratio: Tensor  # exp(log_ratio), same shape
     sampling_logp: Tensor | None = None  # [B, T] the sampler's log-probs (off-policy mask); old_logp when None
     sequence_group: Any = None  # the ranks each sequence's tokens are split over (`losses.reduce`); None: here
+    correction_metrics: dict[str, Tensor] | None = None  # the sampler-mismatch correction's (`losses.mismatch`)
 
     @property
     def token_log_ratio(self) -> Tensor:
@@ -51,6 +52,7 @@ def build_terms(
     sequence_weights: Tensor | None = None,
     sampling_logp: Tensor | None = None,
     sequence_group: Any = None,
+    correction_metrics: dict[str, Tensor] | None = None,
 ) -> TokenTerms:
     """Promote shapes ([B] -> [B, 1]) and dtypes (to logp's), and form the importance ratio at its level.
 
@@ -95,6 +97,7 @@ def build_terms(
         ratio=log_ratio.exp(),
         sampling_logp=sampling_logp,
         sequence_group=sequence_group,
+        correction_metrics=correction_metrics,
     )
 
 

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from grpo_kernels.engine.routes import replay_metrics
 from grpo_kernels.losses.loss import compute_loss
+from grpo_kernels.losses.mismatch import rollout_correction
 from grpo_kernels.losses.terms import build_terms
 from grpo_kernels.options import LossOptions
 from grpo_kernels.trainer import sampling_replay
@@ -49,13 +50,22 @@ def own_pass_loss(
     )  # [b, T] each, logp and entropy differentiable
     logp = out["logp"]
     old_logp = logp.detach() if batch.old_logp is None else batch.old_logp  # [b, T]
-    is_ratio = batch.is_ratio
+    is_ratio, kept, correction_metrics = batch.is_ratio, mask, None
     if own_pass.correction is not None:
         is_ratio = own_pass.correction.ratio(old_logp, batch.sampling_logp, mask)  # [b, T] or [b]
+    rollout = options.rollout_correction  # the loss's own sampler correction (`losses.mismatch`)
+    if rollout is not None:
+        if rollout.bypass_mode:  # π_old is the sampler's, the weights are π_θ's against it
+            old_logp = batch.sampling_logp
+        trained = logp.detach() if rollout.bypass_mode else old_logp
+        is_ratio, keep, correction_metrics = rollout_correction(
+            trained, batch.sampling_logp, mask, rollout, logp.detach()
+        )
+        kept = mask if keep is None else mask & keep  # [b, T]
     terms = build_terms(
         logp,
         advantages=batch.advantages,
-        mask=mask,
+        mask=kept,
         options=options,
         old_logp=old_logp,
         ref_logp=batch.ref_logp,
@@ -63,6 +73,8 @@ def own_pass_loss(
         is_ratio=is_ratio,
         token_weights=batch.token_weights,
         sequence_weights=batch.sequence_weights,
+        sampling_logp=None if rollout is None else batch.sampling_logp,
+        correction_metrics=correction_metrics,
     )
     output, _ = compute_loss(terms, options)
     reported = {"logp": logp.detach(), "log_kept_mass": out.get("log_kept_mass"), "is_ratio": is_ratio}

@@ -38,7 +38,8 @@ class UpdateBatch:
     is_ratio: Tensor | None = None  # [B, T] or [B]
     token_weights: Tensor | None = None  # [B, T]
     sequence_weights: Tensor | None = None  # [B]
-    sampling_logp: Tensor | None = None  # [B, T] the sampler's log-probs, for the correction of the pass's own π_old
+    sampling_logp: Tensor | None = None  # [B, T] the sampler's log-probs: for LossOptions.rollout_correction, and
+    # for the sampler correction of the update pass's own π_old (`one_pass.py`)
 
     @property
     def targets(self) -> Tensor:
@@ -112,6 +113,8 @@ class PolicyModule(nn.Module):
         scale, softcap = logit_transform(self.model)
         options = dataclasses.replace(options, logit_scale=scale, final_logit_softcapping=softcap)
         mask = batch.completion_mask
+        bypass = options.rollout_correction is not None and options.rollout_correction.bypass_mode
+        old_logp = None if bypass else batch.old_logp  # bypass: π_old is the sampler's
         if not self.padding_free:
             hidden = completion_hidden_states(self.model, batch.input_ids, batch.attention_mask, mask.shape[1])
             out = fused_linear_grpo_loss(
@@ -119,11 +122,12 @@ class PolicyModule(nn.Module):
                 weight,
                 batch.targets,
                 batch.advantages,
-                batch.old_logp,
+                old_logp,
                 batch.ref_logp,
                 mask,
                 bias=bias,
                 is_ratio=batch.is_ratio,
+                sampling_logp=batch.sampling_logp,
                 token_weights=batch.token_weights,
                 sequence_weights=batch.sequence_weights,
                 with_entropy=True,
@@ -138,11 +142,12 @@ class PolicyModule(nn.Module):
             weight,
             packed.targets,
             packed.pack(batch.advantages),
-            packed.pack(batch.old_logp),
+            packed.pack(old_logp),
             packed.pack(batch.ref_logp),
             packed.pack(mask),
             bias=bias,
             is_ratio=packed.pack(batch.is_ratio),
+            sampling_logp=packed.pack(batch.sampling_logp),
             token_weights=packed.pack(batch.token_weights),
             sequence_weights=batch.sequence_weights,
             cu_seqlens=packed.completion_cu_seqlens,

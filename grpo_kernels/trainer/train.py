@@ -263,9 +263,10 @@ class GRPOTrainer:
         tic = time.perf_counter()
         old_logp = entropy = is_ratio = None  # [B, T] each, is_ratio [B, T] or [B]
         sampling: dict[str, float] = {}
+        corrected = self.options.rollout_correction is not None  # the loss corrects: TRL's is_ratio is off
         if self.old_logp_source == "pass":
             old_logp, entropy, log_kept_mass = old_policy_logprobs(policy, batch, self.options)
-            is_ratio = sampler_correction(old_logp, batch, config)  # π_old / π_sampler
+            is_ratio = None if corrected else sampler_correction(old_logp, batch, config)  # π_old / π_sampler
             sampling = self.sampler_sync(old_logp, batch, is_ratio, log_kept_mass)  # the guard may stop here
         elif self.old_logp_source == "sampler":  # verl's bypass mode
             old_logp = batch.sampling_logp
@@ -280,9 +281,9 @@ class GRPOTrainer:
         # ---- μ inner updates with the fused loss (normalisers of the global batch), then the learned weights' step;
         #      without a π_old pass the first update's passes give the guard its log-probs before its optimizer step
         tic = time.perf_counter()
-        own_pass = (
-            None if self.old_logp_source == "pass" else OwnPass(correction_of(config) if old_logp is None else None)
-        )
+        own_pass = None
+        if self.old_logp_source != "pass":
+            own_pass = OwnPass(correction_of(config) if old_logp is None and not corrected else None)
         update = UpdateBatch(
             input_ids=batch.input_ids,
             attention_mask=batch.attention_mask,
@@ -293,7 +294,7 @@ class GRPOTrainer:
             is_ratio=is_ratio,
             token_weights=weights.token,
             sequence_weights=weights.sequence,
-            sampling_logp=None if own_pass is None else batch.sampling_logp,
+            sampling_logp=batch.sampling_logp if corrected or own_pass is not None else None,
         )
 
         def first_pass(reported: dict[str, Tensor]) -> None:

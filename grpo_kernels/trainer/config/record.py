@@ -17,6 +17,7 @@ from typing import Any
 
 from grpo_kernels import presets
 from grpo_kernels.options import LossOptions
+from grpo_kernels.rollout_correction import correction_fields
 
 PER_STEP_LOSS_OPTIONS = ("num_items_in_batch", "num_sequences_in_batch")  # set by the trainer at each step
 TRAINING_SETTINGS = tuple(presets.TRAINING_KEYS)  # a preset's training settings; `temperature` is the loss option
@@ -133,5 +134,7 @@ class TrainConfig:
         data["loss"] = {f.name: getattr(self.loss, f.name) for f in dataclasses.fields(LossOptions)}
         for name in PER_STEP_LOSS_OPTIONS:
             data["loss"].pop(name)
+        if self.loss.rollout_correction is not None:  # a record: its fields
+            data["loss"]["rollout_correction"] = correction_fields(self.loss.rollout_correction)
         data["sources"] = dict(self.sources)
         return data

@@ -1,0 +1,132 @@
+"""The sampler-mismatch metrics, 0-dim tensors (no host read): verl 0.9.1's `compute_offpolicy_metrics`, its IS-weight
+and rejection statistics (`rollout_corr_helper`), and NeMo RL's four mismatch errors (`loss_functions.py`), each
+under its framework's name. `losses/mismatch.py` calls them."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from grpo_kernels.rollout_correction import SAFETY_BOUND, RolloutCorrection
+
+EPS = 1e-8  # verl's and NeMo's guard in a masked mean
+
+
+def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Σ of x over the kept tokens (anything at padding, inf or NaN included, counts 0)."""
+    kept = torch.where(mask.bool(), x, torch.zeros((), dtype=x.dtype, device=x.device))
+    return kept.sum() if dim is None else kept.sum(dim)
+
+
+def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """verl's (and NeMo's) masked mean: Σ kept / (count + 1e-8)."""
+    count = mask.to(x.dtype).sum() if dim is None else mask.to(x.dtype).sum(dim)
+    return masked_sum(x, mask, dim) / (count + EPS)
+
+
+def float32_mean(flags: Tensor, dtype: torch.dtype) -> Tensor:
+    """The fraction of True in `flags`, averaged in float32 as verl's `.float().mean()` does, in `dtype`."""
+    return flags.float().mean().to(dtype)
+
+
+def _masked_extremes(x: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """(max, min) of x over the kept tokens (−inf, +inf when there are none)."""
+    return x.masked_fill(~mask, -math.inf).amax(), x.masked_fill(~mask, math.inf).amin()
+
+
+def _threshold_log(value: float) -> Tensor:
+    """log of a threshold as verl forms it (a default-dtype tensor), for its comparisons in log space."""
+    return torch.log(torch.tensor(value))
+
+
+def is_metrics(
+    weights: Tensor, raw: Tensor, log_weight: Tensor, mask: Tensor, correction: RolloutCorrection
+) -> dict[str, Tensor]:
+    """verl's IS-weight metrics (`compute_is_metrics`): mean / max / min, the fractions beyond the bounds, std and
+    effective sample size of the applied weights, their per-sequence summary, and IcePop's out-of-bounds ratio.
+    `weights` / `raw` [B, T]: applied and before the bounds (0 at padding); `log_weight` [B, T] or [B, 1]."""
+    dtype = weights.dtype
+    upper = math.inf if correction.rollout_is_threshold is None else correction.rollout_is_threshold
+    lower = 1.0 / upper if correction.rollout_is_threshold_lower is None else correction.rollout_is_threshold_lower
+    m: dict[str, Tensor] = {"rollout_is_mean": masked_mean(weights, mask)}
+    if correction.rollout_is == "sequence":  # over every sequence, in log space
+        m["rollout_is_max"] = log_weight.amax().clamp(max=SAFETY_BOUND).exp()
+        m["rollout_is_min"] = log_weight.amin().exp()
+        m["rollout_is_ratio_fraction_high"] = float32_mean(log_weight > _threshold_log(upper), dtype)
+        m["rollout_is_ratio_fraction_low"] = float32_mean(log_weight < _threshold_log(lower), dtype)
+    else:
+        m["rollout_is_ratio_fraction_high"] = masked_mean((raw > upper).to(dtype), mask)
+        m["rollout_is_ratio_fraction_low"] = masked_mean((raw < lower).to(dtype), mask)
+        m["rollout_is_max"], m["rollout_is_min"] = _masked_extremes(weights, mask)
+    bounded = weights.clamp(min=0.0, max=upper)  # [B, T]
+    mean = masked_mean(bounded, mask)
+    variance = (masked_mean(bounded.square(), mask) - mean.square()).clamp(min=0.0)
+    m["rollout_is_std"] = torch.where(mask.sum() > 1, variance.sqrt(), torch.zeros_like(variance))
+    m["rollout_is_eff_sample_size"] = 1.0 / masked_mean((bounded / (mean + EPS)).square(), mask)
+    per_sequence = masked_mean(weights, mask, -1)  # [B]
+    raw_per_sequence = masked_mean(raw, mask, -1)  # [B]
+    m["rollout_is_seq_mean"] = per_sequence.mean()
+    m["rollout_is_seq_std"] = per_sequence.std() if per_sequence.numel() > 1 else per_sequence.new_zeros(())
+    m["rollout_is_seq_max"] = per_sequence.amax()
+    m["rollout_is_seq_min"] = per_sequence.amin()
+    m["rollout_is_seq_max_deviation"] = (per_sequence - 1.0).abs().amax()
+    m["rollout_is_seq_fraction_high"] = float32_mean(raw_per_sequence > upper, dtype)
+    m["rollout_is_seq_fraction_low"] = float32_mean(raw_per_sequence < lower, dtype)
+    if correction.rollout_is_bounds == "mask" and correction.rollout_is_threshold_lower is not None:
+        outside = (raw < correction.rollout_is_threshold_lower) | (raw > upper)
+        m["rollout_is_oob_ratio"] = masked_mean(outside.to(dtype), mask)
+    return m
+
+
+def rule_metrics(name: str, statistic: Tensor, keep: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    """verl's per-statistic rejection metrics: the statistic's mean, max and min over the kept tokens, and the
+    fractions of tokens and of sequences it rejects. `statistic`, `keep` [B, T] (a sequence's value at each of its
+    tokens)."""
+    dtype = statistic.dtype
+    rejected = (~keep).to(dtype)  # [B, T]
+    valid = mask.any(-1)  # [B]
+    sequence_rejected = (~keep & mask).any(-1) & valid  # [B]
+    prefix = f"rollout_rs_{name}"
+    peak, floor = _masked_extremes(statistic, mask)
+    return {
+        f"{prefix}_mean": masked_mean(statistic, mask),
+        f"{prefix}_max": peak,
+        f"{prefix}_min": floor,
+        f"{prefix}_masked_fraction": masked_mean(rejected, mask),
+        f"{prefix}_seq_masked_fraction": sequence_rejected.to(dtype).sum() / valid.to(dtype).sum().clamp(min=1.0),
+    }
+
+
+def offpolicy_metrics(train_logp: Tensor, sampling_logp: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    """verl's `compute_offpolicy_metrics` (kl, k3_kl, training / rollout perplexity, log_ppl_diff and its extremes,
+    ppl_ratio, chi2_token, chi2_seq) and NeMo RL's token_mult_prob_error, gen_kl_error, policy_kl_error and
+    js_divergence_error, of π_train against the sampler on the tokens of `mask` [B, T]."""
+    log_ratio = train_logp - sampling_logp  # [B, T]
+    train_mean = masked_mean(train_logp, mask, -1)  # [B]
+    sampling_mean = masked_mean(sampling_logp, mask, -1)  # [B]
+    log_ppl_diff = sampling_mean - train_mean  # [B]
+    safe = log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)  # [B, T]
+    sequence_log_ratio = masked_sum(log_ratio, mask, -1).clamp(-SAFETY_BOUND, SAFETY_BOUND)  # [B]
+    mixture = torch.log(0.5 * train_logp.exp() + 0.5 * sampling_logp.exp())  # [B, T]: log of (π_train + π_μ) / 2
+    to_mixture = lambda lp: (lp - mixture).exp() - (lp - mixture) - 1.0  # noqa: E731  k3 KL(p ‖ M) per token
+    return {
+        "training_ppl": (-train_mean).exp().mean(),
+        "training_log_ppl": (-train_mean).mean(),
+        "kl": masked_mean(sampling_logp - train_logp, mask),
+        "k3_kl": masked_mean(log_ratio.exp() - log_ratio - 1.0, mask),
+        "rollout_ppl": (-sampling_mean).exp().mean(),
+        "rollout_log_ppl": (-sampling_mean).mean(),
+        "log_ppl_diff": log_ppl_diff.mean(),
+        "log_ppl_abs_diff": log_ppl_diff.abs().mean(),
+        "log_ppl_diff_max": log_ppl_diff.amax(),
+        "log_ppl_diff_min": log_ppl_diff.amin(),
+        "ppl_ratio": log_ppl_diff.exp().mean(),
+        "chi2_token": masked_mean(safe.exp().square(), mask) - 1.0,
+        "chi2_seq": (2.0 * sequence_log_ratio).exp().mean() - 1.0,
+        "token_mult_prob_error": masked_mean(log_ratio.abs().exp(), mask),
+        "gen_kl_error": masked_mean(log_ratio.exp() - 1.0 - log_ratio, mask),
+        "policy_kl_error": masked_mean((-log_ratio).exp() - 1.0 + log_ratio, mask),
+        "js_divergence_error": masked_mean(0.5 * to_mixture(train_logp) + 0.5 * to_mixture(sampling_logp), mask),
+    }
