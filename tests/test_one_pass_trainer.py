@@ -18,7 +18,8 @@ from grpo_kernels.trainer.logging import PHASES, TIMES, MetricsLogger
 from grpo_kernels.trainer.model import build_tiny_llama, build_tokenizer
 from grpo_kernels.trainer.old_logprobs import old_logp_source, pass_reasons
 from grpo_kernels.trainer.parallel import ParallelState
-from grpo_kernels.trainer.sampler_sync import StaleSampler, check_sampler_sync, dropout_settings
+from grpo_kernels.trainer.dropout import dropout_settings
+from grpo_kernels.trainer.sampler_sync import StaleSampler, check_sampler_sync
 from grpo_kernels.trainer.tasks import AdditionTask
 from grpo_kernels.trainer.train import GRPOTrainer
 from tests.vllm_engine_cases import install_stand_in_cpu_build, vllm_demo
@@ -113,7 +114,7 @@ def test_the_tolerance_flag_sets_the_guards_limit(cpu_vllm, tmp_path):
 def test_the_guard_names_the_policys_dropout_as_a_possible_cause():
     tiny = build_tiny_llama(build_tokenizer("0123456789+="), hidden_size=64, num_layers=1, num_heads=2, max_length=8)
     assert dropout_settings(tiny) == ()
-    tiny.config.attention_dropout = 0.1
+    tiny.config.attention_dropout = tiny.model.layers[0].self_attn.attention_dropout = 0.1
     assert dropout_settings(tiny) == ("attention_dropout=0.1",)
     gap = {f"{DIFF}/mean": 0.01, f"{DIFF}/max": 0.5}
     with pytest.raises(StaleSampler, match=r"a weight push did not reach it; or the policy's dropout"):

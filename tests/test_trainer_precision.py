@@ -14,9 +14,12 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from grpo_kernels.trainer import TrainConfig
 from grpo_kernels.trainer.checkpoint import NonFiniteWeights, checkpoint_dir
-from grpo_kernels.trainer.model import active_dropout, disable_dropout
+from grpo_kernels.trainer.dropout import active_dropout, disable_dropout
+from grpo_kernels.trainer.model import load_policy
 from grpo_kernels.trainer.optimizer import MasterWeightAdamW, build_optimizer
 from grpo_kernels.trainer.sampler_sync import LOGP_DIFFERENCE
+from grpo_kernels.trainer.settings import resolve_settings
+from grpo_kernels.trainer.tasks import build_task
 from grpo_kernels.trainer.train import GRPOTrainer
 
 TINY = dict(hidden_size=16, num_layers=1, num_heads=2, prompts_per_step=2, num_generations=2, eval_every=0)
@@ -90,6 +93,12 @@ def test_a_checkpoint_with_a_nonfinite_weight_is_never_written(tmp_path):
     assert not checkpoint_dir(tmp_path, 0).exists() and not checkpoint_dir(tmp_path, 0).with_suffix(".tmp").exists()
 
 
+def policy_of(config: TrainConfig):
+    """(model, tokenizer) the trainer would build for `config`, for a test to change before the trainer takes it."""
+    task = build_task(config)
+    return load_policy(resolve_settings(config, task.max_completion_length), task)
+
+
 def with_dropout(model: torch.nn.Module, rate: float = 0.3) -> None:
     for module in model.modules():
         if isinstance(getattr(module, "attention_dropout", None), float):
@@ -97,10 +106,14 @@ def with_dropout(model: torch.nn.Module, rate: float = 0.3) -> None:
 
 
 def test_a_model_with_dropout_trains_without_a_false_stale_sampler_stop(tmp_path):
-    """Dropout on every attention: generation, π_old and the sampler-sync guard see the eval-mode policy, so the
-    fp32 run's sampler log-probs equal π_old's after each update (it used to stop at step 2 as a failed push)."""
-    trainer = GRPOTrainer(tiny(tmp_path, steps=3, checkpoint_every=0, hidden_size=32, num_heads=4))
-    with_dropout(trainer.model)
+    """Dropout on every attention of a model in train mode: generation, π_old and the sampler-sync guard see the
+    eval-mode policy, so the fp32 run's sampler log-probs equal π_old's after each update (it used to stop as a
+    failed push); π_old keeps its own pass, since the update pass's log-probs carry dropout."""
+    config = tiny(tmp_path, steps=3, checkpoint_every=0, hidden_size=32, num_heads=4)
+    model, tokenizer = policy_of(config)
+    with_dropout(model.train())
+    trainer = GRPOTrainer(config, model=model, tokenizer=tokenizer)
+    assert trainer.old_logp_source == "pass"
     history = trainer.train()
     assert len(history) == 3 and all(record[f"{LOGP_DIFFERENCE}/max"] < 1e-5 for record in history)
     assert not trainer.model.training  # left in eval mode: what a caller samples from next sees no dropout
@@ -111,9 +124,12 @@ def test_disable_dropout_zeroes_every_rate():
     with_dropout(model)
     assert active_dropout(model)  # GPT-2's nn.Dropout modules (and here a float rate)
     disable_dropout(model)
-    assert active_dropout(model) == []
+    assert active_dropout(model) == {}
 
 
-def test_disable_dropout_option(tmp_path):
-    trainer = GRPOTrainer(tiny(tmp_path, steps=1, checkpoint_every=0, disable_dropout=True))
-    assert active_dropout(trainer.model) == []
+def test_disable_dropout_option_gives_the_update_pass_pi_old(tmp_path):
+    config = tiny(tmp_path, steps=1, checkpoint_every=0, disable_dropout=True)
+    model, tokenizer = policy_of(config)
+    with_dropout(model)
+    trainer = GRPOTrainer(config, model=model, tokenizer=tokenizer)
+    assert active_dropout(trainer.model) == {} and trainer.old_logp_source == "update"

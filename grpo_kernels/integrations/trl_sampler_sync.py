@@ -10,13 +10,8 @@ import warnings
 import torch
 from torch import nn
 
-from grpo_kernels.trainer.sampler_sync import (
-    LOGP_DIFFERENCE,
-    StaleSampler,
-    check_sampler_sync,
-    dropout_settings,
-    logp_tolerance,
-)
+from grpo_kernels.trainer.dropout import dropout_settings
+from grpo_kernels.trainer.sampler_sync import LOGP_DIFFERENCE, StaleSampler, check_sampler_sync, logp_tolerance
 
 
 def check_trl_sampler_sync(trainer, model: nn.Module, inputs: dict) -> None:

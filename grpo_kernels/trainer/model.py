@@ -166,24 +166,3 @@ def configure_attention(model: nn.Module, config, max_length: int, announce: boo
         print(f"padding-free training is off, the passes run padded: {reason} (attention: {name})", flush=True)
     return reason is None
 
-
-def active_dropout(model: nn.Module) -> list[str]:
-    """The names of `model`'s dropouts with a non-zero rate: `nn.Dropout` modules and the attention probabilities'
-    dropout that Hugging Face's attention modules keep as a float (`attention_dropout`)."""
-    names = []
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Dropout) and module.p > 0:
-            names.append(name)
-        elif isinstance(getattr(module, "attention_dropout", None), float) and module.attention_dropout > 0:
-            names.append(f"{name}.attention_dropout")
-    return names
-
-
-def disable_dropout(model: nn.Module) -> None:
-    """Every dropout of `model` set to 0 (TRL's `disable_dropout`), the attention modules' float rates included,
-    which TRL's `disable_dropout_in_model` (nn.Dropout only) leaves on."""
-    for module in model.modules():
-        if isinstance(module, nn.Dropout):
-            module.p = 0.0
-        if isinstance(getattr(module, "attention_dropout", None), float):
-            module.attention_dropout = 0.0

@@ -24,9 +24,15 @@ OLD_LOGPROBS = ("auto", "pass", "sampler")
 BEFORE_UPDATE_INPUTS = ("mean_logp", "entropy")  # advantage inputs read from π_old's pass
 
 
-def pass_reasons(config: TrainConfig, components: PresetComponents) -> list[str]:
-    """Why π_old is needed apart from the update pass: each reason a line (none: the update pass can give it)."""
+def pass_reasons(config: TrainConfig, components: PresetComponents, dropout: tuple[str, ...] = ()) -> list[str]:
+    """Why π_old is needed apart from the update pass: each reason a line (none: the update pass can give it).
+    `dropout`: the policy's active dropout (`dropout.dropout_settings`)."""
     reasons = []
+    if dropout:
+        reasons.append(
+            f"the policy's dropout ({', '.join(dropout)}) acts in the update pass, whose log-probs are then not the "
+            "sampler's policy (--disable-dropout lets the update pass give π_old)"
+        )
     if config.num_iterations > 1:
         reasons.append(f"num_iterations is {config.num_iterations}: π_old is the policy before the first of them")
     read = [n for n in BEFORE_UPDATE_INPUTS if n in components.advantage_input_names]
@@ -45,12 +51,13 @@ def pass_reasons(config: TrainConfig, components: PresetComponents) -> list[str]
     return reasons
 
 
-def old_logp_source(config: TrainConfig, components: PresetComponents) -> str:
-    """ "update", "pass" or "sampler" for `config.old_logprobs` with these components; bypass mode with a component
-    that needs the policy's own π_old before the update is a ValueError naming it."""
-    reasons = pass_reasons(config, components)
+def old_logp_source(config: TrainConfig, components: PresetComponents, dropout: tuple[str, ...] = ()) -> str:
+    """ "update", "pass" or "sampler" for `config.old_logprobs` with these components and the policy's active
+    `dropout`; bypass mode with a component that needs the policy's own π_old before the update is a ValueError
+    naming it."""
+    reasons = pass_reasons(config, components, dropout)
     if config.old_logprobs == "sampler":
-        refused = [r for r in reasons if not r.startswith("num_iterations")]
+        refused = [r for r in reasons if not r.startswith(("num_iterations", "the policy's dropout"))]
         if refused:
             raise ValueError(f"old_logprobs 'sampler' (bypass mode) cannot serve: {'; '.join(refused)}")
         return "sampler"

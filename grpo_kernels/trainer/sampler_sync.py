@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 
 from grpo_kernels.trainer.parallel import ParallelState
 
@@ -111,19 +111,3 @@ def check_sampler_sync(metrics: dict[str, float], tolerance: float, step: int, d
             f"token on average (max {largest:.3g}; the limit is {tolerance:g}, above the two engines' float error): "
             f"the sampler does not have the policy's weights, a weight push did not reach it{other}"
         )
-
-
-def dropout_settings(model: nn.Module) -> tuple[str, ...]:
-    """The model's dropout above 0: its config's `*dropout*` / `*pdrop*` fields as `name=value`, else its
-    `nn.Dropout` modules' probabilities."""
-    config = getattr(model, "config", None)
-    named = [
-        f"{name}={value:g}"
-        for name, value in sorted(vars(config).items() if config is not None else ())
-        if ("dropout" in name or "pdrop" in name) and isinstance(value, float | int) and not isinstance(value, bool)
-        if value > 0
-    ]
-    if named:
-        return tuple(named)
-    rates = sorted({m.p for m in model.modules() if isinstance(m, nn.Dropout) and m.p > 0})
-    return tuple(f"nn.Dropout(p={p:g})" for p in rates)

@@ -26,13 +26,13 @@ from grpo_kernels.trainer.components import PresetComponents, StepSamples, gathe
 from grpo_kernels.trainer.config.algorithm import advantage_function, loss_options
 from grpo_kernels.trainer.config.checks import check_config
 from grpo_kernels.trainer.config.record import ROLLOUTS, TrainConfig
+from grpo_kernels.trainer.dropout import disable_dropout, dropout_settings
 from grpo_kernels.trainer.evaluate import evaluate
 from grpo_kernels.trainer.logging import MetricsLogger, read_metrics, start_line
 from grpo_kernels.trainer.model import (
     apply_lora,
     check_lengths,
     configure_attention,
-    disable_dropout,
     load_policy,
     model_context,
 )
@@ -53,7 +53,6 @@ from grpo_kernels.trainer.run_names import with_output_dir
 from grpo_kernels.trainer.sampler_sync import (
     StaleSampler,
     check_sampler_sync,
-    dropout_settings,
     logp_tolerance,
     over_ranks,
     sampling_metrics,
@@ -139,7 +138,7 @@ class GRPOTrainer:
             trained, getattr(rollout, "dtype", trained)
         )  # the guard's limit
         self.dropout = dropout_settings(self.model)  # the guard's other suspect
-        self.old_logp_source = old_logp_source(config, self.components)  # "update", "pass" or "sampler"
+        self.old_logp_source = old_logp_source(config, self.components, self.dropout)  # "update", "pass" or "sampler"
         self.components.bind_policy(self.model, tokenizer, self.ref_model)  # DRA's embeddings, PVPO's pre-rollouts
 
     # ------------------------------------------------------------------------------------------------ the loop
