@@ -2,7 +2,7 @@
 docs/trainer.md that holds them), and the performance numbers of README.md and docs/benchmarks.md, from the committed
 result files under benchmarks/results/ (`benchmarks/result_numbers.py`).
 
-    python -m grpo_kernels.train --output-dir runs/demo                  # the demo: 600 steps, 112 s on a 2-core CPU
+    python -m grpo_kernels.train --output-dir runs/demo                  # the demo: 500 steps
     python -m benchmarks.documented_numbers runs/demo --write            # every passage (the demo's from runs/demo)
     python -m benchmarks.documented_numbers --write                      # the result files' passages only
 

@@ -65,7 +65,13 @@ def test_documented_runs_finish(path, tmp_path, monkeypatch, capsys):
 def _check_the_demos_numbers(directory: Path) -> None:
     demos = sorted((directory / "runs").glob("demo-*"))
     assert len(demos) == 1, f"the README's demo line should make one runs/demo-<timestamp>/, found {demos}"
-    fresh = documented_numbers.wrapped(documented_numbers.passage(documented_numbers.measure(demos[0])))
+    numbers = documented_numbers.measure(demos[0])
+    (last_step, last), (_, evaluated) = numbers["last_eval"], numbers["evaluate"]
+    assert last >= 0.9, f"the demo should end at its best: greedy accuracy {last:.2f} at its last step {last_step}"
+    assert round(evaluated, 2) == round(last, 2), (
+        f"evaluate of the final checkpoint gives {evaluated:.2f}, the run {last:.2f}"
+    )
+    fresh = documented_numbers.wrapped(documented_numbers.passage(numbers))
     page = documented_numbers.PAGE.relative_to(ROOT)
     assert documented_numbers.documented() == fresh, (
         f"{page}'s demo numbers differ from a fresh run of the demo: regenerate them with "

@@ -36,7 +36,7 @@ def mean(records: list[dict], key: str) -> float:
 
 
 def test_demo_reward_improves(tmp_path):
-    """150 of the demo's 600 steps, seed 0: the mean reward of the last 20 steps beats the first 20 by >= 0.2
+    """150 of the demo's 500 steps, seed 0: the mean reward of the last 20 steps beats the first 20 by >= 0.2
     (measured on the 2-core CI machine: 0.08 -> 0.42; the full demo passes 0.8 at step 405)."""
     history = train(demo(tmp_path, steps=150, checkpoint_every=0))
     first, last = mean(history[:20], "reward"), mean(history[-20:], "reward")
