@@ -6,6 +6,7 @@
 - A file-system write error other than a full disk (a file-size limit: EFBIG) is one `error:` line too."""
 
 import dataclasses
+import importlib
 import json
 import math
 import resource
@@ -13,6 +14,7 @@ import signal
 import struct
 
 import pytest
+import torch
 
 from grpo_kernels.trainer import TrainConfig
 from grpo_kernels.trainer.__main__ import main as train_main
@@ -90,3 +92,64 @@ def test_a_file_too_large_while_writing_a_checkpoint_is_one_line(tmp_path, capsy
     assert stop.value.code == 2 and err.count("\n") == 1, err
     assert err.startswith("error: file too large while writing checkpoint ") and "errno EFBIG" in err, err
     assert not list((tmp_path / "run" / "checkpoints").glob("*.tmp"))
+
+
+class _FailingAt(GRPOTrainer):
+    """Raises a RuntimeError in step `at`: before its updates ("advantages"), between them and the step's end
+    ("sync": the sampler's weight push), or after its training ("evaluate", the last step's evaluation; with
+    `nan_weight` after writing a non-finite weight)."""
+
+    def __init__(self, config, at: int, where: str, monkeypatch, nan_weight: bool = False):
+        super().__init__(config)
+        self.at, self.where, self.nan_weight = at, where, nan_weight
+        sync = self.rollout.sync_weights
+        self.rollout.sync_weights = lambda: self._fail("sync") or sync()
+        train_module = importlib.import_module("grpo_kernels.trainer.train")  # the package's `train` is a function
+        evaluate = train_module.evaluate
+        monkeypatch.setattr(train_module, "evaluate", lambda *args: self._fail("evaluate") or evaluate(*args))
+
+    def _fail(self, where: str) -> None:
+        if self.step == self.at and where == self.where:
+            if self.nan_weight:
+                with torch.no_grad():
+                    next(self.model.parameters()).view(-1)[0] = math.nan
+            raise RuntimeError(f"failed in {where}")
+
+    def advantages(self, step, old_logp, entropy):
+        self._fail("advantages")
+        return super().advantages(step, old_logp, entropy)
+
+
+def test_an_exception_in_the_last_step_leaves_the_last_whole_step_and_resumes_to_the_same_numbers(
+    tmp_path, capsys, monkeypatch
+):
+    """With --checkpoint-every 0 (every compare run) an exception used to leave no checkpoint: every step lost."""
+    straight = GRPOTrainer(tiny(tmp_path / "straight", steps=3, checkpoint_every=0)).train()
+    out = tmp_path / "run"
+    with pytest.raises(RuntimeError, match="failed in advantages"):
+        _FailingAt(tiny(out, steps=3, checkpoint_every=0), 3, "advantages", monkeypatch).train()
+    said = capsys.readouterr().out
+    assert latest(out) == checkpoint_dir(out, 2)  # the state before step 3: its prompts and RNG too
+    assert f"RuntimeError in step 3: checkpoint {checkpoint_dir(out, 2)} holds step 2 of 3; continue:" in said
+    history = GRPOTrainer(tiny(out, steps=3, checkpoint_every=0, resume=True)).train()
+    timeless = lambda h: [{k: v for k, v in m.items() if k != "step_time"} for m in h]  # noqa: E731
+    assert timeless(history) == timeless(straight)
+
+    after = tmp_path / "after"  # the step's training returned: that step is whole
+    with pytest.raises(RuntimeError, match="failed in evaluate"):
+        _FailingAt(tiny(after, steps=2, checkpoint_every=0), 2, "evaluate", monkeypatch).train()
+    assert latest(after) == checkpoint_dir(after, 2)
+
+
+@pytest.mark.parametrize(
+    ("where", "nan_weight", "reason"),
+    [("sync", False, "after some of that step's updates"), ("evaluate", True, "the policy holds a non-finite weight")],
+)
+def test_no_checkpoint_of_a_half_done_step_or_of_non_finite_weights(
+    tmp_path, capsys, monkeypatch, where, nan_weight, reason
+):
+    out = tmp_path / "run"
+    with pytest.raises(RuntimeError, match=f"failed in {where}"):
+        _FailingAt(tiny(out, steps=2, checkpoint_every=0), 2, where, monkeypatch, nan_weight=nan_weight).train()
+    assert latest(out) is None
+    assert reason in capsys.readouterr().out

@@ -45,6 +45,7 @@ from grpo_kernels.api import fused_linear_grpo_loss, fused_linear_token_logprobs
 from grpo_kernels.integrations import hf, trl_replay, zero3
 from grpo_kernels.integrations.trl_precision import GRPOConfig, head_operands, head_precision
 from grpo_kernels.losses.loss import GRPOLossOutput
+from grpo_kernels.option_checks import check_option
 from grpo_kernels.options import CLIP_LOSS_TYPES, LossOptions
 
 __all__ = ["GRPOConfig", "GRPOTrainer", "check_supported", "head_precision", "patch"]
@@ -275,7 +276,8 @@ def check_supported(trainer: trl.GRPOTrainer) -> None:
     if getattr(model, "active_peft_config", None) is not None and model.active_peft_config.is_prompt_learning:
         raise ValueError("PEFT prompt learning (virtual tokens) is not supported by grpo_kernels.integrations.trl")
     head_precision(args)
-    trl_replay.check_sampler(args)
+    trl_replay.check_sampler(args)  # top_k, top_p, min_p with the loss's messages, now rather than at the first loss
+    check_option("temperature", args.temperature)
     if args.loss_type == "vespo" and args.importance_sampling_level == "sequence":
         if args.beta != 0.0 and args.use_bias_correction_kl:
             raise ValueError(
