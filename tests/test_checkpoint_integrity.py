@@ -16,10 +16,13 @@ import struct
 import pytest
 import torch
 
+from grpo_kernels.evaluate import main as evaluate_main
 from grpo_kernels.trainer import TrainConfig
 from grpo_kernels.trainer.__main__ import main as train_main
 from grpo_kernels.trainer.checkpoint import checkpoint_dir, latest
+from grpo_kernels.trainer.cli import run as run_command
 from grpo_kernels.trainer.train import GRPOTrainer
+from tests.test_run_dir import run_main
 
 TINY = dict(hidden_size=16, num_layers=1, num_heads=2, prompts_per_step=2, num_generations=2, eval_every=0)
 TINY.update(progress=False, plot=False)
@@ -153,3 +156,41 @@ def test_no_checkpoint_of_a_half_done_step_or_of_non_finite_weights(
         _FailingAt(tiny(out, steps=2, checkpoint_every=0), 2, where, monkeypatch, nan_weight=nan_weight).train()
     assert latest(out) is None
     assert reason in capsys.readouterr().out
+
+
+def test_a_checkpoint_of_this_format_needs_a_whole_checksums_file_of_relative_names(tmp_path, capsys):
+    """A missing, emptied or partial checksums.json was trusted, an absolute name read outside the checkpoint, and
+    `evaluate` checked nothing."""
+    out = tmp_path / "run"
+    GRPOTrainer(tiny(out, steps=1, checkpoint_every=1)).train()
+    saved = checkpoint_dir(out, 1)
+    listing = saved / "checksums.json"
+    whole = listing.read_text(encoding="utf-8")
+    outside = tmp_path / "outside"
+    outside.write_text("x", encoding="utf-8")
+    cases = {
+        "missing": None,
+        "partial: it does not list": "{}",
+        "refused: it names .*outside', outside the checkpoint": json.dumps({**json.loads(whole), str(outside): "0"}),
+    }
+    for reason, text in cases.items():
+        listing.unlink(missing_ok=True)
+        if text is not None:
+            listing.write_text(text, encoding="utf-8")
+        with pytest.raises(ValueError, match=rf"checksums.json: {reason}"):
+            GRPOTrainer(tiny(out, steps=2, checkpoint_every=1, resume=True))
+    listing.write_text(whole, encoding="utf-8")
+    flip_a_bit_in_a_tensor(saved / "model.safetensors")
+    status, _, err = run_main(lambda argv: run_command(evaluate_main, argv), ["--model", str(saved)], capsys)
+    assert status == 2 and err.startswith("error: ") and "model.safetensors: checksum mismatch" in err, err
+
+
+def test_a_checkpoint_written_before_checksums_is_taken_as_it_is(tmp_path):
+    out = tmp_path / "run"
+    GRPOTrainer(tiny(out, steps=1, checkpoint_every=1)).train()
+    saved = checkpoint_dir(out, 1)
+    state = torch.load(saved / "trainer_state.pt", weights_only=True)
+    del state["format"]  # as this trainer wrote it before checksums.json
+    torch.save(state, saved / "trainer_state.pt")
+    (saved / "checksums.json").unlink()
+    assert GRPOTrainer(tiny(out, steps=2, checkpoint_every=1, resume=True)).resumed_from == saved
