@@ -98,6 +98,9 @@ def test_a_non_finite_logit_outside_the_kept_set_is_refused(bad):
         gk.token_logprobs(logits, targets, sampling_mask=ids)
     with pytest.raises(ValueError, match=rf"^logits must have a finite log-sum-exp at kept tokens.*{where}"):
         gk.grpo_loss(logits, targets, advantages, sampling_mask=_csr(ids))
+    for rule in ({"top_k": 2}, {"top_p": 0.5}, {"min_p": 0.1}):  # a rule's thresholds read the whole row
+        with pytest.raises(ValueError, match=rf"^logits must have a finite log-sum-exp at kept tokens.*{where}"):
+            gk.token_logprobs(logits, targets, **rule)
     hidden = torch.randn(B, T, H, device=DEVICE)
     weight = torch.randn(V, H, device=DEVICE)
     weight[outside] = bad

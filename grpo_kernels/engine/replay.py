@@ -191,12 +191,12 @@ def _described(x: Any) -> str:
 
 def pass_stats(stats: tuple[str, ...], replay: Replay | None, loss: bool, checked: bool) -> tuple[str, ...]:
     """The statistics the pass computes: those asked, for a replayed loss the replay statistics (its metrics), and
-    for a replayed call whose rows are `checked` the log kept mass (`finite.check_kept_mass` reads it)."""
+    for a call replaying kept ids whose rows are `checked` the log kept mass (`finite.check_kept_mass` reads it)."""
     if replay is None:
         return stats
     if loss:
         return tuple(dict.fromkeys((*stats, *REPLAY_STATS)))
-    return tuple(dict.fromkeys((*stats, "log_kept_mass"))) if checked else stats
+    return tuple(dict.fromkeys((*stats, "log_kept_mass"))) if checked and replay.kept_ids is not None else stats
 
 
 def _refuse_if(flag: Tensor, message: str) -> None:

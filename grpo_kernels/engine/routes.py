@@ -59,9 +59,10 @@ def vocab_pass(plan: Plan) -> dict[str, Tensor]:
 
 
 def _check_kept_mass(plan: Plan, stats: dict[str, Tensor], mask: Tensor) -> None:
-    """A replayed call's rows, checked: NaN or +inf outside the kept set is refused (`finite.check_kept_mass`)."""
+    """The rows of a call replaying kept ids, checked: NaN or +inf outside the kept set is refused
+    (`finite.check_kept_mass`; a rule's thresholds take the whole row, so its support's lse already shows them)."""
     opts = plan.pass_options
-    if opts.replay is not None and opts.row_check is not None:
+    if opts.replay is not None and opts.replay.kept_ids is not None and opts.row_check is not None:
         finite.check_kept_mass(stats["log_kept_mass"], mask, opts.row_check)
 
 
