@@ -110,7 +110,6 @@ class GRPOTrainer:
         self.policy = wrap_policy(self.components.policy_module(self.model, self.padding_free), self.parallel)
         trainable = [p for p in self.policy.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate, weight_decay=config.weight_decay)
-        self.crash = CrashCheckpoint(self.optimizer)  # the checkpoint an exception in a step leaves
         if start is not None:
             checkpoint.load_state(start.state, self.policy, self.optimizer)
             self.prompts.load_state_dict(start.state["data"])
@@ -124,6 +123,7 @@ class GRPOTrainer:
         trained = next(self.model.parameters()).dtype
         self.sampler_tolerance = logp_tolerance(trained, getattr(rollout, "dtype", trained))  # the guard's limit
         self.components.bind_policy(self.model, tokenizer, self.ref_model)  # DRA's embeddings, PVPO's pre-rollouts
+        self.crash = CrashCheckpoint(self.optimizer)  # the checkpoint an exception in a step leaves
 
     # ------------------------------------------------------------------------------------------------ the loop
     def train(self) -> list[dict]:
