@@ -64,20 +64,21 @@ def token_logprobs(
     whole-vocabulary ids, and every rank gets the whole vocabulary's logp and entropy (`kernels.parallel`: O(N)
     statistics cross ranks, 16·R + 4·(3 + with_entropy)·B·T bytes per call; no stats).
 
-    Sampling replay (docs/sampling_replay.md): log-probs renormalised over the tokens a truncated sampler kept,
-    so that they compare with the sampler's own. Rule replay applies the sampler's rule to z (after the temperature)
-    in vLLM's order: `min_p` (0.0: off) on the whole distribution, then `top_k` (0 or >= V: off), then `top_p`
-    (1.0: off) on what is left; every token tied at a cut is kept. Kept-set replay takes the kept ids themselves:
-    `sampling_mask`, a `SamplingMask(token_ids, offsets)` (vLLM's CSR) or an int tensor `[B, T, K]` / `[N, K]`
-    with -1 padding (not with the rule options). The entropy is the support's; the gradient is onehot − q_support
-    inside the support and 0 outside (the support held fixed). A target outside the support is counted as kept
-    and flagged. `stats` may ask for `"log_kept_mass"` (log S = lse_support − lse_full, ≤ 0; 0 without
-    truncation and at masked rows) and `"outside_support"` (bool: the target lay outside and was counted as kept),
-    on every backend. On vocabulary shards (`process_group`) the rule's thresholds are merged over the ranks
-    (min-p: the row's max; top-k: each shard's k largest logits all-gathered, R·k floats a row; top-p walks those
-    candidates, so it needs 1 <= top_k <= 1024 there) and kept ids are split by shard. A `sampling_mask` is checked
-    and padded with host reads even with `check_finite=False`; top_p with top_k reads one flag per window (a tie at
-    the k-th), except inside a torch.compile trace or a CUDA graph capture.
+    Sampling replay (docs/sampling_replay.md): log-probs renormalised over the tokens a truncated sampler kept, so that
+    they compare with the sampler's own. Rule replay applies the sampler's rule to z (after the temperature) in vLLM's
+    order: `min_p` (0.0: off) on the whole distribution, then `top_k` (0 or >= V: off), then `top_p` (1.0: off) on what
+    is left; every token tied at a cut is kept. Kept-set replay takes the kept ids themselves: `sampling_mask`, a
+    `SamplingMask(token_ids, offsets)` (vLLM's CSR) or an int tensor `[B, T, K]` / `[N, K]` with -1 padding (not with
+    the rule options); each position's ids are a set (an id given twice counts once), and an empty set where `mask`
+    keeps the position is a ValueError naming it (`check_finite` also refuses NaN or +inf outside the set). The entropy
+    is the support's; the gradient is onehot − q_support inside the support and 0 outside (the support held fixed). A
+    target outside the support is counted as kept and flagged. `stats` may ask for `"log_kept_mass"` (log S =
+    lse_support − lse_full, ≤ 0; 0 without truncation and at masked rows) and `"outside_support"` (bool: the target lay
+    outside and was counted as kept), on every backend. On vocabulary shards (`process_group`) the rule's thresholds are
+    merged over the ranks (min-p: the row's max; top-k: each shard's k largest logits all-gathered, R·k floats a row;
+    top-p walks those candidates, so it needs 1 <= top_k <= 1024 there) and kept ids are split by shard. A
+    `sampling_mask` is checked and padded with host reads even with `check_finite=False`; top_p with top_k reads one
+    flag per window (a tie at the k-th), except inside a torch.compile trace or a CUDA graph capture.
     """
     args = check_argument_types(locals())  # the call's arguments as one record
     return run(build_plan(source=Source(logits), arguments=args))

@@ -1,5 +1,6 @@
 """`python -m grpo_kernels.evaluate --model A [--compare B]`: accuracy and reward of greedy decoding on a task's
 held-out prompts, for one policy or two (typically a run's initial and final checkpoints) and their difference.
+A trainer checkpoint's files are checked against its `checksums.json` first, as `--resume` checks them.
 
 A model is a trainer checkpoint (`<output_dir>/checkpoints/step_000600/`: a Hugging Face model directory with its
 tokenizer), a run directory (its latest checkpoint) or any Hugging Face model name or directory. The settings
@@ -17,7 +18,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from grpo_kernels.trainer.checkpoint import CHECKPOINTS, latest
+from grpo_kernels.trainer.checkpoint import CHECKPOINTS, latest, verify
 from grpo_kernels.trainer.cli import Parser, run
 from grpo_kernels.trainer.config import TrainConfig, check_config, from_dict, yaml_mapping
 from grpo_kernels.trainer.evaluate import EVAL_BATCH_SIZE, evaluate
@@ -179,6 +180,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     for model in (args.model, args.compare):
         if model is not None:
             require_model(model)  # before transformers is imported: fails fast offline
+            verify(model)  # a trainer checkpoint's files against its checksums.json, as --resume checks them
     from grpo_kernels.trainer.model import check_lengths, model_context
 
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from grpo_kernels.option_checks import OPTION_RULES, check_option, type_words
 from grpo_kernels.rollout_correction import RolloutCorrection, as_rollout_correction
 from grpo_kernels.shown import shown
 
@@ -141,7 +142,6 @@ class LossOptions:
     def _validate(self) -> None:
         _check_choice("loss_type", self.loss_type, LOSS_TYPES)
         _check_choice("importance_sampling_level", self.importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
-        _check_positive("temperature", self.temperature)
         if not self.beta >= 0.0:
             raise ValueError(f"beta must be >= 0, got {self.beta}")
         _check_positive("sapo_temperature_pos", self.sapo_temperature_pos)
@@ -154,7 +154,6 @@ class LossOptions:
             raise ValueError(f"top_entropy_quantile must be in [0, 1], got {self.top_entropy_quantile}")
         _check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         _check_choice("replay_entropy", self.replay_entropy, ("support", "full"))
-        check_sampling_rule(self.top_k, self.top_p, self.min_p)
         if self.loss_agg_mode is not None:
             _check_choice("loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
         for name, types in (("delta", CLIPPED_SURROGATE_TYPES), ("clip_ratio_c", CLIPPED_SURROGATE_TYPES + DPPO_TYPES)):
@@ -174,9 +173,6 @@ class LossOptions:
             raise ValueError(f"cispo_two_sided applies to loss_type='cispo', got loss_type={self.loss_type!r}")
         if self.loss_scale_factor is not None:
             _check_positive("loss_scale_factor", self.loss_scale_factor)
-        _check_positive("logit_scale", self.logit_scale)
-        if self.final_logit_softcapping is not None:
-            _check_positive("final_logit_softcapping", self.final_logit_softcapping)
         if self.off_policy_mask_threshold is not None and not self.off_policy_mask_threshold >= 0:
             raise ValueError(f"off_policy_mask_threshold must be >= 0 or None, got {self.off_policy_mask_threshold}")
         for name in ("clip_cov_ratio", "kl_cov_ratio"):
@@ -280,13 +276,10 @@ def _warn_once(key: str, message: str, category: type[Warning]) -> None:
 
 
 _POSITIVE = (  # the options that must be > 0 (their non-finite values are refused saying so)
-    "temperature",
     "sapo_temperature_pos",
     "sapo_temperature_neg",
     "delta",
     "loss_scale_factor",
-    "logit_scale",
-    "final_logit_softcapping",
     "num_items_in_batch",
     "num_sequences_in_batch",
 )
@@ -295,9 +288,13 @@ _POSITIVE = (  # the options that must be > 0 (their non-finite values are refus
 def _check_types(options: LossOptions) -> None:
     """A TypeError naming the first option whose type is not its field's (an int is a float too; a bool is
     neither), a ValueError for a float that is NaN or ±inf: checked before any range, so that no comparison with a
-    string, None or NaN decides. A tensor normaliser is checked with the loss's values (`check_finite`)."""
+    string, None or NaN decides. A tensor normaliser is checked with the loss's values (`check_finite`). The options
+    the public functions and the drop-ins take too are checked by `option_checks`, type and range, one message each."""
     for f in dataclasses.fields(options):
         value = getattr(options, f.name)
+        if f.name in OPTION_RULES:
+            check_option(f.name, value)
+            continue
         allowed = {part.strip() for part in f.type.split("|")}
         if value is None and "None" in allowed or isinstance(value, torch.Tensor) and "torch.Tensor" in allowed:
             continue
@@ -310,27 +307,14 @@ def _check_types(options: LossOptions) -> None:
         else:
             ok = any(isinstance(value, kind) for kind in (str, float) if kind.__name__ in allowed)
         if not ok:
-            expected = " | ".join(sorted(allowed)).replace("None", "none")
+            kinds = sorted(allowed - {"None"}, key=("bool", "int", "float", "str", "torch.Tensor").index)
+            expected = " or ".join(type_words(kind) for kind in kinds) + (" or None" if "None" in allowed else "")
             raise TypeError(f"{f.name} must be {expected}, got {type(value).__name__} {shown(value)}")
         if f.name in ("num_items_in_batch", "num_sequences_in_batch") and not value > 0:  # NaN too
             raise ValueError(f"{f.name} must be > 0, got {value}")
         if isinstance(value, float) and not math.isfinite(value):
             rule = "> 0 and finite" if f.name in _POSITIVE else "finite"
             raise ValueError(f"{f.name} must be {rule}, got {value}")
-
-
-def check_sampling_rule(top_k: object, top_p: object, min_p: object) -> None:
-    """The truncated sampler's rule (sampling replay): top_k an int >= 0 (0: off), 0 < top_p <= 1 (1.0: off),
-    0 <= min_p < 1 (0.0: off)."""
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
-        raise ValueError(f"top_k must be an int >= 0 (0: off), got {top_k!r}")
-    for name, value in (("top_p", top_p), ("min_p", min_p)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"{name} must be a float, got {type(value).__name__} {value!r}")
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1] (1.0: off), got {top_p!r}")
-    if not 0.0 <= min_p < 1.0:
-        raise ValueError(f"min_p must be in [0, 1) (0.0: off), got {min_p!r}")
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:

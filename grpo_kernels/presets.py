@@ -53,6 +53,7 @@ from typing import Any
 import torch
 
 from grpo_kernels.advantages import ADVANTAGES
+from grpo_kernels.option_checks import type_words
 from grpo_kernels.options import LOSS_TYPES, LossOptions
 from grpo_kernels.registry import Registry
 from grpo_kernels.regularizers import REGULARIZERS
@@ -417,4 +418,5 @@ def _check_value(where: str, value: Any, annotation: Any, hint: str = "", defaul
             hint = f" (YAML reads a float without a dot as a string: write {float(value)!r})"
         except ValueError:
             pass
-    raise TypeError(f"{where} must be {' | '.join(expected)}, got {type(value).__name__} {shown(value)}{hint}")
+    words = " or ".join(type_words(kind) for kind in expected)
+    raise TypeError(f"{where} must be {words}, got {type(value).__name__} {shown(value)}{hint}")

@@ -31,10 +31,10 @@ def test_a_non_finite_float_option_is_refused_by_name(name, value):
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        (dict(temperature="1.0"), "temperature must be float, got str '1.0'"),
-        (dict(loss_type="dr_grpo", max_completion_length=512.0), "max_completion_length must be int | none"),
-        (dict(use_bias_correction_kl="yes"), "use_bias_correction_kl must be bool"),
-        (dict(epsilon=None), "epsilon must be float"),
+        (dict(temperature="1.0"), "temperature must be a float, got str '1.0'"),
+        (dict(loss_type="dr_grpo", max_completion_length=512.0), "max_completion_length must be an int or None"),
+        (dict(use_bias_correction_kl="yes"), "use_bias_correction_kl must be a bool"),
+        (dict(epsilon=None), "epsilon must be a float"),
     ],
 )
 def test_a_loss_option_of_the_wrong_type_is_a_type_error_naming_it(options, message):
@@ -83,7 +83,7 @@ def test_a_tensor_num_items_in_batch_at_or_below_zero_is_refused_like_the_number
         (lambda x, t, a: token_logprobs(x, t.float()), "targets must be int64 or int32 token ids"),
         (lambda x, t, a: grpo_loss(x, t, a, process_group=object()), "process_group must be a torch.distributed"),
         (lambda x, t, a: grpo_loss(x, t, a, sequence_group="world"), "sequence_group must be a torch.distributed"),
-        (lambda x, t, a: grpo_loss(x, t, a, temperature="1.0"), "temperature must be float, got str"),
+        (lambda x, t, a: grpo_loss(x, t, a, temperature="1.0"), "temperature must be a float, got str"),
         (lambda x, t, a: grpo_loss(x, t, a, check_finite="yes"), "check_finite must be a bool"),
         (lambda x, t, a: grpo_loss(x, t, a.tolist()), "advantages must be a torch.Tensor, got list"),
         (lambda x, t, a: grpo_loss(x, t, a, cu_seqlens="0,3,6"), "cu_seqlens must be an integer torch.Tensor"),
@@ -110,7 +110,7 @@ def test_a_list_cu_seqlens_is_converted(inputs):
         ("loss", {"entropy_coef": math.nan}, "loss.entropy_coef must be finite"),
         ("training", {"learning_rate": math.inf}, "training.learning_rate must be finite"),
         ("rewards", [{"name": "math_answer", "weight": math.nan}], r"rewards\[0\].weight must be finite"),
-        ("loss", {"temperature": "1.0"}, "loss.temperature must be float"),
+        ("loss", {"temperature": "1.0"}, "loss.temperature must be a float"),
     ],
 )
 def test_a_presets_non_finite_or_mistyped_value_is_refused_when_loaded(section, change, message):

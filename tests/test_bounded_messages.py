@@ -88,7 +88,7 @@ def test_a_huge_value_is_shown_short(tmp_path, capsys):
     config = tmp_path / "long.yaml"
     config.write_text(f"seed: '{'9' * 100_000}'\n", encoding="utf-8")
     err = one_error_line(capsys, train_main, ["--config", str(config)])
-    assert "seed must be int" in err and len(err) < 400
+    assert "seed must be an int" in err and len(err) < 400
 
 
 @pytest.mark.parametrize(

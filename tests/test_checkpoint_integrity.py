@@ -6,6 +6,7 @@
 - A file-system write error other than a full disk (a file-size limit: EFBIG) is one `error:` line too."""
 
 import dataclasses
+import importlib
 import json
 import math
 import resource
@@ -13,11 +14,15 @@ import signal
 import struct
 
 import pytest
+import torch
 
+from grpo_kernels.evaluate import main as evaluate_main
 from grpo_kernels.trainer import TrainConfig
 from grpo_kernels.trainer.__main__ import main as train_main
 from grpo_kernels.trainer.checkpoint import checkpoint_dir, latest
+from grpo_kernels.trainer.cli import run as run_command
 from grpo_kernels.trainer.train import GRPOTrainer
+from tests.test_run_dir import run_main
 
 TINY = dict(hidden_size=16, num_layers=1, num_heads=2, prompts_per_step=2, num_generations=2, eval_every=0)
 TINY.update(progress=False, plot=False)
@@ -90,3 +95,102 @@ def test_a_file_too_large_while_writing_a_checkpoint_is_one_line(tmp_path, capsy
     assert stop.value.code == 2 and err.count("\n") == 1, err
     assert err.startswith("error: file too large while writing checkpoint ") and "errno EFBIG" in err, err
     assert not list((tmp_path / "run" / "checkpoints").glob("*.tmp"))
+
+
+class _FailingAt(GRPOTrainer):
+    """Raises a RuntimeError in step `at`: before its updates ("advantages"), between them and the step's end
+    ("sync": the sampler's weight push), or after its training ("evaluate", the last step's evaluation; with
+    `nan_weight` after writing a non-finite weight)."""
+
+    def __init__(self, config, at: int, where: str, monkeypatch, nan_weight: bool = False):
+        super().__init__(config)
+        self.at, self.where, self.nan_weight = at, where, nan_weight
+        sync = self.rollout.sync_weights
+        self.rollout.sync_weights = lambda: self._fail("sync") or sync()
+        train_module = importlib.import_module("grpo_kernels.trainer.train")  # the package's `train` is a function
+        evaluate = train_module.evaluate
+        monkeypatch.setattr(train_module, "evaluate", lambda *args: self._fail("evaluate") or evaluate(*args))
+
+    def _fail(self, where: str) -> None:
+        if self.step == self.at and where == self.where:
+            if self.nan_weight:
+                with torch.no_grad():
+                    next(self.model.parameters()).view(-1)[0] = math.nan
+            raise RuntimeError(f"failed in {where}")
+
+    def advantages(self, step, old_logp, entropy):
+        self._fail("advantages")
+        return super().advantages(step, old_logp, entropy)
+
+
+def test_an_exception_in_the_last_step_leaves_the_last_whole_step_and_resumes_to_the_same_numbers(
+    tmp_path, capsys, monkeypatch
+):
+    """With --checkpoint-every 0 (every compare run) an exception used to leave no checkpoint: every step lost."""
+    straight = GRPOTrainer(tiny(tmp_path / "straight", steps=3, checkpoint_every=0)).train()
+    out = tmp_path / "run"
+    with pytest.raises(RuntimeError, match="failed in advantages"):
+        _FailingAt(tiny(out, steps=3, checkpoint_every=0), 3, "advantages", monkeypatch).train()
+    said = capsys.readouterr().out
+    assert latest(out) == checkpoint_dir(out, 2)  # the state before step 3: its prompts and RNG too
+    assert f"RuntimeError in step 3: checkpoint {checkpoint_dir(out, 2)} holds step 2 of 3; continue:" in said
+    history = GRPOTrainer(tiny(out, steps=3, checkpoint_every=0, resume=True)).train()
+    timeless = lambda h: [{k: v for k, v in m.items() if k != "step_time"} for m in h]  # noqa: E731
+    assert timeless(history) == timeless(straight)
+
+    after = tmp_path / "after"  # the step's training returned: that step is whole
+    with pytest.raises(RuntimeError, match="failed in evaluate"):
+        _FailingAt(tiny(after, steps=2, checkpoint_every=0), 2, "evaluate", monkeypatch).train()
+    assert latest(after) == checkpoint_dir(after, 2)
+
+
+@pytest.mark.parametrize(
+    ("where", "nan_weight", "reason"),
+    [("sync", False, "after some of that step's updates"), ("evaluate", True, "is not finite")],
+)
+def test_no_checkpoint_of_a_half_done_step_or_of_non_finite_weights(
+    tmp_path, capsys, monkeypatch, where, nan_weight, reason
+):
+    out = tmp_path / "run"
+    with pytest.raises(RuntimeError, match=f"failed in {where}"):
+        _FailingAt(tiny(out, steps=2, checkpoint_every=0), 2, where, monkeypatch, nan_weight=nan_weight).train()
+    assert latest(out) is None
+    assert reason in capsys.readouterr().out
+
+
+def test_a_checkpoint_of_this_format_needs_a_whole_checksums_file_of_relative_names(tmp_path, capsys):
+    """A missing, emptied or partial checksums.json was trusted, an absolute name read outside the checkpoint, and
+    `evaluate` checked nothing."""
+    out = tmp_path / "run"
+    GRPOTrainer(tiny(out, steps=1, checkpoint_every=1)).train()
+    saved = checkpoint_dir(out, 1)
+    listing = saved / "checksums.json"
+    whole = listing.read_text(encoding="utf-8")
+    outside = tmp_path / "outside"
+    outside.write_text("x", encoding="utf-8")
+    cases = {
+        "missing": None,
+        "partial: it does not list": "{}",
+        "refused: it names .*outside', outside the checkpoint": json.dumps({**json.loads(whole), str(outside): "0"}),
+    }
+    for reason, text in cases.items():
+        listing.unlink(missing_ok=True)
+        if text is not None:
+            listing.write_text(text, encoding="utf-8")
+        with pytest.raises(ValueError, match=rf"checksums.json: {reason}"):
+            GRPOTrainer(tiny(out, steps=2, checkpoint_every=1, resume=True))
+    listing.write_text(whole, encoding="utf-8")
+    flip_a_bit_in_a_tensor(saved / "model.safetensors")
+    status, _, err = run_main(lambda argv: run_command(evaluate_main, argv), ["--model", str(saved)], capsys)
+    assert status == 2 and err.startswith("error: ") and "model.safetensors: checksum mismatch" in err, err
+
+
+def test_a_checkpoint_written_before_checksums_is_taken_as_it_is(tmp_path):
+    out = tmp_path / "run"
+    GRPOTrainer(tiny(out, steps=1, checkpoint_every=1)).train()
+    saved = checkpoint_dir(out, 1)
+    state = torch.load(saved / "trainer_state.pt", weights_only=True)
+    del state["format"]  # as this trainer wrote it before checksums.json
+    torch.save(state, saved / "trainer_state.pt")
+    (saved / "checksums.json").unlink()
+    assert GRPOTrainer(tiny(out, steps=2, checkpoint_every=1, resume=True)).resumed_from == saved

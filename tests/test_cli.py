@@ -157,7 +157,7 @@ def test_values_out_of_range_are_refused(overrides, message):
 def test_wrong_types_from_a_yaml_file_are_refused(tmp_path):
     config_file = tmp_path / "run.yaml"
     config_file.write_text("steps: ten\n", encoding="utf-8")
-    with pytest.raises(TypeError, match="steps must be int, got 'ten'"):
+    with pytest.raises(TypeError, match="steps must be an int, got 'ten'"):
         parse_args(["--config", str(config_file)])
     assert parse_args(["--torch-threads", "none"]).torch_threads is None
 

@@ -58,7 +58,7 @@ def test_every_shipped_preset_states_each_setting_or_not_given():
         ({"batch": 4}, ValueError, r"training: unknown key\(s\) \['batch'\]"),
         ({"num_generations": 1}, ValueError, "training.num_generations must be >= 2 or 'not given'"),
         ({"learning_rate": 0}, ValueError, "training.learning_rate must be > 0.0"),
-        ({"num_iterations": 1.5}, TypeError, "training.num_iterations must be int | str, got float"),
+        ({"num_iterations": 1.5}, TypeError, "training.num_iterations must be an int or a str, got float"),
         ({"temperature": "hot"}, ValueError, "training.temperature must be > 0.0 or 'not given', got 'hot'"),
     ],
 )

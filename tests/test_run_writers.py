@@ -10,6 +10,7 @@
 - `--overwrite` only replaces a directory that holds a run, and never through a symlink."""
 
 import dataclasses
+import errno
 import json
 import os
 import re
@@ -181,3 +182,26 @@ def test_overwrite_replaces_only_a_run_and_never_through_a_symlink(tmp_path, cap
     assert (notes / "thesis.tex").is_file() and latest(run) == checkpoint_dir(run, 1)
     assert command("--output-dir", str(run), *TINY_FLAGS, "--steps", "2", "--overwrite", capsys=capsys)[0] == 0
     assert latest(run) == checkpoint_dir(run, 2)
+
+
+@pytest.mark.parametrize("failure", ("enospc", "short"))
+def test_a_full_disk_while_logging_leaves_whole_lines_and_names_the_file(tmp_path, monkeypatch, failure):
+    """A full disk used to leave a cut last line in metrics.jsonl, and an error without the file's name."""
+    logger = MetricsLogger(tmp_path, total_steps=3, progress=False)
+    logger.log(1, {"reward": 0.5})
+    path = tmp_path / "metrics.jsonl"
+    real_write = os.write
+
+    def full_disk(fd: int, data: bytes) -> int:
+        if os.readlink(f"/proc/self/fd/{fd}") != str(path):
+            return real_write(fd, data)
+        if failure == "enospc":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(fd, data[: len(data) // 2])  # what fitted
+
+    monkeypatch.setattr(os, "write", full_disk)
+    with pytest.raises(OSError, match=rf"^no space left on device while writing {re.escape(str(path))} \(errno ENOSPC"):
+        logger.log(2, {"reward": 0.25})
+    monkeypatch.undo()
+    assert path.read_text(encoding="utf-8") == '{"step": 1, "reward": 0.5}\n'
+    assert read_metrics(tmp_path) == [{"step": 1, "reward": 0.5}]

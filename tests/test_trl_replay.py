@@ -127,11 +127,13 @@ def test_the_sampler_rule_from_the_config():
         (dict(generation_kwargs={"typical_p": 0.9}), "typical_p"),
         (dict(generation_kwargs={"top_p": 1.5}), "top_p must be in"),
         (dict(top_k=-3), "top_k must be an int"),
+        (dict(min_p=1.0), r"^min_p must be in \[0, 1\) \(0.0: off\), got 1.0$"),  # LossOptions' message
     ],
 )
 def test_a_sampler_the_replay_cannot_reproduce_raises(tokenizer, peaked_model, fields, match):
     """transformers' generate (use_vllm=False) applies min-p last, and has truncations the replay lacks: the
-    drop-in refuses at construction, naming the option (stock TRL runs them, unreplayed)."""
+    drop-in refuses at construction, naming the option (stock TRL runs them, unreplayed); so does a value the loss
+    would refuse, with the loss's message."""
     with pytest.raises(ValueError, match=match):
         base.build(drop_in.GRPOTrainer, peaked_model, tokenizer, **fields)
 

@@ -2,6 +2,9 @@
 step): its offline stand-ins load as the Hub repositories they replace, and its outcomes pair up per test. The runs
 themselves are CI's step, not a test here."""
 
+import importlib
+import importlib.util
+
 import pytest
 
 pytest.importorskip("trl")
@@ -61,3 +64,26 @@ def test_checkout_without_tests_is_unavailable(tmp_path, monkeypatch):
 
 def test_ci_selection_names_each_test_once():
     assert len(set(selection.CI)) == len(selection.CI)
+
+
+def test_an_older_checkout_gets_the_names_it_imports_that_trl_lacks(tmp_path, monkeypatch, capsys):
+    """An older TRL tree's testing_utils imported `is_joblib_available`, which TRL 1.16 lacks: every test errored."""
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "testing_utils.py").write_text(
+        "from trl.import_utils import is_joblib_available, is_vllm_available\n", encoding="utf-8"
+    )
+    (tests / "test_grpo_trainer.py").write_text("from trl import GRPOConfig\n", encoding="utf-8")
+    monkeypatch.setenv("GRPO_KERNELS_TRL_SOURCE", str(tmp_path))
+    monkeypatch.setenv("GRPO_KERNELS_TRL_TESTS", str(tmp_path / "cache"))
+    root, _ = source.fetch_tests()
+    supplied = source.missing_names(root / source.PACKAGE)
+    assert supplied == ["trl.import_utils.is_joblib_available"]
+    import_utils = importlib.import_module("trl.import_utils")
+    monkeypatch.setattr(import_utils, "is_joblib_available", None, raising=False)  # removed again after the test
+    plugin._supply(supplied)
+    assert import_utils.is_joblib_available() is (importlib.util.find_spec("joblib") is not None)
+    (tests / "test_grpo_trainer.py").write_text("from trl import not_in_trl\n", encoding="utf-8")
+    root, _ = source.fetch_tests()
+    with pytest.raises(source.Unavailable, match="imports trl.not_in_trl, absent from the installed TRL"):
+        source.missing_names(root / source.PACKAGE)

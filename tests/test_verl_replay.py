@@ -95,11 +95,11 @@ def test_rollout_rule_names_verls_fields():
     assert gk_verl.rollout_rule(None) == {"top_k": 0, "top_p": 1.0}
     assert gk_verl.rollout_rule(SamplingConfig()) == {"top_k": 0, "top_p": 1.0}  # verl's defaults: off
     assert gk_verl.rollout_rule({"top_k": 50, "top_p": 0.95}) == {"top_k": 50, "top_p": 0.95}
-    with pytest.raises(ValueError, match=r"rollout\.top_k must be an int >= -1"):
+    with pytest.raises(ValueError, match=r"rollout\.top_k must be an int >= 0 \(0: off\), got -5"):
         gk_verl.rollout_rule({"top_k": -5})
     with pytest.raises(ValueError, match=r"rollout\.top_p must be in \(0, 1\]"):
         gk_verl.rollout_rule({"top_p": 0.0})
-    with pytest.raises(TypeError, match=r"rollout\.top_p must be a number"):
+    with pytest.raises(TypeError, match=r"rollout\.top_p must be a float, got str"):
         gk_verl.rollout_rule({"top_p": "0.9"})
 
 

@@ -151,3 +151,19 @@ def check_row_stats(lse: Tensor, logp: Tensor, kept: Tensor | None, rows: RowChe
         f"{rows.source} must have a finite log-sum-exp at kept tokens, got {row_lse} (logp {row_logp}) at index "
         f"{where}: {rows.causes}"
     )
+
+
+def check_kept_mass(log_kept_mass: Tensor, mask: Tensor, rows: RowCheck) -> None:
+    """ValueError for a kept token whose row holds NaN or +inf outside the sampler's kept set. Replay renormalises
+    over that set, so its log-sum-exp never sees them; the whole row's does, and shows in the log kept mass
+    log S = lse_support − lse_full (NaN, or −inf for a +inf logit; the support's own non-finite lse was refused
+    by `check_row_stats` first). log_kept_mass, mask: [R, C]. One host sync."""
+    if not bool(nonfinite_sum(log_kept_mass, mask)):
+        return
+    bad = nonfinite(log_kept_mass) & mask
+    r, c = (int(i) for i in bad.nonzero()[0])
+    where = c if rows.flat else (r, c)
+    raise ValueError(
+        f"{rows.source} must have a finite log-sum-exp at kept tokens, got a non-finite one over the whole vocabulary "
+        f"(NaN or +inf outside the sampler's kept set) at index {where}: {rows.causes}"
+    )

@@ -110,6 +110,7 @@ class Plan:
     options: LossOptions | None = None  # a loss call's
     inputs: LossInputs | None = None  # a loss call's checked tensors
     return_sequence_losses: bool = False
+    stats: tuple[str, ...] = ()  # the statistics the caller asked for (the pass may compute more)
 
 
 def build_plan(*, source: Source, arguments: dict[str, Any], options: LossOptions | None = None) -> Plan:
@@ -152,7 +153,8 @@ def build_plan(*, source: Source, arguments: dict[str, Any], options: LossOption
     replay = replay_module.replay_of(
         transform,
         tensors.sampling_mask,
-        rows=tuple(layout.mask.shape),
+        leading=layout.leading,
+        mask=layout.mask,
         vocab=vocab,
         device=device,
         stats=checked.stats,
@@ -177,7 +179,7 @@ def build_plan(*, source: Source, arguments: dict[str, Any], options: LossOption
         temperature=transform.temperature,
         logit_scale=transform.logit_scale,
         final_logit_softcapping=transform.final_logit_softcapping,
-        stats=replay_module.pass_stats(checked.stats, replay, loss),
+        stats=replay_module.pass_stats(checked.stats, replay, loss, row_check is not None),
         replay=replay,
         inplace=request.inplace,
         chunk_size=_chunk_rows(source, request, shard, kept, replay is not None),
@@ -201,6 +203,7 @@ def build_plan(*, source: Source, arguments: dict[str, Any], options: LossOption
         options=options,
         inputs=inputs,
         return_sequence_losses=request.return_sequence_losses,
+        stats=checked.stats,
     )
 
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from grpo_kernels.engine import finite
 from grpo_kernels.engine.plan import KeptRows, Plan, Route
 from grpo_kernels.kernels import function, parallel, parallel_linear, replay_logits
 from grpo_kernels.kernels.backend import CAPABILITIES
@@ -53,14 +54,23 @@ def vocab_pass(plan: Plan) -> dict[str, Tensor]:
             out = parallel_linear.fused_linear_logprobs(*rows, opts=opts, row_mask=kept.row_mask, shard=shard)
         out = {name: _scatter(kept, x, layout.mask) for name, x in out.items()}
     out["logp"] = _nan_at_invalid(out["logp"], layout.invalid)
+    _check_kept_mass(plan, out, layout.mask)
     return out
+
+
+def _check_kept_mass(plan: Plan, stats: dict[str, Tensor], mask: Tensor) -> None:
+    """The rows of a call replaying kept ids, checked: NaN or +inf outside the kept set is refused
+    (`finite.check_kept_mass`; a rule's thresholds take the whole row, so its support's lse already shows them)."""
+    opts = plan.pass_options
+    if opts.replay is not None and opts.replay.kept_ids is not None and opts.row_check is not None:
+        finite.check_kept_mass(stats["log_kept_mass"], mask, opts.row_check)
 
 
 def logprobs(plan: Plan):
     """token_logprobs / fused_linear_token_logprobs: logp, (logp, entropy) or the dict with the statistics."""
     out = {name: x[0] if plan.layout.flat else x for name, x in vocab_pass(plan).items()}  # [B, T] / [N]
-    if plan.pass_options.stats:
-        return out
+    if plan.stats:
+        return {name: x for name, x in out.items() if name in ("logp", "entropy", *plan.stats)}
     return (out["logp"], out["entropy"]) if plan.pass_options.with_entropy else out["logp"]
 
 
@@ -110,6 +120,7 @@ def linear_token_loss(plan: Plan) -> GRPOLossOutput:
     terms = inputs.terms(logp, _scatter(kept, entropy, layout.mask), options)
     loss = loss if layout.invalid is None else function.poisoned(loss, layout.invalid)
     stats = {name: _scatter(kept, x, layout.mask) for name, x in stats.items()}
+    _check_kept_mass(plan, stats, layout.mask)
     return GRPOLossOutput(loss, loss_metrics(terms, options) | replay_metrics(stats, layout.mask))
 
 

@@ -26,6 +26,7 @@ from grpo_kernels.kernels.backend import CAPABILITIES
 from grpo_kernels.kernels.function import TOKEN_STATS
 from grpo_kernels.kernels.head_precision import check_head_precision
 from grpo_kernels.kernels.replay import REPLAY_STATS
+from grpo_kernels.option_checks import OPTION_RULES, check_option
 from grpo_kernels.options import LossOptions
 from grpo_kernels.shown import shown
 from grpo_kernels.tensor_checks import raise_first
@@ -37,10 +38,6 @@ def _tensor(x: Any) -> bool:
 
 def _ids(x: Any) -> bool:
     return isinstance(x, Tensor) and not x.is_floating_point() and not x.is_complex()
-
-
-def _number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def _group(x: Any) -> bool:
@@ -63,25 +60,24 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str, bool]] = {
         ("old_logp", "ref_logp", "mask", "is_ratio", "sampling_logp", "token_weights", "sequence_weights", "bias"),
         (_tensor, "a torch.Tensor or None", True),
     ),
-    **dict.fromkeys(("temperature", "logit_scale"), (_number, "a float", False)),
-    "final_logit_softcapping": (_number, "a float or None", True),
     **dict.fromkeys(
         ("with_entropy", "inplace", "check_finite", "return_sequence_losses"),
         (lambda x: isinstance(x, bool), "a bool", False),
     ),
     **dict.fromkeys(("backend", "memory"), (lambda x: isinstance(x, str), "a str", False)),
     "vocab_start": (_int, "an int or None", True),
-    "top_k": (_int, "an int", False),
-    **dict.fromkeys(("top_p", "min_p"), (_number, "a float", False)),
     "stats": (_names, "a sequence of names", False),
     **dict.fromkeys(("process_group", "sequence_group"), (_group, "a torch.distributed.ProcessGroup or None", True)),
 }
 
 
 def check_argument_types(args: Mapping[str, Any]) -> dict[str, Any]:
-    """The types of a public function's arguments (its `locals()`); a float argument must also be finite. Returns the
-    arguments, `cu_seqlens` (a list or tuple of ints, or a tensor) as a tensor on the device of logits / hidden."""
+    """The types of a public function's arguments (its `locals()`), and the shared options' ranges (`option_checks`:
+    the logit transform and the sampler's rule, each with one message wherever it comes in). Returns the arguments,
+    `cu_seqlens` (a list or tuple of ints, or a tensor) as a tensor on the device of logits / hidden."""
     for name, value in args.items():
+        if name in OPTION_RULES:
+            check_option(name, value)
         if name not in _RULES:
             continue
         test, expected, optional = _RULES[name]
@@ -90,8 +86,6 @@ def check_argument_types(args: Mapping[str, Any]) -> dict[str, Any]:
         if not test(value):
             got = f"{type(value).__name__} {shown(value)}" if not isinstance(value, Tensor) else f"{value.dtype} tensor"
             raise TypeError(f"{name} must be {expected}, got {got}")
-        if isinstance(value, float) and not math.isfinite(value):  # each float argument must be > 0
-            raise ValueError(f"{name} must be > 0 and finite, got {value}")
     cu_seqlens = args.get("cu_seqlens")
     if cu_seqlens is None or isinstance(cu_seqlens, Tensor):
         return dict(args)
@@ -235,18 +229,6 @@ def check_memory(memory: str, tile, chunk_size: int | None, backend: str) -> tup
     return tile
 
 
-def check_temperature(temperature: float) -> None:
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-
-
-def check_logit_transform(logit_scale: float, final_logit_softcapping: float | None) -> None:
-    if not logit_scale > 0:
-        raise ValueError(f"logit_scale must be > 0, got {logit_scale}")
-    if final_logit_softcapping is not None and not final_logit_softcapping > 0:
-        raise ValueError(f"final_logit_softcapping must be > 0 or None, got {final_logit_softcapping}")
-
-
 def check_stats(stats: object, backend: str) -> tuple[str, ...]:
     """The requested extra statistics of the vocabulary pass, as a tuple of distinct known names (the replay
     statistics on every backend)."""
@@ -340,16 +322,12 @@ def check_call(
     backend: str,
     vocab: int,
 ) -> Checked:
-    """Every check of a call after its arguments' types: logits `x` (or hidden states `x` through the lm_head
-    `weight` and `bias`) and their layout, the log-prob call's logit transform (a loss call's was checked with its
-    LossOptions), the statistics and the chunking options against `backend`, the targets and mask
-    (`inputs.TokenTensors`) against a vocabulary of `vocab` ids, and a loss call's other tensors
+    """Every check of a call after its arguments' types and options' ranges: logits `x` (or hidden states `x` through
+    the lm_head `weight` and `bias`) and their layout, the statistics and the chunking options against `backend`, the
+    targets and mask (`inputs.TokenTensors`) against a vocabulary of `vocab` ids, and a loss call's other tensors
     (`inputs.LossTensors`) and normalisers. The checks of values are returned to be read with one host sync."""
     loss = options is not None
     name, cu_seqlens = ("logits" if weight is None else "hidden"), tensors.cu_seqlens
-    if not loss:
-        check_temperature(request.temperature)
-        check_logit_transform(request.logit_scale, request.final_logit_softcapping)
     if cu_seqlens is not None and x.dim() != 2:
         raise ValueError(f"with cu_seqlens, {name} must be packed [N, ·], got {_shape(x.shape)}")
     if not loss and x.dim() not in (2, 3):

@@ -46,6 +46,7 @@ from grpo_kernels.integrations import hf, trl_replay, zero3
 from grpo_kernels.integrations.trl_precision import GRPOConfig, head_operands, head_precision
 from grpo_kernels.integrations.trl_sampler_sync import check_trl_sampler_sync
 from grpo_kernels.losses.loss import GRPOLossOutput
+from grpo_kernels.option_checks import check_option
 from grpo_kernels.options import CLIP_LOSS_TYPES, LossOptions
 from grpo_kernels.rollout_correction import as_rollout_correction
 
@@ -280,7 +281,8 @@ def check_supported(trainer: trl.GRPOTrainer) -> None:
     if getattr(model, "active_peft_config", None) is not None and model.active_peft_config.is_prompt_learning:
         raise ValueError("PEFT prompt learning (virtual tokens) is not supported by grpo_kernels.integrations.trl")
     head_precision(args)
-    trl_replay.check_sampler(args)
+    trl_replay.check_sampler(args)  # top_k, top_p, min_p with the loss's messages, now rather than at the first loss
+    check_option("temperature", args.temperature)
     correction, needed_loss = as_rollout_correction(getattr(args, "rollout_correction", None))
     if correction is not None and (needed_loss is not None or args.top_entropy_quantile < 1.0):
         raise ValueError(

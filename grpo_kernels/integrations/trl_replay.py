@@ -11,6 +11,7 @@ from accelerate.utils import is_peft_model
 from torch import Tensor, nn
 
 from grpo_kernels.integrations.route import agreed_memory
+from grpo_kernels.option_checks import check_option
 
 RULE_OFF = {"top_k": 0, "top_p": 1.0, "min_p": 0.0}  # the project's off values of the three options
 # generate()'s other truncations, with their off values: the replay follows top-k, top-p and min-p only
@@ -19,7 +20,8 @@ UNREPLAYED = {"typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0}
 
 def sampling_rule(args: trl.GRPOConfig) -> dict[str, int | float]:
     """{"top_k", "top_p", "min_p"} as TRL's sampler runs them, in the project's off values (top_k 0, top_p 1.0,
-    min_p 0.0; vLLM's top_k -1 and TRL's min_p None are off too). Raises ValueError naming an invalid value."""
+    min_p 0.0; vLLM's top_k -1 and TRL's min_p None are off too). An invalid value is the TypeError or ValueError
+    `option_checks` gives for it everywhere."""
     given = args.generation_kwargs or {}  # TRL parses a JSON string into a dict
     top_k = given.get("top_k", args.top_k)
     top_p = given.get("top_p", args.top_p)
@@ -28,12 +30,8 @@ def sampling_rule(args: trl.GRPOConfig) -> dict[str, int | float]:
         top_k = 0
     if min_p is None:
         min_p = 0.0
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
-        raise ValueError(f"GRPOConfig top_k must be an int >= -1 (0 or -1: off), got {top_k!r}")
-    if isinstance(top_p, bool) or not isinstance(top_p, int | float) or not 0.0 < top_p <= 1.0:
-        raise ValueError(f"GRPOConfig top_p must be in (0, 1] (1.0: off), got {top_p!r}")
-    if isinstance(min_p, bool) or not isinstance(min_p, int | float) or not 0.0 <= min_p <= 1.0:
-        raise ValueError(f"GRPOConfig min_p must be in [0, 1] (0 or None: off), got {min_p!r}")
+    for name, value in (("top_k", top_k), ("top_p", top_p), ("min_p", min_p)):
+        check_option(name, value)  # the message the loss functions and LossOptions give for this value
     return {"top_k": top_k, "top_p": float(top_p), "min_p": float(min_p)}
 
 

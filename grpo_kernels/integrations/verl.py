@@ -60,6 +60,7 @@ from grpo_kernels.kernels import parallel
 from grpo_kernels.losses.loss import compute_loss
 from grpo_kernels.losses.mismatch import rollout_correction
 from grpo_kernels.losses.terms import build_terms
+from grpo_kernels.option_checks import check_option
 from grpo_kernels.options import CLIPPED_SURROGATE_TYPES, DPPO_TYPES, LOSS_TYPES, LossOptions
 from grpo_kernels.rollout_correction import RolloutCorrection
 
@@ -427,15 +428,14 @@ def patch_fused_kernels(rollout: Any = None) -> None:
 
 def rollout_rule(rollout: Any) -> dict[str, int | float]:
     """{"top_k", "top_p"} of verl's rollout config in the project's off values (top_k 0, top_p 1.0); None: off.
-    Refuses, naming the field, a top_k that is not an int >= -1 and a top_p outside (0, 1]."""
+    Refuses, naming the field, a top_k below -1 or a top_p outside (0, 1] (`option_checks`' messages)."""
     if rollout is None:
         return {"top_k": 0, "top_p": 1.0}
-    top_k, top_p = _number(rollout, "top_k", -1, "rollout"), _number(rollout, "top_p", 1.0, "rollout")
-    if not isinstance(top_k, int) or top_k < -1:
-        raise ValueError(f"rollout.top_k must be an int >= -1 (-1 or 0: off), got {top_k!r}")
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"rollout.top_p must be in (0, 1] (1.0: off), got {top_p!r}")
-    return {"top_k": max(top_k, 0), "top_p": float(top_p)}
+    top_k, top_p = _get(rollout, "top_k", -1), _get(rollout, "top_p", 1.0)
+    top_k = 0 if top_k == -1 else top_k
+    check_option("top_k", top_k, label="rollout.top_k")
+    check_option("top_p", top_p, label="rollout.top_p")
+    return {"top_k": top_k, "top_p": float(top_p)}
 
 
 def unpatch_fused_kernels() -> None:

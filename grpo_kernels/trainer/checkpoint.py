@@ -31,6 +31,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, load_model, save_model
 from torch import nn
 
+from grpo_kernels.shown import shown
 from grpo_kernels.trainer import atomic_write
 from grpo_kernels.trainer.parallel import ParallelState, unwrap
 
@@ -41,6 +42,9 @@ ADAPTER_FILE = "adapter_model.safetensors"  # what peft's save_pretrained writes
 REF_MODEL_FILE = "ref_model.safetensors"
 TRAINER_STATE_FILE = "trainer_state.pt"
 CHECKSUMS_FILE = "checksums.json"  # the SHA-256 of every other file of the checkpoint
+# the trainer state's "format": 2 since checksums.json is written with every checkpoint, which must then list every
+# file (a checkpoint without the field was written before, and one without checksums.json is taken as it is)
+CHECKPOINT_FORMAT = 2
 _MODEL_PREFIX = "model."  # PolicyModule's name for the policy
 
 
@@ -134,6 +138,7 @@ def save(
             shutil.rmtree(tmp, ignore_errors=True)
             _save_models(tmp, unwrap(policy).model, model_state, tokenizer, ref_model)
             state = {
+                "format": CHECKPOINT_FORMAT,
                 "step": step,
                 "optimizer": optimizer_state,
                 "data": data_state,
@@ -200,8 +205,22 @@ def read(path: str | Path, rank: int, *, lora: bool, ref_model: bool) -> dict:
     rng = _load_torch(path / f"rng_rank{rank}.pt")
     if not isinstance(rng, dict) or not {"torch", "python"} <= set(rng):
         raise UnreadableCheckpoint(path / f"rng_rank{rank}.pt", "not an RNG state (torch, python)")
-    verify_checksums(path)
+    verify_checksums(path, required=_format(state) >= CHECKPOINT_FORMAT)
     return {**state, "rng": rng}
+
+
+def verify(path: str | Path) -> None:
+    """Check the checksums of trainer checkpoint `path` (one with a trainer state) as `read` does, for a reader that
+    loads only its model (`grpo_kernels.evaluate`); any other directory passes."""
+    path = Path(path)
+    if (path / TRAINER_STATE_FILE).is_file():
+        verify_checksums(path, required=_format(_load_torch(path / TRAINER_STATE_FILE)) >= CHECKPOINT_FORMAT)
+
+
+def _format(state: object) -> int:
+    """The checkpoint format a trainer state records (1: written before the field)."""
+    value = state.get("format", 1) if isinstance(state, dict) else 1
+    return value if isinstance(value, int) else 1
 
 
 def write_checksums(directory: Path) -> None:
@@ -211,19 +230,33 @@ def write_checksums(directory: Path) -> None:
     (directory / CHECKSUMS_FILE).write_text(json.dumps(sums, indent=1), encoding="utf-8")
 
 
-def verify_checksums(directory: Path) -> None:
+def verify_checksums(directory: Path, required: bool = False) -> None:
     """Every file `checksums.json` lists is there with its SHA-256, else an `UnreadableCheckpoint` naming the first
-    that is not. A checkpoint without the file (written before checksums were kept) is taken as it is."""
+    that is not; names are relative paths inside the checkpoint (an absolute path or `..` is refused). A checkpoint
+    without the file (written before checksums were kept) is taken as it is, unless `required` (its format writes
+    one): then the file must be there and list every other file of the checkpoint."""
     listing = directory / CHECKSUMS_FILE
     if not listing.is_file():
+        if required:
+            raise UnreadableCheckpoint(listing, "missing (this checkpoint's format lists every file's SHA-256 there)")
         return
     try:
         sums = json.loads(listing.read_text(encoding="utf-8"))
         items = sorted(sums.items()) if isinstance(sums, dict) else None
     except (ValueError, UnicodeDecodeError) as error:
         raise UnreadableCheckpoint(listing, f"corrupt ({type(error).__name__})") from None
-    if items is None or not all(isinstance(v, str) and ".." not in Path(k).parts for k, v in items):
+    if items is None or not all(isinstance(v, str) for _, v in items):
         raise UnreadableCheckpoint(listing, "corrupt (not a mapping of file names to SHA-256 digests)")
+    for name, _ in items:
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            raise UnreadableCheckpoint(listing, f"refused: it names {shown(name)}, outside the checkpoint")
+    if required:
+        unlisted = sorted(
+            p for p in directory.rglob("*") if p.is_file() and p.name != CHECKSUMS_FILE and
+            p.relative_to(directory).as_posix() not in sums
+        )  # fmt: skip
+        if unlisted:
+            raise UnreadableCheckpoint(listing, f"partial: it does not list {unlisted[0].relative_to(directory)}")
     for name, digest in items:
         file = directory / name
         if not file.is_file():

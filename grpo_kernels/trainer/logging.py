@@ -9,8 +9,10 @@ keeps the lines up to the checkpoint's step and appends after them.
 
 from __future__ import annotations
 
+import errno
 import io
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -31,6 +33,37 @@ PHASES = ("generation", "scoring", "old_logp_pass", "reference_pass", "update") 
 TIMES = ("step_time", *(f"time/{phase}" for phase in PHASES))  # the metrics that differ between identical runs
 PLOTS = (("reward", "rewards/answer", "eval/answer"), ("kl",), ("entropy",), ("completion_length",))
 SAMPLER_PLOT = ((f"{IS_RATIO}/mean", KEPT_MASS), (GAP,))  # the sampler's panel: ratios on the left, the gap right
+
+
+class MetricsWriteError(OSError):
+    """The file system refused a line of `metrics.jsonl` (no space left, ...); the file keeps its whole lines."""
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+def append_line(path: Path, line: str) -> None:
+    """Append `line` to `path` in one write; a failed or short write (a full disk) is cut off again, so the file
+    never ends in part of a line, and is a `MetricsWriteError` naming the file."""
+    data = line.encode("utf-8")
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        size = os.fstat(fd).st_size
+        try:
+            written = os.write(fd, data)
+            failure = None if written == len(data) else errno.ENOSPC  # a short write: the disk filled up
+        except OSError as error:
+            failure = error.errno or errno.EIO
+        if failure is not None:
+            os.ftruncate(fd, size)
+            raise MetricsWriteError(
+                failure,
+                f"{os.strerror(failure).lower()} while writing {path} (errno {errno.errorcode.get(failure, failure)}; "
+                "it keeps its whole lines, up to the previous step): free space, then --resume continues from the "
+                "latest checkpoint",
+            )
+    finally:
+        os.close(fd)
 
 
 def start_line(config, step: int, resumed_from: Path | None, config_file: Path) -> str:
@@ -97,8 +130,7 @@ class MetricsLogger:
         record = {"step": step, **metrics}
         self.history.append(record)
         if self.path is not None:
-            with self.path.open("a", encoding="utf-8") as f:
-                f.write(json.dumps(record) + "\n")
+            append_line(self.path, json.dumps(record) + "\n")
         if self.tracker is not None:
             self.tracker.log(step, metrics)
         if self.bar is not None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import shlex
 import time
 
 import torch
@@ -26,6 +25,7 @@ from grpo_kernels.trainer.components import PresetComponents, StepSamples, gathe
 from grpo_kernels.trainer.config.algorithm import advantage_function, loss_options
 from grpo_kernels.trainer.config.checks import check_config
 from grpo_kernels.trainer.config.record import ROLLOUTS, TrainConfig
+from grpo_kernels.trainer.crash_checkpoint import CrashCheckpoint, resume_command
 from grpo_kernels.trainer.dropout import disable_dropout, dropout_settings
 from grpo_kernels.trainer.evaluate import evaluate
 from grpo_kernels.trainer.logging import MetricsLogger, read_metrics, start_line
@@ -140,15 +140,20 @@ class GRPOTrainer:
         self.dropout = dropout_settings(self.model)  # the guard's other suspect
         self.old_logp_source = old_logp_source(config, self.components, self.dropout)  # "update", "pass" or "sampler"
         self.components.bind_policy(self.model, tokenizer, self.ref_model)  # DRA's embeddings, PVPO's pre-rollouts
+        self.crash = CrashCheckpoint(self.optimizer)  # the checkpoint an exception in a step leaves
 
     # ------------------------------------------------------------------------------------------------ the loop
     def train(self) -> list[dict]:
         """Run up to `config.steps` optimizer steps; returns every step's metrics (also in `metrics.jsonl`). SIGINT
-        or SIGTERM stops the run at the next step boundary with a checkpoint there (`signals.py`); the run
-        directory's lock is released at the end, however the run ends."""
+        or SIGTERM stops the run at the next step boundary with a checkpoint there (`signals.py`), an exception
+        with the checkpoint of the last whole step (`crash_checkpoint.py`); the run directory's lock is released at
+        the end, however the run ends."""
         try:
             with StopAtStepBoundary() as stop:
                 return self._train(stop)
+        except Exception as error:
+            self.crash.save(self, error)
+            raise
         finally:
             if self.parallel.is_main:
                 run_lock.release(self.config.output_dir)
@@ -182,6 +187,7 @@ class GRPOTrainer:
         skipped = False  # whether the latest step's update was skipped
         while self.step < config.steps:
             tic = time.perf_counter()
+            self.crash.begin(self)
             self.step += 1
             try:
                 metrics = self.training_step()
@@ -189,6 +195,7 @@ class GRPOTrainer:
             except NonFiniteUpdate as error:
                 self.skip_update(error)
                 metrics, skipped = None, True
+            self.crash.trained = True
             if metrics is not None:
                 if self.step == config.steps or (config.eval_every and self.step % config.eval_every == 0):
                     metrics.update(
@@ -223,7 +230,7 @@ class GRPOTrainer:
         if self.saved_step != self.step:
             self.save_checkpoint()
         held = f"step {self.step} of {config.steps}" + (" (its update skipped as non-finite)" if skipped else "")
-        resume = f"python -m grpo_kernels.train --output-dir {shlex.quote(str(config.output_dir))} --resume"
+        resume = resume_command(config.output_dir)
         return f"{stop.name or 'signal'}: stopped after {held}, checkpoint {self.saved_path}; continue: {resume}"
 
     def final_line(self, skipped: bool) -> str:

@@ -42,6 +42,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"      {name}: {outcome.message}")
     counts = collections.Counter((stock.outcome, ours.outcome) for stock, ours in pairs.values())
     print(f"TRL's tests from {result.origin}; {len(pairs)} tests in {time.monotonic() - start:.0f} s")
+    if result.supplied:
+        names = ", ".join(result.supplied)
+        print(f"names those tests import that the installed TRL lacks, supplied as package checks: {names}")
     print("stock / drop-in: " + ", ".join(f"{a} / {b}: {n}" for (a, b), n in sorted(counts.items())))
     print(f"the drop-in's fused loss ran {result.fused_loss_calls} times")
     differing = result.differing()

@@ -14,6 +14,7 @@ TRAINER = "GRPO_KERNELS_TRL_SUITE_TRAINER"  # "stock" or "drop-in"
 DATASETS = "GRPO_KERNELS_TRL_SUITE_DATASETS"  # the folder of the stand-in datasets, by organisation and name
 OUTCOMES = "GRPO_KERNELS_TRL_SUITE_OUTCOMES"  # where the outcomes are written
 SELECTION = "GRPO_KERNELS_TRL_SUITE_SELECTION"  # a JSON list of test ids (class::name[params]); absent: every test
+SUPPLIED = "GRPO_KERNELS_TRL_SUITE_SUPPLIED"  # a JSON list of "trl.module.is_<package>_available" to supply
 TRAINERS = ("stock", "drop-in")
 
 LIGER_ON_CPU = (
@@ -29,6 +30,7 @@ def pytest_configure(config) -> None:
     trainer = os.environ.get(TRAINER, "")
     if trainer not in TRAINERS:
         raise ValueError(f"{TRAINER} must be one of {TRAINERS}, got {trainer!r}")
+    _supply(json.loads(os.environ.get(SUPPLIED, "[]")))
     import datasets
 
     datasets.load_dataset = _local_datasets(datasets.load_dataset, Path(os.environ[DATASETS]))
@@ -45,6 +47,21 @@ def pytest_configure(config) -> None:
 
         trl.GRPOTrainer = drop_in.GRPOTrainer  # TRL's test file imports it from `trl` after this
         drop_in._FusedHead._compute_loss = _counted(drop_in._FusedHead._compute_loss)
+
+
+def _supply(names: list[str]) -> None:
+    """Each "trl.module.is_<package>_available" an older checkout's tests import and the installed TRL lacks, as
+    that check (`source.missing_names`), set on its module before the test file is imported."""
+    import importlib
+    import importlib.util
+
+    from tests.trl_suite.source import AVAILABILITY
+
+    for qualified in names:
+        module_name, name = qualified.rsplit(".", 1)
+        package = AVAILABILITY.fullmatch(name).group(1)
+        check = functools.partial(lambda package: importlib.util.find_spec(package) is not None, package)
+        setattr(importlib.import_module(module_name), name, check)
 
 
 def _counted(compute_loss):

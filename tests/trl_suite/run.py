@@ -28,6 +28,7 @@ class SuiteResult:
     origin: str  # where TRL's test file came from
     outcomes: dict[str, dict[str, Outcome]]  # trainer ("stock", "drop-in") -> test id -> outcome
     fused_loss_calls: int  # how often the drop-in run computed its loss through the fused head
+    supplied: tuple[str, ...] = ()  # names the test files import that the installed TRL lacks, supplied (source.py)
 
     def pairs(self) -> dict[str, tuple[Outcome, Outcome]]:
         """test id -> (stock's outcome, the drop-in's), over the tests either run reported."""
@@ -43,6 +44,7 @@ def run_suite(selection: list[str] | None, timeout_s: float, pytest_args: tuple[
     """Both runs of TRL's test file (only the `selection`'s test ids when given). Raises source.Unavailable when
     TRL's test file cannot be had, RuntimeError when a run does not finish in `timeout_s` or reports nothing."""
     package_root, origin = source.fetch_tests()
+    supplied = source.missing_names(package_root / source.PACKAGE)
     test_file = package_root / source.PACKAGE / "test_grpo_trainer.py"
     with tempfile.TemporaryDirectory(prefix="grpo_kernels_trl_suite_") as work:
         work = Path(work)
@@ -59,6 +61,7 @@ def run_suite(selection: list[str] | None, timeout_s: float, pytest_args: tuple[
             "OMP_NUM_THREADS": "1",
             "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
             plugin.DATASETS: str(datasets_root),
+            plugin.SUPPLIED: json.dumps(supplied),
         }
         environment.pop("TRITON_INTERPRET", None)  # TRL's Triton kernels are for GPUs; under the interpreter they fail
         if selection is not None:
@@ -76,7 +79,7 @@ def run_suite(selection: list[str] | None, timeout_s: float, pytest_args: tuple[
     outcomes = {
         trainer: {test: Outcome(**entry) for test, entry in r["tests"].items()} for trainer, r in reports.items()
     }
-    return SuiteResult(origin, outcomes, reports["drop-in"]["fused_loss_calls"])
+    return SuiteResult(origin, outcomes, reports["drop-in"]["fused_loss_calls"], tuple(supplied))
 
 
 def _launch(trainer: str, test_file: Path, package_root: Path, work: Path, environment: dict, pytest_args: tuple):

@@ -6,12 +6,19 @@ version (`v<version>`), or from a TRL checkout named by `GRPO_KERNELS_TRL_SOURCE
 machines without access to GitHub). They land in `<cache>/<version>/trl_tests/`, a package of their own (its
 `testing_utils` import is relative), where `<cache>` is `GRPO_KERNELS_TRL_TESTS` or
 `~/.cache/grpo-kernels/trl-tests`.
+
+A checkout older than the installed TRL may import names the installed TRL no longer has (TRL 1.10's
+`testing_utils` imports `trl.import_utils.is_joblib_available`): `missing_names` finds them, and those of the form
+`is_<package>_available` are supplied to the runs as that check (`plugin.py`); the suite's output lists them.
 """
 
 from __future__ import annotations
 
+import ast
 import hashlib
+import importlib
 import os
+import re
 import shutil
 import urllib.request
 from pathlib import Path
@@ -76,3 +83,34 @@ def _from_checkout(checkout: Path) -> tuple[Path, str]:
         shutil.copyfile(tests / name, package / name)
     (package / "__init__.py").write_text("")
     return target, f"the TRL checkout {checkout} (version {version}; installed TRL {trl.__version__})"
+
+
+AVAILABILITY = re.compile(r"is_(\w+)_available")  # a name the suite can supply: whether the package is installed
+
+
+def missing_names(package: Path) -> list[str]:
+    """The names ("trl.module.name") that TRL's test files in `package` import from `trl` and the installed TRL
+    lacks, each an availability check the runs supply. Raises Unavailable for one the suite cannot supply."""
+    missing = set()
+    for file in FILES:
+        for module_name, name in _trl_imports(package / file):
+            absent = f"TRL's tests/{file} imports {{}}, absent from the installed TRL {trl.__version__}"
+            try:
+                module = importlib.import_module(module_name)
+            except ImportError:
+                raise Unavailable(absent.format(module_name)) from None
+            if hasattr(module, name):
+                continue
+            if not AVAILABILITY.fullmatch(name):
+                raise Unavailable(absent.format(f"{module_name}.{name}"))
+            missing.add(f"{module_name}.{name}")
+    return sorted(missing)
+
+
+def _trl_imports(file: Path) -> list[tuple[str, str]]:
+    """(module, name) of each `from trl... import name` in `file`."""
+    found = []
+    for node in ast.walk(ast.parse(file.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "trl":
+            found += [(node.module, alias.name) for alias in node.names if alias.name != "*"]
+    return found

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from grpo_kernels.advantages import ADVANTAGES
 from grpo_kernels.integrations.attention import ATTN_IMPLEMENTATIONS
+from grpo_kernels.option_checks import type_words
 from grpo_kernels.options import IMPORTANCE_SAMPLING_LEVELS, KL_ESTIMATORS, LOSS_AGG_MODES, LOSS_TYPES
 from grpo_kernels.shown import shown
 from grpo_kernels.trainer.config.record import DEMO_MAX_LENGTH, NOT_CLI, ROLLOUTS, TrainConfig
@@ -89,7 +90,7 @@ def check_config(config: TrainConfig) -> None:
         expected = f.type.split("|")[0].strip().split("[")[0]
         types = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,), "dict": (dict,)}[expected]
         if not isinstance(value, types) or (expected in ("int", "float") and isinstance(value, bool)):
-            raise TypeError(f"{f.name} must be {f.type.replace('None', 'none')}, got {shown(value)}")
+            raise TypeError(f"{f.name} must be {type_words(expected, 'None' in f.type)}, got {shown(value)}")
         if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"{f.name} must be finite, got {value}")
         if f.name in _AT_LEAST and value < _AT_LEAST[f.name]:

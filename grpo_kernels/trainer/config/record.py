@@ -44,7 +44,8 @@ class TrainConfig:
     start_if_no_checkpoint: bool = False  # with resume: start the run afresh when output_dir has no checkpoint yet
     # (without it: an error)
     checkpoint_every: int = 200  # steps between checkpoints (step 0, the initial policy, too); 0 = only the last
-    final_checkpoint: bool = True  # a checkpoint of the last step, however the run ends (a skipped step, a signal)
+    final_checkpoint: bool = True  # a checkpoint of the last step, however the run ends (a skipped step, a signal,
+    # an exception in a step: the last whole step's)
     eval_every: int = 25  # steps between greedy evaluations on every prompt of the task; the last step always
     device: str = "auto"  # auto (cuda when available; under torchrun cuda:LOCAL_RANK), cpu, cuda or cuda:N
     parallel: str = "auto"  # under torchrun: ddp (what auto picks) or fsdp (FSDP2); none for one process
