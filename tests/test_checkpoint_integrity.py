@@ -21,6 +21,7 @@ from grpo_kernels.trainer import TrainConfig
 from grpo_kernels.trainer.__main__ import main as train_main
 from grpo_kernels.trainer.checkpoint import checkpoint_dir, latest
 from grpo_kernels.trainer.cli import run as run_command
+from grpo_kernels.trainer.logging import TIMES
 from grpo_kernels.trainer.train import GRPOTrainer
 from tests.test_run_dir import run_main
 
@@ -135,7 +136,7 @@ def test_an_exception_in_the_last_step_leaves_the_last_whole_step_and_resumes_to
     assert latest(out) == checkpoint_dir(out, 2)  # the state before step 3: its prompts and RNG too
     assert f"RuntimeError in step 3: checkpoint {checkpoint_dir(out, 2)} holds step 2 of 3; continue:" in said
     history = GRPOTrainer(tiny(out, steps=3, checkpoint_every=0, resume=True)).train()
-    timeless = lambda h: [{k: v for k, v in m.items() if k != "step_time"} for m in h]  # noqa: E731
+    timeless = lambda h: [{k: v for k, v in m.items() if k not in TIMES} for m in h]  # noqa: E731
     assert timeless(history) == timeless(straight)
 
     after = tmp_path / "after"  # the step's training returned: that step is whole
