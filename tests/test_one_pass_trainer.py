@@ -14,11 +14,11 @@ import torch
 from grpo_kernels.trainer import vllm_rollout
 from grpo_kernels.trainer.components import PresetComponents
 from grpo_kernels.trainer.config import apply_preset, parse_args
+from grpo_kernels.trainer.dropout import dropout_settings
 from grpo_kernels.trainer.logging import PHASES, TIMES, MetricsLogger
 from grpo_kernels.trainer.model import build_tiny_llama, build_tokenizer
 from grpo_kernels.trainer.old_logprobs import old_logp_source, pass_reasons
 from grpo_kernels.trainer.parallel import ParallelState
-from grpo_kernels.trainer.dropout import dropout_settings
 from grpo_kernels.trainer.sampler_sync import StaleSampler, check_sampler_sync
 from grpo_kernels.trainer.tasks import AdditionTask
 from grpo_kernels.trainer.train import GRPOTrainer

@@ -38,13 +38,13 @@ from grpo_kernels.trainer.model import (
 )
 from grpo_kernels.trainer.old_logprobs import old_logp_source
 from grpo_kernels.trainer.one_pass import OwnPass
+from grpo_kernels.trainer.optimizer import build_optimizer
 from grpo_kernels.trainer.parallel import (
     init_parallel,
     mean_over_ranks,
     unwrap,
     wrap_policy,
 )
-from grpo_kernels.trainer.optimizer import build_optimizer
 from grpo_kernels.trainer.policy import PolicyModule, UpdateBatch
 from grpo_kernels.trainer.precision import follower_dtype, policy_dtype
 from grpo_kernels.trainer.ref_model import build_ref_model, sync_ref_model
