@@ -165,4 +165,3 @@ def configure_attention(model: nn.Module, config, max_length: int, announce: boo
     if reason is not None and announce:
         print(f"padding-free training is off, the passes run padded: {reason} (attention: {name})", flush=True)
     return reason is None
-
