@@ -82,7 +82,7 @@ class _FusedHead:
     def _compute_loss(self, model, inputs):
         """TRL's `_compute_loss` with the loss and its gradients from `fused_linear_grpo_loss`; the sampler-sync
         guard first (`trl_sampler_sync`)."""
-        check_trl_sampler_sync(self, _unwrapped(self, model), inputs)
+        check_trl_sampler_sync(self, model, inputs)
         if self.top_entropy_quantile < 1.0:  # TRL's algebra on the fused log-probs: a quantile over all processes
             return super()._compute_loss(model, inputs)
         _check_text_only(inputs)
