@@ -22,14 +22,18 @@ def model_dir(tmp_path_factory):
     return str(bias.write_model(tmp_path_factory.mktemp("one_pass_model")))
 
 
-def generate_and_update(model_dir: str, ours: bool, **config) -> tuple[torch.Tensor, dict, dict, list[bool]]:
-    """TRL's generation on the sampler's batch, then compute_loss and backward: (loss, grads, the logged metrics,
-    whether gradients were on at each forward of the policy's decoder outside the sampler)."""
+def generate_and_update(
+    model_dir: str, ours: bool, accumulation: int = 1, **config
+) -> tuple[torch.Tensor, dict, dict, list[bool]]:
+    """TRL's generation on the sampler's batch, then compute_loss and backward on each of `accumulation`
+    micro-batches: (the summed loss, grads, the logged metrics, whether gradients were on at each forward of the
+    policy's decoder outside the sampler)."""
     import datasets
 
     args = trl.GRPOConfig(
         output_dir=str(model_dir) + "-out",
-        per_device_train_batch_size=len(bias.PROMPTS),
+        per_device_train_batch_size=len(bias.PROMPTS) // accumulation,
+        gradient_accumulation_steps=accumulation,
         num_generations=2,
         max_completion_length=bias.LENGTH,
         temperature=bias.T_SAMPLE,
@@ -67,11 +71,29 @@ def generate_and_update(model_dir: str, ours: bool, **config) -> tuple[torch.Ten
     trainer.model.train()
     trainer._metrics["train"].clear()
     output = trainer._generate_and_score_completions([{"prompt": p} for p in bias.PROMPTS])
-    trainer.current_gradient_accumulation_steps = 1
-    loss = trainer.compute_loss(trainer.model, dict(output))
-    loss.backward()
+    trainer.current_gradient_accumulation_steps = accumulation
+    rows = output["completion_ids"].shape[0]
+    loss = 0.0
+    for part in torch.arange(rows).chunk(accumulation):  # TRL's micro-batches of the generation batch
+        micro = {k: v[part] if torch.is_tensor(v) and v.dim() and len(v) == rows else v for k, v in output.items()}
+        micro_loss = trainer.compute_loss(trainer.model, micro)
+        micro_loss.backward()
+        loss = loss + micro_loss.detach()
     grads = {name: p.grad.clone() for name, p in trainer.model.named_parameters() if p.grad is not None}
-    return loss.detach(), grads, {name: values[-1] for name, values in trainer._metrics["train"].items()}, forwards
+    return loss, grads, {name: values[-1] for name, values in trainer._metrics["train"].items()}, forwards
+
+
+def assert_same(got: tuple, want: tuple) -> None:
+    """The loss, every gradient and every logged metric (`generate_and_update`'s first three) equal."""
+    (loss, grads, metrics), (want_loss, want_grads, want_metrics) = got[:3], want[:3]
+    assert loss.item() == pytest.approx(want_loss.item(), rel=1e-5, abs=1e-6)  # near 0 where no ratio is masked
+    assert grads.keys() == want_grads.keys()
+    for name, grad in want_grads.items():
+        assert_close(grads[name], grad, torch.float32, f"grad {name}")
+    expected = set(want_metrics) - set(drop_in.REPLAY_METRICS)  # the fused loss's own, not TRL's: not logged here
+    assert set(metrics) == expected and "sampling/importance_sampling_ratio/mean" in metrics
+    for name in expected:
+        assert metrics[name] == pytest.approx(want_metrics[name], rel=1e-5, abs=1e-6), name
 
 
 @pytest.mark.parametrize(
@@ -91,16 +113,18 @@ def test_one_fewer_forward_and_the_two_pass_numbers(monkeypatch, model_dir, mode
     monkeypatch.undo()
     loss, grads, metrics, forwards = generate_and_update(model_dir, True, **config)
     assert want_forwards == [False, True] and forwards == [True]  # the old pass, then the loss pass
-    assert loss.item() == pytest.approx(want_loss.item(), rel=1e-5, abs=1e-6)  # near 0 where no ratio is masked
-    assert grads.keys() == want_grads.keys()
-    for name, grad in want_grads.items():
-        assert_close(grads[name], grad, torch.float32, f"grad {name}")
-    expected = set(want_metrics) - set(drop_in.REPLAY_METRICS)  # the fused loss's own, not TRL's: not logged here
-    assert set(metrics) == expected and "sampling/importance_sampling_ratio/mean" in metrics
-    for name in expected:
-        assert metrics[name] == pytest.approx(want_metrics[name], rel=1e-5, abs=1e-6), name
+    assert_same((loss, grads, metrics), (want_loss, want_grads, want_metrics))
 
 
 def test_with_two_iterations_the_old_pass_runs(model_dir):
     *_, forwards = generate_and_update(model_dir, True, num_iterations=2)
     assert forwards == [False, True]
+
+
+def test_two_micro_batches_log_the_generation_batchs_sampling_metrics(model_dir):
+    """steps_per_generation = gradient_accumulation_steps = 2: the `sampling/*` metrics, logged at the second
+    micro-batch, are stock TRL's over the whole generation batch; only stock TRL runs the old pass."""
+    want = generate_and_update(model_dir, False, accumulation=2)
+    got = generate_and_update(model_dir, True, accumulation=2)
+    assert want[3] == [False, False, True, True] and got[3] == [True, True]  # TRL passes by micro-batch size
+    assert_same(got, want)
