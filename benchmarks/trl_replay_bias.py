@@ -128,8 +128,11 @@ def sample_and_score(drop_in: bool, model_dir: str, config: dict) -> tuple[dict,
     trainer._last_loaded_step = trainer.state.global_step  # no weight sync: there is no vLLM
     trainer.model.train()  # a training batch (TRL logs under "train")
     trainer._metrics["train"].clear()
-    trainer._generate_and_score_completions([{"prompt": p} for p in PROMPTS])
-    return {name: values[-1] for name, values in trainer._metrics["train"].items()}, sampler
+    output = trainer._generate_and_score_completions([{"prompt": p} for p in PROMPTS])
+    if not trainer._metrics["train"][f"{RATIO}/mean"]:  # the drop-in skipped the old pass: its loss pass gives π_old
+        trainer.current_gradient_accumulation_steps = 1
+        trainer.compute_loss(trainer.model, output)
+    return {name: values[-1] for name, values in trainer._metrics["train"].items() if values}, sampler
 
 
 def tokenizer():

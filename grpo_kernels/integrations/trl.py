@@ -16,6 +16,8 @@ cross-process reductions. Under `top_entropy_quantile < 1` TRL's own loss algebr
 that the entropy quantile is taken over every process's tokens, as TRL takes it. Truncated sampling (`top_k`,
 `top_p`, `min_p`) is replayed on the policy's old and current log-probs (`trl_replay`): vLLM's importance-sampling
 correction then compares log-probs over the same kept tokens.
+Where stock TRL's old-log-prob pass serves only the vLLM correction and π_old is π_θ at the update, it is skipped and
+the loss pass gives π_old, the correction and TRL's `sampling/*` metrics (`trl_one_pass`).
 
 Both passes run inside the model's forward (`model(..., grpo_kernels_head=head)`, added to the policy and the
 reference model), so DDP, FSDP, DeepSpeed and PEFT wrappers see an ordinary forward. The lm_head is gathered there
@@ -42,7 +44,7 @@ except ImportError as error:  # pragma: no cover - exercised only without TRL
     raise ImportError("grpo_kernels.integrations.trl needs TRL >= 1.16: pip install 'grpo-kernels[trl]'") from error
 
 from grpo_kernels.api import fused_linear_grpo_loss, fused_linear_token_logprobs
-from grpo_kernels.integrations import hf, trl_replay, zero3
+from grpo_kernels.integrations import hf, trl_one_pass, trl_replay, zero3
 from grpo_kernels.integrations.trl_precision import GRPOConfig, head_operands, head_precision
 from grpo_kernels.integrations.trl_sampler_sync import check_trl_sampler_sync
 from grpo_kernels.losses.loss import GRPOLossOutput
@@ -84,7 +86,13 @@ class _FusedHead:
     def _compute_loss(self, model, inputs):
         """TRL's `_compute_loss` with the loss and its gradients from `fused_linear_grpo_loss`; the sampler-sync
         guard first (`trl_sampler_sync`)."""
-        check_trl_sampler_sync(self, _unwrapped(self, model), inputs)
+        check_trl_sampler_sync(self, model, inputs)
+        if trl_one_pass.applies(self, inputs):  # no old pass ran: TRL's algebra on this pass's fused log-probs
+            self._gk_correct = dict(inputs)  # the pass sets its importance_sampling_ratio (`trl_one_pass.correct`)
+            try:
+                return super()._compute_loss(model, self._gk_correct)
+            finally:
+                self._gk_correct = None
         if self.top_entropy_quantile < 1.0:  # TRL's algebra on the fused log-probs: a quantile over all processes
             return super()._compute_loss(model, inputs)
         _check_text_only(inputs)
@@ -142,6 +150,9 @@ class _FusedHead:
         """TRL's log-prob pass (old, reference, and the policy under `top_entropy_quantile < 1`) through
         `fused_linear_token_logprobs`: (logp [B, T], entropy [B, T] | None, aux loss | None), 0 at padding."""
         _check_text_only(multimodal)
+        skipped = trl_one_pass.stand_in(self, input_ids, logits_to_keep)  # the old pass, where it is not needed
+        if skipped is not None:
+            return skipped
         batch_size = batch_size or input_ids.shape[0]
         logps, entropies, aux_losses = [], [], []
         rule = trl_replay.pass_rule(self, model)  # the sampler's truncation (the reference model: none by default)
@@ -174,11 +185,24 @@ class _FusedHead:
             logps.append(logp)
             entropies.append(entropy)
             aux_losses.append(aux_loss)
+        logp = torch.cat(logps)  # [B, T]
+        correcting, self._gk_correct = getattr(self, "_gk_correct", None), None
+        if correcting is not None:  # the loss pass of a micro-batch whose old pass was skipped: π_old is its own
+            trl_one_pass.correct(self, correcting, logp.detach())
         return (
-            torch.cat(logps),
+            logp,
             torch.cat(entropies) if compute_entropy else None,
             torch.stack(aux_losses).mean() if compute_aux_loss else None,
         )
+
+    def _generate_and_score_completions(self, inputs):
+        """TRL's generation, without its old-log-prob pass where only the vLLM correction needs it and π_old is π_θ at
+        the update (`trl_one_pass`)."""
+        if not trl_one_pass.fuses_old_pass(self):
+            return super()._generate_and_score_completions(inputs)
+        with trl_one_pass.old_pass_skipped(self):
+            output = super()._generate_and_score_completions(inputs)
+        return trl_one_pass.without_stand_in(self, output)
 
     def _aux_kwargs(self) -> dict[str, bool]:
         return {"output_router_logits": True} if self.aux_loss_enabled else {}

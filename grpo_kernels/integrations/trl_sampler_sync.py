@@ -15,8 +15,9 @@ from grpo_kernels.trainer.sampler_sync import LOGP_DIFFERENCE, StaleSampler, che
 
 
 def check_trl_sampler_sync(trainer, model: nn.Module, inputs: dict) -> None:
-    """The guard on one micro-batch of `trainer` (a drop-in `GRPOTrainer`) in training mode; nothing when
-    `sampler_sync` is "off" or the inputs lack either log-probs (no vLLM, no rollout_func log-probs)."""
+    """The guard on one micro-batch of `trainer` (a drop-in `GRPOTrainer`, `model` its model as `compute_loss` gets
+    it) in training mode; nothing when `sampler_sync` is "off" or the inputs lack either log-probs (no vLLM, no
+    rollout_func log-probs)."""
     action = getattr(trainer.args, "sampler_sync", "off")
     old, sampled = inputs.get("old_per_token_logps"), inputs.get("sampling_per_token_logps")
     if action == "off" or old is None or sampled is None or not trainer.model.training:
@@ -30,6 +31,7 @@ def check_trl_sampler_sync(trainer, model: nn.Module, inputs: dict) -> None:
         f"{LOGP_DIFFERENCE}/mean": float(every[:, 0].sum() / every[:, 1].sum().clamp(min=1.0)),
         f"{LOGP_DIFFERENCE}/max": float(every[:, 2].max()),
     }
+    model = trainer.accelerator.unwrap_model(model)
     dtype = next(model.parameters()).dtype
     tolerance = getattr(trainer.args, "sampler_sync_tolerance", None) or logp_tolerance(dtype, dtype)
     try:
