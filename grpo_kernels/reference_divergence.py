@@ -45,8 +45,8 @@ def head_logits(
 
 
 def _weighted_log(weight: Tensor, log_ratio: Tensor) -> Tensor:
-    """weight · log_ratio elementwise, 0 where the weight is 0 (whatever the log ratio)."""
-    return torch.where(weight > 0, weight * log_ratio, torch.zeros_like(log_ratio))
+    """weight · log_ratio elementwise, 0 where the weight is 0 (whatever the log ratio; no NaN in the gradient)."""
+    return weight * torch.where(weight > 0, log_ratio, torch.zeros_like(log_ratio))
 
 
 def divergence_of_logprobs(log_ps: Tensor, log_pt: Tensor, beta: float) -> Tensor:
@@ -56,7 +56,9 @@ def divergence_of_logprobs(log_ps: Tensor, log_pt: Tensor, beta: float) -> Tenso
         return _weighted_log(pt, log_pt - log_ps).sum(-1)
     if beta == 1.0:
         return _weighted_log(ps, log_ps - log_pt).sum(-1)
-    log_m = torch.logaddexp(log_ps + math.log(1 - beta), log_pt + math.log(beta))  # [..., K]
+    a, b = log_ps + math.log(1 - beta), log_pt + math.log(beta)  # [..., K]
+    dead = torch.isneginf(a) & torch.isneginf(b)  # m = 0: kept out of logaddexp, whose gradient there is NaN
+    log_m = torch.logaddexp(a.masked_fill(dead, 0.0), b.masked_fill(dead, 0.0)).masked_fill(dead, -math.inf)
     kl_teacher = _weighted_log(pt, log_pt - log_m).sum(-1)
     kl_student = _weighted_log(ps, log_ps - log_m).sum(-1)
     return beta * kl_teacher + (1 - beta) * kl_student
@@ -96,13 +98,11 @@ def topk_divergence(
     return divergence_of_logprobs(topk_logprobs(log_ps, ids), topk_logprobs(log_pt, ids), beta), ids
 
 
-def reduce_divergence(per_token: Tensor, mask: Tensor | None, num_items_in_batch: Tensor | float | None) -> Tensor:
-    """TRL's rule: Σ over kept tokens / num_items_in_batch, or / the kept count (at least 1) when it is None."""
-    kept = torch.ones_like(per_token, dtype=torch.bool) if mask is None else mask.bool()
-    total = torch.where(kept, per_token, torch.zeros_like(per_token)).sum()
+def reduce_divergence(kept_divergence: Tensor, num_items_in_batch: Tensor | float | None) -> Tensor:
+    """TRL's rule on the kept tokens' divergence `[M]`: Σ / num_items_in_batch, or / M (at least 1) when it is None."""
     if num_items_in_batch is None:
-        return total / kept.sum().clamp(min=1)
-    return total / torch.as_tensor(num_items_in_batch, dtype=F64)
+        return kept_divergence.sum() / max(kept_divergence.numel(), 1)
+    return kept_divergence.sum() / torch.as_tensor(num_items_in_batch, dtype=F64)
 
 
 def fused_linear_divergence(
@@ -128,18 +128,26 @@ def fused_linear_divergence(
     """{"loss", "divergence", "entropy", and "logp" with `targets`, "topk_ids" with top_k}, float64: the loss
     differentiable in the student's hidden, weight and bias (float64 autograd), per-token values `[...]` with 0 at
     dropped tokens. top_k > 0: the top-k-plus-tail divergence (`topk_ids` given, or the teacher's)."""
-    zs = head_logits(student_hidden, student_weight, student_bias, logit_scale=student_logit_scale,
+    kept = torch.ones(student_hidden.shape[:-1], dtype=torch.bool) if mask is None else mask.bool().cpu()
+    rows = lambda x: None if x is None else x[kept.to(x.device)]  # noqa: E731  dropped tokens are never read
+    zs = head_logits(rows(student_hidden), student_weight, student_bias, logit_scale=student_logit_scale,
                      final_logit_softcapping=student_final_logit_softcapping, temperature=temperature)  # fmt: skip
-    zt = head_logits(teacher_hidden, teacher_weight, teacher_bias, logit_scale=teacher_logit_scale,
+    zt = head_logits(rows(teacher_hidden), teacher_weight, teacher_bias, logit_scale=teacher_logit_scale,
                      final_logit_softcapping=teacher_final_logit_softcapping, temperature=temperature)  # fmt: skip
-    divergence, entropy, logp = token_divergence(zs, zt, beta, targets)
+    divergence, entropy, logp = token_divergence(zs, zt, beta, rows(targets))
     out = {}
     if top_k:
-        divergence, out["topk_ids"] = topk_divergence(zs, zt, beta, top_k, topk_ids)
-    kept = torch.ones(zs.shape[:-1], dtype=torch.bool) if mask is None else mask.bool().cpu()
-    zero = lambda x: torch.where(kept.to(x.device), x, torch.zeros_like(x))  # noqa: E731
-    out |= {"loss": reduce_divergence(divergence, kept, num_items_in_batch), "divergence": zero(divergence.detach())}
-    out["entropy"] = zero(entropy)
+        divergence, ids = topk_divergence(zs, zt, beta, top_k, rows(topk_ids))
+        out["topk_ids"] = _scattered(ids, kept)
+    out["loss"] = reduce_divergence(divergence, num_items_in_batch)
+    out |= {"divergence": _scattered(divergence.detach(), kept), "entropy": _scattered(entropy, kept)}
     if logp is not None:
-        out["logp"] = zero(logp)
+        out["logp"] = _scattered(logp, kept)
+    return out
+
+
+def _scattered(values: Tensor, kept: Tensor) -> Tensor:
+    """Per-kept-token values `[M, ...]` at their places in `[*kept.shape, ...]`, 0 elsewhere."""
+    out = values.new_zeros((*kept.shape, *values.shape[1:]))
+    out[kept.to(values.device)] = values
     return out

@@ -36,13 +36,20 @@ class DivergenceSupport:
 SUPPORT = {
     "torch": DivergenceSupport("torch", True),
     "triton": DivergenceSupport(
-        "triton", False, "the two-head divergence has no Triton kernels: use backend='torch' (its GEMMs and chunk ops "
-        "run on CUDA as well)"),  # fmt: skip
-    "cuda": DivergenceSupport("cuda", False, "the two-head divergence has no CUDA extension kernels: use "
-                              "backend='torch'"),  # fmt: skip
+        "triton",
+        False,
+        "the two-head divergence has no Triton kernels: use backend='torch' (its GEMMs and chunk ops "
+        "run on CUDA as well)",
+    ),  # fmt: skip
+    "cuda": DivergenceSupport(
+        "cuda", False, "the two-head divergence has no CUDA extension kernels: use backend='torch'"
+    ),  # fmt: skip
 }
-MEMORY_MODES = {"fast": "", "lean": "memory='lean' (vocabulary tiles) is not implemented for the two-head divergence: "
-                "its row chunks already hold only two [rows, V] buffers; use memory='fast' or a smaller chunk_size"}
+MEMORY_MODES = {
+    "fast": "",
+    "lean": "memory='lean' (vocabulary tiles) is not implemented for the two-head divergence: "
+    "its row chunks already hold only two [rows, V] buffers; use memory='fast' or a smaller chunk_size",
+}
 
 
 @dataclass(frozen=True)
