@@ -44,12 +44,8 @@ def transform_(x: Tensor, head: Head, temperature: float) -> None:
 
 def logsumexp(z: Tensor, block: int) -> Tensor:
     """lse(z) `[c, 1]` over the last dimension, with temporaries one block wide."""
-    top = z.amax(-1, keepdim=True)  # [c, 1]
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # a row of -inf (or inf) keeps its lse
-    total = torch.zeros_like(top)
-    for cols in _blocks(z.shape[-1], block):
-        total += (z[:, cols] - top).exp_().sum(-1, keepdim=True)
-    return top + total.log()  # [c, 1]
+    parts = [torch.logsumexp(z[:, cols], -1) for cols in _blocks(z.shape[-1], block)]
+    return torch.logsumexp(torch.stack(parts, -1), -1, keepdim=True)  # [c, 1]
 
 
 def log_softmax_(z: Tensor, block: int) -> Tensor:
@@ -59,18 +55,32 @@ def log_softmax_(z: Tensor, block: int) -> Tensor:
     return lse
 
 
-def entropy_of(log_p: Tensor, block: int) -> Tensor:
+def has_neg_inf(*xs: Tensor) -> bool:
+    """Whether any of the tensors holds -inf (then 0·log 0 products need masking)."""
+    return any(x.numel() and bool(torch.isneginf(x.amin())) for x in xs)
+
+
+def weighted(p: Tensor, log_ratio: Tensor, exact: bool = False) -> Tensor:
+    """p · log_ratio in log_ratio's storage (a temporary), 0 where p is 0 (0·log 0 = 0) unless `exact` says no
+    log ratio is infinite (then the product is 0 there already)."""
+    log_ratio.mul_(p)
+    return log_ratio if exact else log_ratio.masked_fill_(p == 0, 0.0)
+
+
+def weighted_sum(p: Tensor, log_ratio: Tensor, exact: bool) -> Tensor:
+    """Σ_v p·log_ratio per row `[c]` (log_ratio a temporary): one fused dot product per row when `exact`."""
+    if exact:
+        return torch.bmm(p[:, None, :], log_ratio[:, :, None])[:, 0, 0]
+    return weighted(p, log_ratio).sum(-1)
+
+
+def entropy_of(log_p: Tensor, block: int, exact: bool) -> Tensor:
     """−Σ p log p `[c]` of log-probs `[c, V]`."""
     entropy = log_p.new_zeros(log_p.shape[0])
     for cols in _blocks(log_p.shape[1], block):
         ls = log_p[:, cols]
-        entropy -= weighted(ls.exp(), ls.clone()).sum(-1)
+        entropy -= weighted_sum(ls.exp(), ls if exact else ls.clone(), exact)
     return entropy
-
-
-def weighted(p: Tensor, log_ratio: Tensor) -> Tensor:
-    """p · log_ratio, 0 where p is 0 (0·log 0 = 0), in log_ratio's storage when it is a temporary."""
-    return log_ratio.mul_(p).masked_fill_(p == 0, 0.0)
 
 
 def zs_derivative(log_ps: Tensor, lse: Tensor, head: Head, temperature: float) -> Tensor | float:
@@ -100,42 +110,51 @@ def divergence_chunk(
     transform_(zs, student, temperature)
     transform_(zt, teacher, temperature)
     lse_s, lse_t = log_softmax_(zs, block), log_softmax_(zt, block)  # zs, zt now log p_s, log p_t
+    exact = not has_neg_inf(zs, zt)
     logp = None if targets is None else zs.gather(1, targets[:, None])[:, 0]
-    rows = zs.shape[0]
-    entropy, divergence, kl_student = entropy_of(zs, block), zs.new_zeros(rows), zs.new_zeros(rows)
+    entropy, divergence, kl_student = entropy_of(zs, block, exact), zs.new_zeros(zs.shape[0]), None
     log_mix = (math.log1p(-beta), math.log(beta)) if 0.0 < beta < 1.0 else None
     for cols in _blocks(zs.shape[1], block):
         ls, lt = zs[:, cols], zt[:, cols]
         ps = ls.exp()
         if beta == 0.0:
             pt = lt.exp()
-            divergence += weighted(pt, lt - ls).sum(-1)
+            divergence += weighted_sum(pt, lt - ls, exact)
             if with_grad:
-                derivative = zs_derivative(ls.clone(), lse_s, student, temperature)
-                torch.sub(ps, pt, out=ls).mul_(derivative)
+                derivative = zs_derivative(ls, lse_s, student, temperature)
+                _scale_(torch.sub(ps, pt, out=ls), derivative)
         elif beta == 1.0:
-            divergence += weighted(ps, ls - lt).sum(-1)
+            divergence += weighted_sum(ps, ls - lt, exact)
         else:
             log_m = torch.logaddexp(ls + log_mix[0], lt + log_mix[1])
-            divergence += beta * weighted(lt.exp(), lt - log_m).sum(-1)
-            kl_student += weighted(ps, ls - log_m).sum(-1)
-    if 0.0 < beta < 1.0:
+            divergence += beta * weighted_sum(lt.exp(), lt - log_m, exact)
+            part = weighted_sum(ps, ls - log_m, exact)
+            kl_student = part if kl_student is None else kl_student + part
+    if kl_student is not None:
         divergence += (1 - beta) * kl_student
     if with_grad and beta > 0.0:
-        _student_gradient_(zs, zt, beta, log_mix, divergence if beta == 1.0 else kl_student,
-                           lse_s, student, temperature, block)  # fmt: skip
+        centre = divergence if beta == 1.0 else kl_student
+        _student_gradient_(zs, zt, beta, log_mix, centre, lse_s, student, temperature, block, exact)
     return divergence, entropy, logp, lse_s[:, 0], lse_t[:, 0]
 
 
-def _student_gradient_(zs, zt, beta, log_mix, centre, lse_s, student, temperature, block) -> None:
+def _student_gradient_(zs, zt, beta, log_mix, centre, lse_s, student, temperature, block, exact) -> None:
     """zs (log p_s) ← dD/dx_s for reverse KL (`centre` = D) or the JSD (`centre` = KL(p_s || m)), block by block."""
     centre = centre[:, None]  # [c, 1]
     for cols in _blocks(zs.shape[1], block):
         ls, lt = zs[:, cols], zt[:, cols]
-        derivative = zs_derivative(ls.clone(), lse_s, student, temperature)
+        derivative = zs_derivative(ls, lse_s, student, temperature)
+        ps = ls.exp()
         if beta == 1.0:
-            grad = weighted(ls.exp(), (ls - lt).sub_(centre))
+            weighted(ps, ls.sub_(lt).sub_(centre), exact)
         else:
             log_m = torch.logaddexp(ls + log_mix[0], lt + log_mix[1])
-            grad = weighted(ls.exp(), (ls - log_m).sub_(centre)).mul_(1 - beta)
-        ls.copy_(grad.mul_(derivative))
+            weighted(ps, ls.sub_(log_m).sub_(centre), exact)
+            derivative = derivative * (1 - beta)
+        _scale_(ls, derivative)
+
+
+def _scale_(grad: Tensor, derivative: Tensor | float) -> None:
+    """grad ← grad · dz/dx (nothing to do for a derivative of 1)."""
+    if isinstance(derivative, Tensor) or derivative != 1.0:
+        grad.mul_(derivative)

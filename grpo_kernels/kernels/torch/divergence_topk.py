@@ -14,6 +14,7 @@ from grpo_kernels.kernels.torch.divergence import (
     Head,
     divergence_chunk,
     entropy_of,
+    has_neg_inf,
     log_softmax_,
     logsumexp,
     transform_,
@@ -52,7 +53,7 @@ def topk_divergence_chunk(
     if ids is None:
         ids = zt.topk(k, -1).indices  # [c, k]
     logp = None if targets is None else zs.gather(1, targets[:, None])[:, 0]
-    entropy = entropy_of(zs, block)
+    entropy = entropy_of(zs, block, exact=not has_neg_inf(zs))
     ys, yt = _with_tail(zs, ids, block), _with_tail(zt, ids, block)  # [c, k + 1] each
     kept_s, tail_s = ys[:, :-1].clone(), ys[:, -1:].clone()
     identity = Head()
