@@ -22,7 +22,7 @@ def bench_divergence(benchmark, bench_size, provider, beta):
     N, H, V = cases.SIZES[size]
     run = cases.step(provider, beta, cases.inputs(N, H, V, device))
     benchmark.extra_info.update(N=N, H=H, V=V, dtype="float32", beta=beta, provider=provider, device=str(device))
-    benchmark.pedantic(run, rounds=1 if size == "smoke" else 2, warmup_rounds=0)
+    benchmark.pedantic(run, rounds=3 if size.startswith("gpu") else 1, warmup_rounds=0)
     if not benchmark.disabled and size != "smoke":
         benchmark.extra_info["peak_extra_bytes"] = cases.measure_memory_in_fresh_process(provider, beta, N, H, V)
         benchmark.extra_info["gradient_bytes"] = 4 * (V * H + N * H)
