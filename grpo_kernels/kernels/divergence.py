@@ -109,9 +109,9 @@ class _FusedLinearDivergenceFunction(torch.autograd.Function):
     logp (empty without targets), student and teacher lse `[M]`, and the top-k ids `[M, k]` (empty without top_k)."""
 
     @staticmethod
-    def forward(ctx, s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, targets, topk_ids, opts):
+    def forward(ctx, s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, targets, topk_ids, opts, grad_enabled):
         dtype = compute_dtype(s_weight.dtype)
-        needs = ctx.needs_input_grad[:3]
+        needs = tuple(grad_enabled and need for need in ctx.needs_input_grad[:3])  # none under torch.no_grad()
         with_grad = any(needs)
         grads = _StudentGradients(s_hidden, s_weight, s_bias, needs, dtype) if with_grad else None
         ws, bs = _operands(s_weight, s_bias, dtype)
@@ -151,8 +151,8 @@ class _FusedLinearDivergenceFunction(torch.autograd.Function):
     def backward(ctx, grad_total, *_details):
         grads, ctx.grads = ctx.grads, None
         if grads is None or grad_total is None:
-            return (None,) * 9
-        return (*grads.result(grad_total, ctx.like), None, None, None, None, None, None)
+            return (None,) * 10
+        return (*grads.result(grad_total, ctx.like), *(None,) * 7)
 
 
 def _cat(parts: list[Tensor], like: Tensor, dtype: torch.dtype) -> Tensor:
@@ -169,7 +169,8 @@ def fused_linear_divergence_rows(
     """(Σ divergence over the rows, differentiable in the student's hidden, weight and bias; {"divergence", "entropy",
     "logp" (with targets), "lse_s", "lse_t", "topk_ids" (with top_k)}, `[M]` each, detached) for rows already chosen
     (every row is kept)."""
-    total, *details = _FusedLinearDivergenceFunction.apply(*student, *teacher, targets, topk_ids, opts)
+    grad_enabled = torch.is_grad_enabled()
+    total, *details = _FusedLinearDivergenceFunction.apply(*student, *teacher, targets, topk_ids, opts, grad_enabled)
     names = ("divergence", "entropy", "logp", "lse_s", "lse_t", "topk_ids")
     out = dict(zip(names, details, strict=True))
     if targets is None:
