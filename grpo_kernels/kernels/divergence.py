@@ -63,7 +63,7 @@ class DivergenceOptions:
     student: Head = Head()
     teacher: Head = Head()
     chunk_size: int = 128
-    block: int = 8192
+    block: int = 2048
     top_k: int = 0
     backend: str = "torch"
 
@@ -85,19 +85,27 @@ class _StudentGradients:
 
     def __init__(self, hidden: Tensor, weight: Tensor, bias: Tensor | None, needs: tuple[bool, bool, bool], dtype):
         self.hidden = torch.empty(hidden.shape, dtype=dtype, device=hidden.device) if needs[0] else None
-        self.weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if needs[1] else None
+        self.weight = torch.empty(weight.shape, dtype=dtype, device=weight.device) if needs[1] else None
+        self.weight_written = False  # the first chunk's product is written, not added to zeros (one [V, H] pass less)
         self.bias = torch.zeros(bias.shape, dtype=dtype, device=bias.device) if needs[2] else None
 
     def add(self, rows: slice, grad_logits: Tensor, hidden: Tensor, weight: Tensor) -> None:
         if self.hidden is not None:
             torch.mm(grad_logits, weight, out=self.hidden[rows])
         if self.weight is not None:
-            self.weight.addmm_(grad_logits.T, hidden.to(grad_logits.dtype))
+            hidden = hidden.to(grad_logits.dtype)
+            if self.weight_written:
+                self.weight.addmm_(grad_logits.T, hidden)
+            else:
+                torch.mm(grad_logits.T, hidden, out=self.weight)
+                self.weight_written = True
         if self.bias is not None:
             self.bias += grad_logits.sum(0)
 
     def result(self, scale: Tensor, like: tuple[Tensor, Tensor, Tensor | None]) -> list[Tensor | None]:
         """The gradients times `scale`, in their inputs' dtypes; the accumulators are released."""
+        if self.weight is not None and not self.weight_written:  # no rows: a zero gradient
+            self.weight.zero_()
         grads = [self.hidden, self.weight, self.bias]
         self.hidden = self.weight = self.bias = None
         return [None if g is None else g.mul_(scale.to(g.dtype)).to(x.dtype) for g, x in zip(grads, like, strict=True)]

@@ -93,6 +93,16 @@ def zs_derivative(log_ps: Tensor, lse: Tensor, head: Head, temperature: float) -
     return th.square_().neg_().add_(1.0).mul_(factor)
 
 
+def _row_statistics(z: Tensor, block: int) -> tuple[Tensor, Tensor]:
+    """(lse `[c, 1]`, the smallest value (a 0-d tensor)) of z, one cache-sized block at a time."""
+    lses, lows = [], []
+    for cols in _blocks(z.shape[1], block):
+        zb = z[:, cols]
+        lses.append(torch.logsumexp(zb, -1))
+        lows.append(zb.amin())
+    return torch.logsumexp(torch.stack(lses, -1), -1, keepdim=True), torch.stack(lows).amin()
+
+
 def divergence_chunk(
     zs: Tensor,
     zt: Tensor,
@@ -103,20 +113,25 @@ def divergence_chunk(
     student: Head,
     teacher: Head,
     with_grad: bool,
-    block: int = 8192,
+    block: int = 2048,
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor]:
     """(divergence, entropy, logp of `targets` or None, student lse, teacher lse), `[c]` each, from the raw logits
-    zs, zt `[c, V]` (overwritten: zs with dD/dx_s when `with_grad`, else with the student's log-probs)."""
+    zs, zt `[c, V]` (overwritten: zs with dD/dx_s when `with_grad`, else with the student's log-probs).
+
+    Three sweeps over the vocabulary, each block's work done while it is in cache: the two heads' log-sum-exps, the
+    divergence and entropy (zs becomes log p_s and then p_s, zt log p_t or, for the reverse KL, log p_s − log p_t),
+    and the gradient (reverse KL and JSD: it needs the row's divergence)."""
     transform_(zs, student, temperature)
     transform_(zt, teacher, temperature)
-    lse_s, lse_t = log_softmax_(zs, block), log_softmax_(zt, block)  # zs, zt now log p_s, log p_t
-    exact = not has_neg_inf(zs, zt)
-    logp = None if targets is None else zs.gather(1, targets[:, None])[:, 0]
-    entropy, divergence, kl_student = entropy_of(zs, block, exact), zs.new_zeros(zs.shape[0]), None
+    (lse_s, low_s), (lse_t, low_t) = _row_statistics(zs, block), _row_statistics(zt, block)
+    exact = not bool(torch.isneginf(torch.minimum(low_s, low_t)))  # no -inf: no 0·log 0 to mask
+    logp = None if targets is None else zs.gather(1, targets[:, None])[:, 0] - lse_s[:, 0]
+    entropy, divergence, kl_student = zs.new_zeros(zs.shape[0]), zs.new_zeros(zs.shape[0]), None
     log_mix = (math.log1p(-beta), math.log(beta)) if 0.0 < beta < 1.0 else None
     for cols in _blocks(zs.shape[1], block):
-        ls, lt = zs[:, cols], zt[:, cols]
+        ls, lt = zs[:, cols].sub_(lse_s), zt[:, cols].sub_(lse_t)
         ps = ls.exp()
+        entropy -= weighted_sum(ps, ls if exact else ls.clone(), exact)
         if beta == 0.0:
             pt = lt.exp()
             divergence += weighted_sum(pt, lt - ls, exact)
