@@ -2,7 +2,7 @@
 student entropy and log-prob out, and dD/dx of the student's logits written over the student's chunk.
 
 Everything after the two logits buffers runs on vocabulary blocks of `block` columns, so the only `[c, V]` tensors are
-the two buffers the caller owns (each holds a head's log-probs after `_log_softmax_`, the student's then its gradient).
+the two buffers the caller owns (each becomes its head's log-probs, the student's then its gradient).
 Forward and reverse KL and the generalized JSD follow `reference_divergence`; their gradients in z_s:
 - forward KL: p_s − p_t;
 - reverse KL: p_s·(log p_s − log p_t − D);
@@ -118,9 +118,9 @@ def divergence_chunk(
     """(divergence, entropy, logp of `targets` or None, student lse, teacher lse), `[c]` each, from the raw logits
     zs, zt `[c, V]` (overwritten: zs with dD/dx_s when `with_grad`, else with the student's log-probs).
 
-    Three sweeps over the vocabulary, each block's work done while it is in cache: the two heads' log-sum-exps, the
-    divergence and entropy (zs becomes log p_s and then p_s, zt log p_t or, for the reverse KL, log p_s − log p_t),
-    and the gradient (reverse KL and JSD: it needs the row's divergence)."""
+    Up to three sweeps over the vocabulary, each block's work done while it is in cache: the two heads' log-sum-exps;
+    the divergence and entropy (zs, zt become log p_s, log p_t; the forward KL's gradient is written here too); the
+    gradient of the reverse KL or the JSD, which needs the row's divergence first."""
     transform_(zs, student, temperature)
     transform_(zt, teacher, temperature)
     (lse_s, low_s), (lse_t, low_t) = _row_statistics(zs, block), _row_statistics(zt, block)
