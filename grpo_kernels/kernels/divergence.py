@@ -63,7 +63,7 @@ class DivergenceOptions:
     student: Head = Head()
     teacher: Head = Head()
     chunk_size: int = 128
-    block: int = 2048
+    block: int = 32768
     top_k: int = 0
     backend: str = "torch"
 

@@ -113,7 +113,7 @@ def divergence_chunk(
     student: Head,
     teacher: Head,
     with_grad: bool,
-    block: int = 2048,
+    block: int = 32768,
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor]:
     """(divergence, entropy, logp of `targets` or None, student lse, teacher lse), `[c]` each, from the raw logits
     zs, zt `[c, V]` (overwritten: zs with dD/dx_s when `with_grad`, else with the student's log-probs).

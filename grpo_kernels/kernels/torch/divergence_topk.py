@@ -43,7 +43,7 @@ def topk_divergence_chunk(
     student: Head,
     teacher: Head,
     with_grad: bool,
-    block: int = 2048,
+    block: int = 32768,
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor, Tensor]:
     """`divergence_chunk`'s outputs for the top-k-plus-tail divergence, then the ids `[c, k]`: `ids` given, or the
     teacher's k largest logits."""
