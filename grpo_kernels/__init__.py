@@ -2,6 +2,7 @@
 
 from grpo_kernels.advantages import ADVANTAGES
 from grpo_kernels.api import fused_linear_grpo_loss, fused_linear_token_logprobs, grpo_loss, token_logprobs
+from grpo_kernels.distillation import DivergenceOutput, FusedLinearDivergence, fused_linear_divergence
 from grpo_kernels.engine.replay import SamplingMask
 from grpo_kernels.losses.loss import GRPOLossOutput
 from grpo_kernels.losses.policy import POLICY_LOSSES
@@ -15,6 +16,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ADVANTAGES",
+    "DivergenceOutput",
+    "FusedLinearDivergence",
     "GRPOLoss",
     "GRPOLossOutput",
     "LOSS_TYPES",
@@ -25,6 +28,7 @@ __all__ = [
     "SAMPLERS",
     "SamplingMask",
     "__version__",
+    "fused_linear_divergence",
     "fused_linear_grpo_loss",
     "fused_linear_token_logprobs",
     "grpo_loss",

@@ -45,6 +45,7 @@ except ImportError as error:  # pragma: no cover - exercised only without TRL
 
 from grpo_kernels.api import fused_linear_grpo_loss, fused_linear_token_logprobs
 from grpo_kernels.integrations import hf, trl_one_pass, trl_replay, zero3
+from grpo_kernels.integrations.trl_distillation import DistillationTrainer
 from grpo_kernels.integrations.trl_precision import GRPOConfig, head_operands, head_precision
 from grpo_kernels.integrations.trl_sampler_sync import check_trl_sampler_sync
 from grpo_kernels.losses.loss import GRPOLossOutput
@@ -52,7 +53,7 @@ from grpo_kernels.option_checks import check_option
 from grpo_kernels.options import CLIP_LOSS_TYPES, LossOptions
 from grpo_kernels.rollout_correction import as_rollout_correction
 
-__all__ = ["GRPOConfig", "GRPOTrainer", "check_supported", "head_precision", "patch"]
+__all__ = ["DistillationTrainer", "GRPOConfig", "GRPOTrainer", "check_supported", "head_precision", "patch"]
 
 HEAD_KWARG = "grpo_kernels_head"  # the forward keyword that runs a fused head instead of the lm_head
 ITEM_MEAN_TYPES = ("dapo", "cispo", "vespo")  # normalised by num_items_in_batch, which TRL rescales itself

@@ -1,0 +1,188 @@
+"""The two-head divergence fused with both lm_heads: student rows hidden_s `[M, H_s]` with weight_s `[V, H_s]`, teacher
+rows hidden_t `[M, H_t]` with weight_t `[V, H_t]`; neither `[M, V]` logits tensor exists beyond one chunk of rows.
+
+Per chunk: the two logits GEMMs (into two `[rows, V]` buffers reused by every chunk), the backend's chunk pass on them
+(`kernels/torch/divergence.py`), and, in the forward, the student's two gradient GEMMs (dH for the chunk, dW and db
+accumulated): the divergence is the last op of the loss, so its dL/dlogits is known as soon as a chunk's logits are,
+and the backward only scales the gradients (4 GEMMs in all; TRL's Function recomputes both heads in its backward: 6).
+The teacher gets no gradient. GEMMs run in the compute dtype (float32 for bf16/fp16/fp32, float64 for float64): a
+half-precision head is upcast once per pass, as TRL projects in float32.
+
+`SUPPORT` is the capability record of this pass, one entry per backend: what runs it, or why it is refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from grpo_kernels.kernels import backend as backends
+from grpo_kernels.kernels.protocol import compute_dtype
+from grpo_kernels.kernels.torch.divergence import Head, divergence_chunk
+from grpo_kernels.kernels.torch.divergence_topk import topk_divergence_chunk
+
+
+@dataclass(frozen=True)
+class DivergenceSupport:
+    """A backend's record for the two-head divergence: whether it runs it, and why not."""
+
+    backend: str
+    runs: bool
+    why_not: str = ""
+
+
+SUPPORT = {
+    "torch": DivergenceSupport("torch", True),
+    "triton": DivergenceSupport(
+        "triton",
+        False,
+        "the two-head divergence has no Triton kernels: use backend='torch' (its GEMMs and chunk ops "
+        "run on CUDA as well)",
+    ),  # fmt: skip
+    "cuda": DivergenceSupport(
+        "cuda", False, "the two-head divergence has no CUDA extension kernels: use backend='torch'"
+    ),  # fmt: skip
+}
+MEMORY_MODES = {
+    "fast": "",
+    "lean": "memory='lean' (vocabulary tiles) is not implemented for the two-head divergence: "
+    "its row chunks already hold only two [rows, V] buffers; use memory='fast' or a smaller chunk_size",
+}
+
+
+@dataclass(frozen=True)
+class DivergenceOptions:
+    """How one two-head pass runs: `beta` (0 forward KL, 1 reverse KL, else generalized JSD), the temperature shared by
+    both heads, each head's transform, rows per chunk, vocabulary columns per elementwise block, and the top-k
+    variant's k (0: the whole vocabulary)."""
+
+    beta: float
+    temperature: float = 1.0
+    student: Head = Head()
+    teacher: Head = Head()
+    chunk_size: int = 128
+    block: int = 32768
+    top_k: int = 0
+    backend: str = "torch"
+
+
+def _operands(weight: Tensor, bias: Tensor | None, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
+    return weight.to(dtype), None if bias is None else bias.to(dtype)
+
+
+def _project(hidden: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor) -> Tensor:
+    """out `[c, V]` = hidden @ weight.T (+ bias), in out's dtype."""
+    hidden = hidden.to(out.dtype)
+    if bias is None:
+        return torch.mm(hidden, weight.T, out=out)
+    return torch.addmm(bias, hidden, weight.T, out=out)
+
+
+class _StudentGradients:
+    """dH rows, dW and db of the student's head, accumulated in the compute dtype from each chunk's dL/dlogits."""
+
+    def __init__(self, hidden: Tensor, weight: Tensor, bias: Tensor | None, needs: tuple[bool, bool, bool], dtype):
+        self.hidden = torch.empty(hidden.shape, dtype=dtype, device=hidden.device) if needs[0] else None
+        self.weight = torch.empty(weight.shape, dtype=dtype, device=weight.device) if needs[1] else None
+        self.weight_written = False  # the first chunk's product is written, not added to zeros (one [V, H] pass less)
+        self.bias = torch.zeros(bias.shape, dtype=dtype, device=bias.device) if needs[2] else None
+
+    def add(self, rows: slice, grad_logits: Tensor, hidden: Tensor, weight: Tensor) -> None:
+        if self.hidden is not None:
+            torch.mm(grad_logits, weight, out=self.hidden[rows])
+        if self.weight is not None:
+            hidden = hidden.to(grad_logits.dtype)
+            if self.weight_written:
+                self.weight.addmm_(grad_logits.T, hidden)
+            else:
+                torch.mm(grad_logits.T, hidden, out=self.weight)
+                self.weight_written = True
+        if self.bias is not None:
+            self.bias += grad_logits.sum(0)
+
+    def result(self, scale: Tensor, like: tuple[Tensor, Tensor, Tensor | None]) -> list[Tensor | None]:
+        """The gradients times `scale`, in their inputs' dtypes; the accumulators are released."""
+        if self.weight is not None and not self.weight_written:  # no rows: a zero gradient
+            self.weight.zero_()
+        grads = [self.hidden, self.weight, self.bias]
+        self.hidden = self.weight = self.bias = None
+        return [None if g is None else g.mul_(scale.to(g.dtype)).to(x.dtype) for g, x in zip(grads, like, strict=True)]
+
+
+class _FusedLinearDivergenceFunction(torch.autograd.Function):
+    """(hidden_s, weight_s, bias_s, hidden_t, weight_t, bias_t, targets [M] | None, topk_ids [M, k] | None) ->
+    Σ_rows divergence (differentiable in the student's three tensors), and, detached, the per-row divergence, entropy,
+    logp (empty without targets), student and teacher lse `[M]`, and the top-k ids `[M, k]` (empty without top_k)."""
+
+    @staticmethod
+    def forward(ctx, s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, targets, topk_ids, opts, grad_enabled):
+        dtype = compute_dtype(s_weight.dtype)
+        needs = tuple(grad_enabled and need for need in ctx.needs_input_grad[:3])  # none under torch.no_grad()
+        with_grad = any(needs)
+        grads = _StudentGradients(s_hidden, s_weight, s_bias, needs, dtype) if with_grad else None
+        ws, bs = _operands(s_weight, s_bias, dtype)
+        wt, bt = _operands(t_weight, t_bias, dtype)
+        M, V = s_hidden.shape[0], s_weight.shape[0]
+        rows = max(1, min(opts.chunk_size, M))
+        s_buf, t_buf = ws.new_empty(rows, V), ws.new_empty(rows, V)  # [rows, V] each, reused by every chunk
+        outs = {name: [] for name in ("divergence", "entropy", "logp", "lse_s", "lse_t", "ids")}
+        for start in range(0, M, rows):
+            r = slice(start, min(start + rows, M))
+            backends.count_launch(opts.backend)
+            zs = _project(s_hidden[r], ws, bs, s_buf[: r.stop - start])
+            zt = _project(t_hidden[r], wt, bt, t_buf[: r.stop - start])
+            chunk_targets = None if targets is None else targets[r]
+            common = dict(beta=opts.beta, temperature=opts.temperature, student=opts.student, teacher=opts.teacher,
+                          with_grad=with_grad, block=opts.block)  # fmt: skip
+            if opts.top_k:
+                ids = None if topk_ids is None else topk_ids[r]
+                *values, ids = topk_divergence_chunk(zs, zt, chunk_targets, opts.top_k, ids, **common)
+                outs["ids"].append(ids)
+            else:
+                values = divergence_chunk(zs, zt, chunk_targets, **common)
+            for name, value in zip(("divergence", "entropy", "logp", "lse_s", "lse_t"), values, strict=True):
+                if value is not None:
+                    outs[name].append(value)
+            if grads is not None:
+                grads.add(r, zs, s_hidden[r], ws)
+        joined = {name: _cat(parts, s_hidden, dtype) for name, parts in outs.items() if name != "ids"}
+        ids = torch.cat(outs["ids"]) if outs["ids"] else s_hidden.new_empty((0,), dtype=torch.long)
+        total = joined["divergence"].sum()
+        ctx.grads, ctx.like = grads, (s_hidden, s_weight, s_bias)
+        details = (*(joined[name] for name in ("divergence", "entropy", "logp", "lse_s", "lse_t")), ids)
+        ctx.mark_non_differentiable(*details)
+        return total, *details
+
+    @staticmethod
+    def backward(ctx, grad_total, *_details):
+        grads, ctx.grads = ctx.grads, None
+        if grads is None or grad_total is None:
+            return (None,) * 10
+        return (*grads.result(grad_total, ctx.like), *(None,) * 7)
+
+
+def _cat(parts: list[Tensor], like: Tensor, dtype: torch.dtype) -> Tensor:
+    return torch.cat(parts) if parts else like.new_empty((0,), dtype=dtype)
+
+
+def fused_linear_divergence_rows(
+    student: tuple[Tensor, Tensor, Tensor | None],
+    teacher: tuple[Tensor, Tensor, Tensor | None],
+    targets: Tensor | None,
+    topk_ids: Tensor | None,
+    opts: DivergenceOptions,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """(Σ divergence over the rows, differentiable in the student's hidden, weight and bias; {"divergence", "entropy",
+    "logp" (with targets), "lse_s", "lse_t", "topk_ids" (with top_k)}, `[M]` each, detached) for rows already chosen
+    (every row is kept)."""
+    grad_enabled = torch.is_grad_enabled()
+    total, *details = _FusedLinearDivergenceFunction.apply(*student, *teacher, targets, topk_ids, opts, grad_enabled)
+    names = ("divergence", "entropy", "logp", "lse_s", "lse_t", "topk_ids")
+    out = dict(zip(names, details, strict=True))
+    if targets is None:
+        del out["logp"]
+    if not opts.top_k:
+        del out["topk_ids"]
+    return total, out

@@ -1,0 +1,207 @@
+"""The two-head divergence (`fused_linear_divergence`) against the float64 oracle (`reference_divergence`): loss,
+per-token divergence, entropy, log-prob and every student gradient, for each divergence and dtype on the hard cases;
+the teacher gets no gradient; the top-k-plus-tail variant; the refusals and argument checks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from grpo_kernels import FusedLinearDivergence, fused_linear_divergence
+from grpo_kernels import reference_divergence as ref
+from grpo_kernels.kernels.divergence import DivergenceOptions, fused_linear_divergence_rows
+from grpo_kernels.kernels.torch.divergence import Head
+from tests.conftest import DTYPES, assert_close
+
+B, T, HS, HT, V = 2, 5, 16, 24, 301  # V prime: no chunk or block divides it
+BETAS = (0.0, 1.0, 0.5)
+CASES = ("plain", "transforms", "neg_inf_both", "one_hot_teacher", "masked", "packed", "non_contiguous")
+
+
+def _inputs(case: str, dtype: torch.dtype, seed: int = 0) -> tuple[dict, dict]:
+    """(student/teacher tensors, options) for a named hard case."""
+    g = torch.Generator().manual_seed(seed)
+    lead = (B * T,) if case == "packed" else (B, T)
+    t = {
+        "student_hidden": torch.randn(*lead, HS, generator=g),
+        "student_weight": torch.randn(V, HS, generator=g) / 3,
+        "teacher_hidden": torch.randn(*lead, HT, generator=g),
+        "teacher_weight": torch.randn(V, HT, generator=g) / 3,
+        "student_bias": torch.randn(V, generator=g) / 2,
+        "teacher_bias": torch.randn(V, generator=g) / 2,
+        "targets": torch.randint(0, V, lead, generator=g),
+    }
+    opts = {}
+    if case == "transforms":
+        opts = dict(temperature=0.7, student_logit_scale=1.5, teacher_logit_scale=0.8,
+                    student_final_logit_softcapping=4.0, teacher_final_logit_softcapping=6.0)  # fmt: skip
+    if case == "neg_inf_both":  # vocabulary ids no head can emit: 0·log 0 terms everywhere
+        for name in ("student_bias", "teacher_bias"):
+            t[name][[0, 7, V - 1]] = -math.inf
+    if case == "one_hot_teacher":  # the teacher puts all its mass on one id
+        t["teacher_bias"].fill_(-math.inf)[11] = 0.0
+    if case in ("masked", "packed"):
+        t["mask"] = torch.rand(lead, generator=g) > 0.4
+        t["mask"].view(-1)[0] = False
+        t["student_hidden"][~t["mask"]] = math.nan  # dropped tokens are never read
+        t["teacher_hidden"][~t["mask"]] = math.nan
+    t = {k: v.to(dtype) if v.is_floating_point() else v for k, v in t.items()}
+    if case == "non_contiguous":  # strided views of larger tensors
+        t["student_hidden"] = torch.cat([t["student_hidden"]] * 2, -1)[..., ::2]
+        t["student_weight"] = t["student_weight"].T.contiguous().T
+        t["teacher_hidden"] = t["teacher_hidden"].transpose(0, 1).contiguous().transpose(0, 1)
+    return t, opts
+
+
+def _run(t: dict, opts: dict, beta: float, **extra):
+    student = {k: t[k].detach().clone().requires_grad_() for k in ("student_hidden", "student_weight", "student_bias")}
+    rest = {k: v for k, v in t.items() if k not in student}
+    out = fused_linear_divergence(**student, **rest, beta=beta, chunk_size=3, **opts, **extra)
+    out.loss.backward()
+    return out, {k: v.grad for k, v in student.items()}
+
+
+def _oracle(t: dict, opts: dict, beta: float, **extra):
+    student = {k: t[k].detach().double().requires_grad_() for k in ("student_hidden", "student_weight", "student_bias")}
+    rest = {k: v for k, v in t.items() if k not in student}
+    out = ref.fused_linear_divergence(**student, **rest, beta=beta, **opts, **extra)
+    out["loss"].backward()
+    kept = t.get("mask", torch.ones(t["targets"].shape, dtype=torch.bool))
+    student["student_hidden"].grad[~kept] = 0  # NaN rows the oracle sent through where()
+    return out, {k: v.grad for k, v in student.items()}
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("beta", BETAS)
+def test_matches_the_float64_oracle(beta, dtype, case, launches):
+    t, opts = _inputs(case, dtype)
+    out, grads = _run(t, opts, beta)
+    want, want_grads = _oracle(t, opts, beta)
+    if case == "one_hot_teacher" and beta == 1.0:  # KL(p_s || one-hot) is infinite
+        assert torch.isposinf(out.loss) and torch.isposinf(want["loss"])
+        return
+    kept = int(t["mask"].sum()) if "mask" in t else B * T
+    assert launches["torch"] == math.ceil(kept / 3)  # one per chunk of 3 kept rows
+    assert_close(out.loss, want["loss"], dtype, "loss")
+    for name in ("divergence", "entropy", "logp"):
+        assert_close(getattr(out, name), want[name], dtype, name)
+    for name, grad in grads.items():
+        assert grad.dtype == t[name].dtype and torch.isfinite(grad).all(), name
+        assert_close(grad, want_grads[name], dtype, f"d{name}")
+
+
+@pytest.mark.parametrize("beta", BETAS)
+def test_teacher_excluding_a_token_the_student_reaches(beta):
+    """-inf in the teacher only: forward KL and the JSD stay finite; the reverse KL is +inf, as the oracle says."""
+    t, _ = _inputs("plain", torch.float32)
+    t["teacher_bias"][[2, 9]] = -math.inf
+    out = fused_linear_divergence(**t, beta=beta)
+    want = ref.fused_linear_divergence(**t, beta=beta)
+    if beta == 1.0:
+        assert torch.isposinf(out.loss) and torch.isposinf(want["loss"])
+    else:
+        assert_close(out.loss, want["loss"], torch.float32, "loss")
+
+
+@pytest.mark.parametrize("beta", BETAS)
+@pytest.mark.parametrize("given", (False, True))
+def test_topk_plus_tail_matches_the_oracle(beta, given):
+    t, opts = _inputs("transforms", torch.float32)
+    ids = torch.randperm(V)[:6].expand(B, T, 6).contiguous() if given else None
+    out, grads = _run(t, opts, beta, top_k=6, topk_ids=ids)
+    want, want_grads = _oracle(t, opts, beta, top_k=6, topk_ids=ids)
+    assert torch.equal(out.topk_ids, want["topk_ids"])
+    assert_close(out.loss, want["loss"], torch.float32, "loss")
+    assert_close(out.divergence, want["divergence"], torch.float32, "divergence")
+    for name, grad in grads.items():
+        assert_close(grad, want_grads[name], torch.float32, f"d{name}")
+
+
+@pytest.mark.parametrize("beta", BETAS)
+def test_vocabulary_blocks_and_row_chunks_that_do_not_divide(beta):
+    """The chunk pass itself, with blocks of 64 columns (V = 301) and 4-row chunks, against the oracle."""
+    t, opts = _inputs("transforms", torch.float32)
+    flat = {k: v.reshape(-1, v.shape[-1]) if v.dim() == 3 else v for k, v in t.items()}
+    student = [flat[k].clone().requires_grad_() for k in ("student_hidden", "student_weight", "student_bias")]
+    options = DivergenceOptions(beta=beta, temperature=0.7, student=Head(1.5, 4.0), teacher=Head(0.8, 6.0),
+                                chunk_size=4, block=64)  # fmt: skip
+    teacher = (flat["teacher_hidden"], flat["teacher_weight"], flat["teacher_bias"])
+    total, _ = fused_linear_divergence_rows(tuple(student), teacher, None, None, options)
+    loss = total / (B * T)
+    loss.backward()
+    want, want_grads = _oracle(t, opts, beta)
+    assert_close(loss, want["loss"], torch.float32, "loss")
+    for x, name in zip(student, ("student_hidden", "student_weight", "student_bias"), strict=True):
+        assert_close(x.grad.reshape(want_grads[name].shape), want_grads[name], torch.float32, name)
+
+
+def test_teacher_gets_no_gradient_and_reduction_follows_num_items():
+    t, _ = _inputs("masked", torch.float32)
+    t["teacher_weight"].requires_grad_()
+    t["student_hidden"] = t["student_hidden"].requires_grad_()
+    out = fused_linear_divergence(**t, num_items_in_batch=torch.tensor(40.0))
+    out.loss.backward()
+    assert t["teacher_weight"].grad is None
+    unreduced = out.divergence.sum() / 40
+    assert_close(out.loss, unreduced, torch.float32, "loss")
+    assert int(out.num_valid) == int(t["mask"].sum())
+
+
+def test_module_holds_the_options():
+    t, opts = _inputs("transforms", torch.float32)
+    module = FusedLinearDivergence(beta=0.5, **opts)
+    direct = fused_linear_divergence(**t, beta=0.5, **opts)
+    called = module(t.pop("student_hidden"), t.pop("student_weight"), t.pop("teacher_hidden"), t.pop("teacher_weight"),
+                    **t)  # fmt: skip
+    assert torch.equal(direct.loss, called.loss)
+    with pytest.raises(TypeError, match="mask"):
+        FusedLinearDivergence(mask=None)
+
+
+def test_every_token_dropped_gives_zero_and_zero_gradients():
+    t, _ = _inputs("plain", torch.float32)
+    t["mask"] = torch.zeros(B, T, dtype=torch.bool)
+    out, grads = _run(t, {}, 1.0)
+    assert out.loss.item() == 0.0 and all(torch.count_nonzero(g) == 0 for g in grads.values())
+
+
+REFUSALS = [
+    (dict(backend="triton"), "backend='triton': the two-head divergence has no Triton kernels"),
+    (dict(backend="cuda"), "backend='cuda'"),
+    (dict(memory="lean"), "memory='lean'"),
+    (dict(process_group=object()), "vocabulary-parallel"),
+    (dict(backend="jax"), "backend must be one of"),
+]
+BAD = [
+    (dict(beta=1.5), "beta must be in"),
+    (dict(temperature=0.0), "temperature must be > 0"),
+    (dict(top_k=V), "top_k must be"),
+    (dict(chunk_size=0), "chunk_size must be"),
+    (dict(mask=torch.ones(B, T + 1)), r"mask must be \[2, 5\]"),
+    (dict(mask=torch.full((B, T), 2)), "mask must hold only 0 and 1"),
+    (dict(targets=torch.full((B, T), V)), "targets must be in"),
+    (dict(student_bias=torch.zeros(V + 1)), "student_bias must be"),
+    (dict(teacher_weight=torch.zeros(V + 1, HT)), "teacher_weight must be"),
+    (dict(teacher_hidden=torch.zeros(B, T + 1, HT)), "teacher_hidden must be"),
+    (dict(student_weight=torch.zeros(V, HS + 1)), "student_weight must be"),
+    (dict(top_k=3, topk_ids=torch.zeros(B, T, 3, dtype=torch.long)), "topk_ids must hold distinct ids"),
+    (dict(student_final_logit_softcapping=-1.0), "student_final_logit_softcapping must be"),
+]
+
+
+@pytest.mark.parametrize(("change", "message"), REFUSALS + BAD, ids=lambda x: str(x)[:40])
+def test_refusals_and_bad_arguments_name_the_argument(change, message, launches):
+    t, _ = _inputs("plain", torch.float32)
+    with pytest.raises((ValueError, TypeError), match=message):
+        fused_linear_divergence(**(t | change))
+    assert not launches
+
+
+def test_non_finite_logits_are_named():
+    t, _ = _inputs("plain", torch.float32)
+    t["teacher_hidden"][1, 2, 0] = math.nan
+    with pytest.raises(ValueError, match=r"teacher_hidden: .* token \(1, 2\)"):
+        fused_linear_divergence(**t)
