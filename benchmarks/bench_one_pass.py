@@ -1,8 +1,8 @@
 """The trainer's training phase at μ = 1 and β = 0 (everything after generation and scoring: π_old, the sampler
 correction, the `sampling/*` metrics, the update and its optimizer step), with a separate π_old pass ("two_pass")
-and with the update pass as its own ("one_pass", `grpo_kernels/trainer/one_pass.py`). The policy is a 2-layer Qwen2
-built from a config with Qwen's vocabulary (V = 151,936 at the cpu and gpu sizes), so the head dominates. The ratio
-of the two medians of one run is in docs/benchmarks.md with its command."""
+and with the update pass as its own ("one_pass", `own_pass_loss` in `grpo_kernels/trainer/policy.py`). The policy
+is a 2-layer Qwen2 built from a config with Qwen's vocabulary (V = 151,936 at the cpu and gpu sizes), so the head
+dominates. The ratio of the two medians of one run is in docs/benchmarks.md with its command."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from grpo_kernels import presets
-from grpo_kernels.trainer.one_pass import OwnPass
-from grpo_kernels.trainer.policy import PolicyModule, UpdateBatch
+from grpo_kernels.trainer.policy import OwnPass, PolicyModule, UpdateBatch
+from grpo_kernels.trainer.sampler_correction import SamplerCorrection
 from grpo_kernels.trainer.sampler_sync import sampling_metrics
 from grpo_kernels.trainer.sampling_replay import named_logprobs
-from grpo_kernels.trainer.update import SamplerCorrection, inner_updates
+from grpo_kernels.trainer.update import inner_updates
 
 SIZES = {  # rows × (prompt + completion) tokens, the model's hidden size and vocabulary
     "smoke": dict(rows=4, prompt=4, completion=8, hidden=32, vocab=512),

@@ -20,6 +20,7 @@ import grpo_kernels as gk
 from grpo_kernels.engine import finite, sync
 from grpo_kernels.engine.inputs import LossInputs, LossTensors
 from grpo_kernels.engine.layout import lay_out
+from grpo_kernels.options import LossOptions
 
 SIZES = {"full": ((8, 256, 896), (32000, 151936)), "smoke": ((2, 4, 16), (64,))}  # (B, T, H), vocabularies
 
@@ -72,7 +73,7 @@ def checks_alone(targets, adv, old, ref, mask, logp, repeats: int = 200) -> floa
     lse = torch.randn(mask.shape)
     start = time.perf_counter()
     for _ in range(repeats):
-        sync.read_checks(LossInputs.of(given, layout, check_finite=True)[1])
+        sync.read_checks(LossInputs.of(given, layout, LossOptions(), check_finite=True)[1])
         finite.check_row_stats(lse, logp, mask, finite.RowCheck(zero_prob_ok=False))
     return (time.perf_counter() - start) / repeats
 

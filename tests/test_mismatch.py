@@ -11,7 +11,7 @@ from grpo_kernels import reference_mismatch as ref
 from grpo_kernels.engine import routes
 from grpo_kernels.losses.mismatch import rollout_correction
 from grpo_kernels.rollout_correction import TRL_MODES, RolloutCorrection
-from grpo_kernels.trainer.update import importance_sampling_ratio
+from grpo_kernels.trainer.sampler_correction import importance_sampling_ratio
 from tests.test_host_syncs import HostReads
 from tests.test_torch_compile import _graph_breaks_against_eager
 

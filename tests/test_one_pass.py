@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from grpo_kernels.options import LOSS_TYPES, LossOptions
-from grpo_kernels.trainer.one_pass import OwnPass
-from grpo_kernels.trainer.policy import PolicyModule, UpdateBatch
+from grpo_kernels.trainer.policy import OwnPass, PolicyModule, UpdateBatch
+from grpo_kernels.trainer.sampler_correction import IS_MODES, SamplerCorrection
 from grpo_kernels.trainer.sampler_sync import sampling_metrics
 from grpo_kernels.trainer.sampling_replay import named_logprobs, pass_keywords
-from grpo_kernels.trainer.update import IS_MODES, SamplerCorrection, inner_updates
+from grpo_kernels.trainer.update import inner_updates
 from tests.conftest import assert_close
 from tests.test_packed_training import T, model, update_batch
 

@@ -18,8 +18,8 @@ from grpo_kernels.trainer.checkpoint import checkpoint_dir, latest
 from grpo_kernels.trainer.config import apply_preset
 from grpo_kernels.trainer.logging import TIMES, read_metrics
 from grpo_kernels.trainer.run_dir import save_config
+from grpo_kernels.trainer.sampler_correction import importance_sampling_ratio
 from grpo_kernels.trainer.tasks import AdditionTask
-from grpo_kernels.trainer.update import importance_sampling_ratio
 
 REPO = Path(__file__).resolve().parents[1]
 QUIET = dict(progress=False, plot=False)

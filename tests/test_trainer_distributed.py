@@ -1,7 +1,7 @@
 """The trainer's data parallelism on CPU (gloo): 2 processes × half the batch × 2 accumulation micro-batches (or,
 padding-free, uneven micro-batches filled by a token budget) make the same update as 1 process on the whole batch,
 under DDP and under FSDP2, for every kind of normaliser, also where the update pass is its own π_old pass
-(`one_pass.py`); and `torchrun -m grpo_kernels.train` runs, logs once and checkpoints."""
+(`policy.own_pass_loss`); and `torchrun -m grpo_kernels.train` runs, logs once and checkpoints."""
 
 import dataclasses
 import os
@@ -17,9 +17,8 @@ import torch.multiprocessing as mp
 from grpo_kernels.options import LossOptions
 from grpo_kernels.trainer.logging import read_metrics
 from grpo_kernels.trainer.model import build_tiny_llama, build_tokenizer
-from grpo_kernels.trainer.one_pass import OwnPass
 from grpo_kernels.trainer.parallel import ParallelState, wrap_policy
-from grpo_kernels.trainer.policy import PolicyModule, UpdateBatch
+from grpo_kernels.trainer.policy import OwnPass, PolicyModule, UpdateBatch
 from grpo_kernels.trainer.update import inner_updates
 from tests.rendezvous import join, rendezvous
 

@@ -65,10 +65,17 @@ class LossInputs:
 
     @classmethod
     def of(
-        cls, given: LossTensors, layout: Layout, *, check_finite: bool, sequence_group: Any = None
+        cls,
+        given: LossTensors,
+        layout: Layout,
+        options: LossOptions,
+        *,
+        check_finite: bool,
+        sequence_group: Any = None,
     ) -> tuple[LossInputs, list[ValueCheck]]:
-        """The tensors `given` (their shapes checked: `validate.check_call`) in the padded view of `layout`, and with
-        `check_finite` the checks of their values at kept tokens, to be read with the call's one host sync."""
+        """The tensors `given` (their shapes checked: `validate.check_call`) in the padded view of `layout`, under
+        `options.rollout_correction` where it reads the inputs alone (`corrected`), and with `check_finite` the checks
+        of their values at kept tokens, to be read with the call's one host sync."""
         keep, token = layout.sequence_kept, layout.leading  # [B] / [S]; the per-token shape
         per_sequence = lambda x: x is not None and tuple(x.shape) != token  # noqa: E731
         advantages = _neutral(given.advantages, keep, 0.0) if per_sequence(given.advantages) else given.advantages
@@ -88,9 +95,8 @@ class LossInputs:
             user_mask = layout.mask[0] if layout.flat else layout.mask  # [B, T] / [N]
             checks = finite.input_checks(given_ones, user_mask, keep, packed=layout.padded_index is not None)
         view = {name: x if per_sequence(x) or x is None else padded(layout, x) for name, x in named.items()}
-        return cls(
-            layout=layout, mask=padded(layout, layout.mask, False), sequence_group=sequence_group, **view
-        ), checks
+        inputs = cls(layout=layout, mask=padded(layout, layout.mask, False), sequence_group=sequence_group, **view)
+        return inputs.corrected(options), checks
 
     def corrected(self, options: LossOptions) -> LossInputs:
         """These inputs under `options.rollout_correction` (`losses.mismatch`): under bypass π_old is the sampler's;

@@ -140,10 +140,9 @@ def build_plan(*, source: Source, arguments: dict[str, Any], options: LossOption
     )
     inputs, checks = None, list(checked.checks)
     if loss:
-        inputs, input_checks = LossInputs.of(
-            tensors, layout, check_finite=request.check_finite, sequence_group=request.sequence_group
+        inputs, input_checks = LossInputs.of(  # with the rollout correction of the inputs alone, before the pass
+            tensors, layout, options, check_finite=request.check_finite, sequence_group=request.sequence_group
         )
-        inputs = inputs.corrected(options)  # the rollout correction of the inputs alone, formed before the pass
         checks += input_checks
     gather = weight is not None and not layout.all_rows and not torch.compiler.is_compiling()
     # compiled, every row runs masked: a count read on the host would break the graph

@@ -20,7 +20,7 @@ from torch import Tensor
 from trl.trainer.utils import nanmax, nanmin
 
 from grpo_kernels.integrations.trl_sampler_sync import check_trl_sampler_sync
-from grpo_kernels.trainer.update import importance_sampling_ratio
+from grpo_kernels.trainer.sampler_correction import importance_sampling_ratio
 
 DIFF, RATIO = "sampling/sampling_logp_difference", "sampling/importance_sampling_ratio"
 METRICS = (f"{DIFF}/mean", f"{DIFF}/max", f"{RATIO}/min", f"{RATIO}/mean", f"{RATIO}/max")

@@ -15,14 +15,27 @@ from __future__ import annotations
 import copy
 import shlex
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
 from grpo_kernels.trainer import checkpoint
+from grpo_kernels.trainer.parallel import ParallelState
 
-if TYPE_CHECKING:
-    from grpo_kernels.trainer.train import GRPOTrainer
+
+class Trainer(Protocol):
+    """What a crash checkpoint reads and restores of the trainer (`GRPOTrainer`)."""
+
+    step: int
+    saved_step: int | None
+    saved_path: Path | None
+    config: Any  # TrainConfig
+    parallel: ParallelState
+    prompts: Any  # PromptStream: state_dict, load_state_dict
+    components: Any  # PresetComponents: state_dict, load_state_dict
+
+    def save_checkpoint(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -50,7 +63,7 @@ class CrashCheckpoint:
     def _count(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
         self.optimizer_steps += 1
 
-    def begin(self, trainer: GRPOTrainer) -> None:
+    def begin(self, trainer: Trainer) -> None:
         """Before step `trainer.step + 1`: keep what it will change."""
         self.start = StepStart(
             step=trainer.step,
@@ -61,7 +74,7 @@ class CrashCheckpoint:
         )
         self.trained = False
 
-    def save(self, trainer: GRPOTrainer, error: Exception) -> None:
+    def save(self, trainer: Trainer, error: Exception) -> None:
         """After `error` in step `trainer.step`: write the checkpoint of the last whole step not yet written, and
         print where it is (or why there is none). A failure to write it is printed; `error` is what the run raises."""
         if self.start is None or trainer.parallel.world_size > 1 or not trainer.config.final_checkpoint:

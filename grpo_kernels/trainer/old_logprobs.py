@@ -2,7 +2,7 @@
 
 - "update": π_old is π_θ at the update (μ = 1: one optimizer step per generation, over any number of micro-batches)
   and nothing reads π_old before the update, so the update pass's own log-probs, detached, are π_old
-  (`one_pass.py`); no separate pass runs. This is what "auto" picks wherever it can.
+  (`policy.own_pass_loss`); no separate pass runs. This is what "auto" picks wherever it can.
 - "pass": a separate no-grad pass of the whole batch before the update (`sampling_replay.old_policy_logprobs`),
   which "auto" picks where a component needs π_old first (`pass_reasons`).
 - "sampler": verl's bypass mode, π_old := the sampler's log-probs (no pass, also at μ > 1); the importance ratio is

@@ -7,21 +7,41 @@ as forward methods, so the sharded parameters are gathered for them too.
 With `padding_free` every pass packs its rows (`PackedSequences`): the decoder and the lm_head see each sequence's
 real tokens only, the loss takes the packed layout; the records around it (`UpdateBatch`, the log-probs it
 returns) keep the padded `[B, T]` layout the rest of the trainer uses.
+
+`own_pass_loss`, the update pass as its own log-prob pass: where π_old is π_θ at the update (μ = 1, one optimizer
+step per generation), π_old is the update pass's own log-probs, detached, and the separate no-grad π_old pass does
+not run.
+
+The pass runs the fused lm_head's log-probs with gradients (`fused_linear_token_logprobs`: each chunk's logits again
+in the backward, 4 GEMMs), then the loss algebra of `losses/` on them (`build_terms`, `compute_loss`, the
+`two_phase` route's), so every loss type and option works as on the fused loss. The sampler correction's ratio
+π_old / π_sampler comes from the same log-probs before the loss; they, the kept mass and the ratio go back to the
+trainer (detached) for the sampler-sync guard and the `sampling/*` metrics, which it checks before the optimizer
+step. With a given `old_logp` (verl's bypass mode: the sampler's log-probs) the pass is the same, its log-probs
+only reported.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
 from grpo_kernels.api import fused_linear_grpo_loss
+from grpo_kernels.engine.routes import replay_metrics
 from grpo_kernels.integrations.hf import completion_hidden_states, lm_head, logit_transform, policy_logprobs
+from grpo_kernels.losses.loss import compute_loss
+from grpo_kernels.losses.mismatch import rollout_correction
+from grpo_kernels.losses.terms import build_terms
 from grpo_kernels.options import LossOptions
 from grpo_kernels.packing import PackedSequences
-from grpo_kernels.trainer.one_pass import OwnPass, own_pass_loss
+from grpo_kernels.trainer import sampling_replay
+
+if TYPE_CHECKING:
+    from grpo_kernels.trainer.sampler_correction import SamplerCorrection
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,13 +53,13 @@ class UpdateBatch:
     attention_mask: Tensor  # [B, P + T]
     completion_mask: Tensor  # [B, T] bool
     advantages: Tensor  # [B] or [B, T]
-    old_logp: Tensor | None  # [B, T]; None: the update pass's own log-probs, detached (`one_pass.py`)
+    old_logp: Tensor | None  # [B, T]; None: the update pass's own log-probs, detached (`policy.own_pass_loss`)
     ref_logp: Tensor | None = None  # [B, T]
     is_ratio: Tensor | None = None  # [B, T] or [B]
     token_weights: Tensor | None = None  # [B, T]
     sequence_weights: Tensor | None = None  # [B]
     sampling_logp: Tensor | None = None  # [B, T] the sampler's log-probs: for LossOptions.rollout_correction, and
-    # for the sampler correction of the update pass's own π_old (`one_pass.py`)
+    # for the sampler correction of the update pass's own π_old (`policy.own_pass_loss`)
 
     @property
     def targets(self) -> Tensor:
@@ -161,7 +181,7 @@ class PolicyModule(nn.Module):
     ) -> tuple[Tensor, dict[str, Tensor]] | tuple[Tensor, dict[str, Tensor], dict[str, Tensor]]:
         """(loss, metrics) of the fused lm_head + GRPO loss on `batch`; the [B, T, V] logits are never stored.
         The model's own logit scaling and soft-capping (Gemma 2/3, Cohere, Granite) apply, as in `logprobs`.
-        With `own_pass` the update pass is also the log-prob pass (`one_pass.py`): (loss, metrics, its detached
+        With `own_pass` the update pass is also the log-prob pass (`policy.own_pass_loss`): (loss, metrics, its detached
         log-probs, kept mass and sampler ratio)."""
         if own_pass is not None:
             return own_pass_loss(self, batch, options, own_pass)
@@ -213,3 +233,57 @@ def checked_pack(input_ids: Tensor, attention_mask: Tensor, completion_mask: Ten
     if bool((completion_mask.bool() & ~attention_mask[:, -num_completion:].bool()).any()):
         raise ValueError("completion_mask keeps a token that attention_mask drops: they must agree to pack the rows")
     return PackedSequences.from_padded(input_ids, attention_mask, num_completion)
+
+
+REPORTED = ("logp", "log_kept_mass", "is_ratio")  # what the pass reports back, detached
+
+
+@dataclass(frozen=True)
+class OwnPass:
+    """The update pass also gives the log-probs: its own π_old where `UpdateBatch.old_logp` is None, and the sampler
+    `correction`'s ratio from them (None: no correction)."""
+
+    correction: SamplerCorrection | None = None
+
+
+def own_pass_loss(
+    policy: PolicyModule, batch: UpdateBatch, options: LossOptions, own_pass: OwnPass
+) -> tuple[Tensor, dict[str, Tensor], dict[str, Tensor]]:
+    """(loss, metrics, the pass's detached `REPORTED` tensors, [b, T] or [b]) of one (micro-)batch."""
+    mask = batch.completion_mask
+    keywords = sampling_replay.pass_keywords(options, ("outside_support",))  # the fused loss's replay metrics too
+    out = sampling_replay.named_logprobs(
+        policy.pass_logprobs(batch.input_ids, batch.attention_mask, mask, options.temperature, **keywords)
+    )  # [b, T] each, logp and entropy differentiable
+    logp = out["logp"]
+    old_logp = logp.detach() if batch.old_logp is None else batch.old_logp  # [b, T]
+    is_ratio, kept, correction_metrics = batch.is_ratio, mask, None
+    if own_pass.correction is not None:
+        is_ratio = own_pass.correction.ratio(old_logp, batch.sampling_logp, mask)  # [b, T] or [b]
+    rollout = options.rollout_correction  # the loss's own sampler correction (`losses.mismatch`)
+    if rollout is not None:
+        if rollout.bypass_mode:  # π_old is the sampler's, the weights are π_θ's against it
+            old_logp = batch.sampling_logp
+        trained = logp.detach() if rollout.bypass_mode else old_logp
+        is_ratio, keep, correction_metrics = rollout_correction(
+            trained, batch.sampling_logp, mask, rollout, logp.detach()
+        )
+        kept = mask if keep is None else mask & keep  # [b, T]
+    terms = build_terms(
+        logp,
+        advantages=batch.advantages,
+        mask=kept,
+        options=options,
+        old_logp=old_logp,
+        ref_logp=batch.ref_logp,
+        entropy=out["entropy"],
+        is_ratio=is_ratio,
+        token_weights=batch.token_weights,
+        sequence_weights=batch.sequence_weights,
+        sampling_logp=None if rollout is None else batch.sampling_logp,
+        correction_metrics=correction_metrics,
+    )
+    output, _ = compute_loss(terms, options)
+    reported = {"logp": logp.detach(), "log_kept_mass": out.get("log_kept_mass"), "is_ratio": is_ratio}
+    metrics = output.metrics | replay_metrics(out, mask)
+    return output.loss, metrics, {name: x for name, x in reported.items() if x is not None}

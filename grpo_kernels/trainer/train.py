@@ -37,7 +37,6 @@ from grpo_kernels.trainer.model import (
     model_context,
 )
 from grpo_kernels.trainer.old_logprobs import old_logp_source
-from grpo_kernels.trainer.one_pass import OwnPass
 from grpo_kernels.trainer.optimizer import build_optimizer
 from grpo_kernels.trainer.parallel import (
     init_parallel,
@@ -45,11 +44,12 @@ from grpo_kernels.trainer.parallel import (
     unwrap,
     wrap_policy,
 )
-from grpo_kernels.trainer.policy import PolicyModule, UpdateBatch
+from grpo_kernels.trainer.policy import OwnPass, PolicyModule, UpdateBatch
 from grpo_kernels.trainer.precision import follower_dtype, policy_dtype
 from grpo_kernels.trainer.ref_model import build_ref_model, sync_ref_model
 from grpo_kernels.trainer.rollout import HFRollout, Rollout, RolloutBatch
 from grpo_kernels.trainer.run_names import with_output_dir
+from grpo_kernels.trainer.sampler_correction import correction_of, sampler_correction
 from grpo_kernels.trainer.sampler_sync import (
     StaleSampler,
     check_sampler_sync,
@@ -62,7 +62,7 @@ from grpo_kernels.trainer.settings import resolve_settings
 from grpo_kernels.trainer.signals import StopAtStepBoundary
 from grpo_kernels.trainer.size_limits import check_sizes
 from grpo_kernels.trainer.tasks import PromptStream, build_task
-from grpo_kernels.trainer.update import NonFiniteUpdate, correction_of, inner_updates, sampler_correction
+from grpo_kernels.trainer.update import NonFiniteUpdate, inner_updates
 
 
 class GRPOTrainer:

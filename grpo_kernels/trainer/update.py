@@ -1,4 +1,4 @@
-"""A training step's update: the sampler's importance correction, then μ fused-loss optimizer steps, each
+"""A training step's update: μ fused-loss optimizer steps, each
 accumulated over micro-batches with the normalisers of the whole (global) step batch."""
 
 from __future__ import annotations
@@ -15,13 +15,8 @@ from torch import Tensor, nn
 from grpo_kernels.distributed import micro_batch_scale, num_items_in_batch, num_sequences_in_batch
 from grpo_kernels.losses.policy import POLICY_LOSSES
 from grpo_kernels.options import LossOptions
-from grpo_kernels.shown import shown
-from grpo_kernels.trainer.one_pass import OwnPass
 from grpo_kernels.trainer.parallel import no_gradient_sync, unwrap
-from grpo_kernels.trainer.policy import UpdateBatch, token_budget_groups
-from grpo_kernels.trainer.rollout import RolloutBatch
-
-IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+from grpo_kernels.trainer.policy import OwnPass, UpdateBatch, token_budget_groups
 
 
 class NonFiniteUpdate(ValueError):
@@ -31,63 +26,6 @@ class NonFiniteUpdate(ValueError):
         name, value = next((n, v) for n, v in metrics.items() if not math.isfinite(v))
         super().__init__(f"{name} is {value}")
         self.metric = name
-
-
-def importance_sampling_ratio(
-    old_logp: Tensor,
-    sampling_logp: Tensor,
-    mask: Tensor,
-    mode: str = "sequence_mask",
-    clip_min: float | None = None,
-    clip_max: float | None = 3.0,
-) -> Tensor:
-    """π_old / π_sampler, TRL's `vllm_importance_sampling_*` correction: [B, T] for token modes, [B] for sequence
-    modes (the product over the sequence's tokens). `*_truncate` clamps to [clip_min, clip_max]; `*_mask` sets
-    ratios outside it to 0. It multiplies the policy term (`is_ratio`): the sampler (vLLM) and the trainer compute
-    slightly different distributions, and the update must be for samples of π_old."""
-    if mode not in IS_MODES:
-        raise ValueError(f"vllm_importance_sampling_mode must be one of {IS_MODES}, got {shown(mode)}")
-    log_diff = (old_logp - sampling_logp) * mask  # [B, T]
-    if mode.startswith("sequence"):
-        log_diff = log_diff.sum(dim=1)  # [B]
-    ratio = torch.exp(log_diff)  # [B, T] or [B]
-    if mode.endswith("truncate"):
-        return ratio.clamp(min=clip_min, max=clip_max)
-    low = -math.inf if clip_min is None else clip_min
-    high = math.inf if clip_max is None else clip_max
-    return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplerCorrection:
-    """TrainConfig's `vllm_importance_sampling_*` correction: `ratio` is π_old / π_sampler, [B, T] or [B]."""
-
-    mode: str
-    clip_min: float | None
-    clip_max: float | None
-
-    def ratio(self, old_logp: Tensor, sampling_logp: Tensor, mask: Tensor) -> Tensor:
-        return importance_sampling_ratio(old_logp, sampling_logp, mask, self.mode, self.clip_min, self.clip_max)
-
-
-def correction_of(config) -> SamplerCorrection | None:
-    """The correction TrainConfig `config` asks for, or None when it is off."""
-    if not config.vllm_importance_sampling_correction:
-        return None
-    return SamplerCorrection(
-        config.vllm_importance_sampling_mode,
-        config.vllm_importance_sampling_clip_min,
-        config.vllm_importance_sampling_clip_max,
-    )
-
-
-def sampler_correction(old_logp: Tensor, batch: RolloutBatch, config) -> Tensor | None:
-    """The `is_ratio` of TrainConfig's `vllm_importance_sampling_*` options, or None when the correction is off.
-    With `HFRollout` it is 1 up to float error (the sampler is the policy itself): a live consistency check."""
-    correction = correction_of(config)
-    if correction is None:
-        return None
-    return correction.ratio(old_logp, batch.sampling_logp, batch.completion_mask)  # [B, T] or [B]
 
 
 def inner_updates(
@@ -111,8 +49,8 @@ def inner_updates(
     micro-batches make the same update as one process on the whole batch. `loss` is the step batch's loss; the
     other metrics are token-weighted means over the micro-batches (averaged over ranks: the whole batch's means).
     An update whose grad_norm is not finite is not taken: `NonFiniteUpdate` names the first non-finite metric.
-    With `own_pass` each micro-batch's forward is also its log-prob pass (`one_pass.py`); what the first update's
-    passes report, rows joined in order, goes to `before_first_step` after their backward and before the first
+    With `own_pass` each micro-batch's forward is also its log-prob pass (`policy.own_pass_loss`); what the first
+    update's passes report, rows joined in order, goes to `before_first_step` after their backward and before the first
     optimizer step (the sampler-sync guard, which may stop the step there). Everything after `batch` is passed by
     keyword: the counts and the norm are numbers a positional swap would take.
     """

@@ -16,9 +16,9 @@ from grpo_kernels.trainer.logging import REPORT_TO
 from grpo_kernels.trainer.old_logprobs import OLD_LOGPROBS
 from grpo_kernels.trainer.parallel import PARALLEL_MODES
 from grpo_kernels.trainer.precision import DTYPES
+from grpo_kernels.trainer.sampler_correction import IS_MODES
 from grpo_kernels.trainer.sampler_sync import SAMPLER_SYNC
 from grpo_kernels.trainer.sampling_replay import truncates
-from grpo_kernels.trainer.update import IS_MODES
 
 _AT_LEAST = {  # field -> its smallest value (None, where the field allows it, is always accepted)
     "seed": 0,
