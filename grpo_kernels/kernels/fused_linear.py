@@ -10,9 +10,10 @@ input dtype (tensor cores) with float32 accumulation (`gemm_mode`). Two Function
   log-probs are, so the gradients are formed in the forward from the logits still in memory and the backward only
   scales them: 3 GEMMs, the floor.
 `PassOptions.head_precision` sets the logits GEMM's dtype (`head_precision.py`); the gradient GEMMs stay in
-the weight's. With sampling replay (`PassOptions.replay`) each chunk's logits are copied into a compute-dtype
-scratch chunk and masked to the sampler's support before the pass and the in-forward gradient (`replay.py`); the
-backward of the 4-GEMM Function masks them again from each row's saved threshold.
+the weight's. With sampling replay (`PassOptions.replay`) each chunk's logits are masked to the sampler's support
+in their own buffer before the pass and the in-forward gradient (`replay.py`; a compute-dtype copy where
+`replay.masks_in_place` says no); the backward of the 4-GEMM Function masks them again from each row's saved
+threshold.
 """
 
 from __future__ import annotations
@@ -175,7 +176,7 @@ class _FusedLinearLogprobsFunction(torch.autograd.Function):
         rows = rows_per_chunk(opts, M)
         masks = _row_masks(rows, row_mask, hidden.device)
         buffer = w.new_empty(rows, V)  # [rows, V]
-        scratch = replay.chunk_scratch(opts, rows, weight)  # replay: the masked chunk, in the compute dtype
+        scratch = replay.chunk_scratch(opts, rows, weight)  # replay: its windows' buffers, in the compute dtype
         logps, lses, entropies, thetas, full_lses = [], [], [], [], []
         stats = {name: [] for name in opts.stats}
         for r in _chunks(M, rows):
@@ -275,7 +276,7 @@ class _FusedLinearTokenLossFunction(torch.autograd.Function):
         logps, lses, entropies = [], [], []
         stats = {name: [] for name in opts.stats}  # replay's statistics
         buffer = w.new_empty(rows, V)  # [rows, V]
-        scratch = replay.chunk_scratch(opts, rows, weight)  # replay: the masked chunk, in the compute dtype
+        scratch = replay.chunk_scratch(opts, rows, weight)  # replay: its windows' buffers, in the compute dtype
         backends.count_launch("fused_linear_token_loss")
         for r in _chunks(M, rows):
             backends.count_launch(opts.backend, 2)

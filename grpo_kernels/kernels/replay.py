@@ -1,14 +1,17 @@
 """Sampling replay: the vocabulary pass renormalised over a truncated sampler's support, on any backend.
 
-A window of logits rows is copied into a compute-dtype scratch buffer and transformed there (z = transform(x)), the
-tokens outside support ∪ {target} are set to -inf in place, and the backend's plain pass runs on that window with
-the identity transform: its logp, entropy and gradient (onehot − q_support, 0 outside) are then exactly the
-replayed ones, the support held fixed. The backward masks the window again (from each row's saved threshold, or
-the kept ids) and applies the transform's chain rule. Extra memory: the scratch windows, never [N, V].
+A window of logits rows is transformed (z = transform(x)), the tokens outside support ∪ {target} are set to -inf in
+place, and the backend's plain pass runs on that window with the identity transform: its logp, entropy and gradient
+(onehot − q_support, 0 outside) are then exactly the replayed ones, the support held fixed. The backward masks the
+window again (from each row's saved threshold, or the kept ids) and applies the transform's chain rule. A chunk of
+the fused lm_head is masked in its own buffer (`masks_in_place`); the logits API's rows, a soft-capped chunk and
+one whose whole distribution's entropy is asked are copied into a compute-dtype scratch first. Extra memory: the
+scratch windows, never [N, V].
 
 Rule replay (vLLM's order, `reference.sampler_support`): min-p on the whole distribution, then top-k, then top-p
 on what is left; each is a per-row threshold θ (min-p: max z + log min_p; top-k: the k-th largest z; top-p: the
-smallest kept candidate whose predecessors' mass is below top_p), so the support is {z ≥ θ}, ties all kept.
+smallest kept candidate whose predecessors' mass is below top_p, from top-k's candidates or by a binned scan of
+the row, `top_p_scan`, never a sort of it), so the support is {z ≥ θ}, ties all kept.
 Kept-set replay: the support is the given ids of each row.
 
 A target outside the support is counted as kept (its logp is finite and includes it) and flagged: precision can
@@ -69,20 +72,95 @@ def _no_host_read(z: Tensor) -> bool:
     return torch.compiler.is_compiling() or (z.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
-def thresholds(z: Tensor, replay: Replay, rows: RowReduce) -> Tensor:
+def fill_below_(z: Tensor, theta: Tensor, value: float = -math.inf) -> Tensor:
+    """z [C, V] ← `value` where z < θ [C, 1], in place; a row whose θ is NaN is left whole. On the CPU (eager) one
+    `threshold_` per row (x > t ? x : value, t the float just below θ): `masked_fill_` there costs about fifteen
+    elementwise passes. The threshold also replaces NaN, so a row holding one gets a NaN θ (`thresholds`)."""
+    if z.device.type != "cpu" or torch.compiler.is_compiling():
+        return z.masked_fill_(z < theta, value)
+    below = torch.nextafter(theta, theta.new_full((), -math.inf))[:, 0].tolist()
+    for row, t in zip(z, below, strict=True):
+        if t == t and t != -math.inf:  # NaN: the row is left whole; -inf: nothing lies below
+            torch.nn.functional.threshold_(row, t, value)
+    return z
+
+
+def thresholds(z: Tensor, replay: Replay, rows: RowReduce, scratch: Scratch | None = None) -> Tensor:
     """θ [C, 1] per row of the transformed window z [C, V] (a shard's columns with `rows.group`) such that the
-    rule's support is {z ≥ θ}. On shards top-p needs top_k (its candidates; the engine checks)."""
+    rule's support is {z ≥ θ}; NaN for a row that holds NaN (masking leaves it whole: its pass gives NaN). On
+    shards top-p needs top_k (its candidates; the engine checks). `scratch`: top-p's scan (None: it sorts the
+    rows)."""
+    top = rows.max(z.amax(-1, keepdim=True))  # [C, 1]
     theta = z.new_full((z.shape[0], 1), -math.inf)
     if replay.min_p > 0.0:  # q_v ≥ min_p · max q  ⟺  z_v ≥ max z + log min_p
-        theta = rows.max(z.amax(-1, keepdim=True)) + math.log(replay.min_p)
+        theta = top + math.log(replay.min_p)
     candidates = None
     k = replay.top_k
     if 0 < k < rows.vocab:  # the k-th largest of all z: min-p keeps a prefix of the sorted z, so max(θ, it) is exact
         candidates = rows.top(z, k + 1)  # [C, k + 1], descending: the (k + 1)-th tells a tie at the k-th
         theta = torch.maximum(theta, candidates[:, k - 1 : k])
     if replay.top_p < 1.0:
-        theta = torch.maximum(theta, _top_p_cut(z, replay.top_p, theta, candidates, k, rows))
-    return theta
+        if candidates is None and scratch is not None and rows.group is None and not _no_host_read(z):
+            cut = top_p_scan(z, replay.top_p, theta, top, scratch)
+        else:
+            cut = _top_p_cut(z, replay.top_p, theta, candidates, k, rows)
+        theta = torch.maximum(theta, cut)
+    return theta.masked_fill_(top.isnan(), math.nan)
+
+
+TOP_P_BINS = 2048  # value bins of top-p's scan between a row's max and its smallest kept logit
+
+
+def top_p_scan(z: Tensor, top_p: float, theta: Tensor, top: Tensor, scratch: Scratch) -> Tensor:
+    """top-p's cut of each row of z [C, V] over {z ≥ θ} without sorting the row, [C, 1]: the kept tokens' masses
+    binned by value below the row's max `top` [C, 1] (one scatter-add), the bin where their mass from the top
+    reaches top_p of the whole, then only that bin's tokens (and one bin either side) sorted, walked from the mass
+    above them. The rule's cut as `_top_p_cut`'s walk over the sorted row finds it, to the rounding of the summed
+    masses (ties all on one side: a bin is a range of values); a row whose bracket misses the cut (rounding at a
+    bin's edge) is walked whole."""
+    C = z.shape[0]
+    buffer = scratch.get("temp", C)
+    finite = z
+    if not bool(top.isfinite().all()):  # rows holding NaN or +inf (their θ is NaN in the end), or only -inf
+        finite = torch.nan_to_num(z, nan=0.0, posinf=0.0, neginf=-math.inf)
+        top, theta = finite.amax(-1, keepdim=True), theta.nan_to_num(nan=-math.inf)
+    safe_top = top.clamp(min=torch.finfo(z.dtype).min)  # a row of -inf: the masses are all 0
+    mass = _masses(finite, theta, safe_top, buffer)  # [C, V]: exp(z − top) over {z ≥ θ}, 0 elsewhere
+    need = mass.sum(-1, keepdim=True) * top_p  # [C, 1]: top_p of the kept mass
+    # bins: u = (top − z) / width, width = (top − lo) / (BINS − 1), lo the smallest value a cut can take
+    span = -math.log(torch.finfo(z.dtype).tiny)  # below top − span every mass is 0 (never a cut)
+    lo = torch.maximum(finite.amin(-1, keepdim=True), safe_top - span)
+    lo = torch.maximum(lo, theta.clamp(max=safe_top))
+    width = (safe_top - lo).clamp_(min=torch.finfo(z.dtype).tiny) / (TOP_P_BINS - 1)  # [C, 1]
+    u = torch.sub(safe_top, finite, out=scratch.get("bins", C)).div_(width).clamp_(0, TOP_P_BINS - 1)
+    at = scratch.get("bin_ids", C, torch.int64).copy_(u)  # [C, V]: each token's bin
+    binned = torch.zeros(C, TOP_P_BINS, dtype=mass.dtype, device=z.device).scatter_add_(1, at, mass)
+    cut_bin = (binned.cumsum(-1) < need).sum(-1, keepdim=True)  # [C, 1]: the first bin whose mass reaches it
+    high = torch.maximum(safe_top - (cut_bin - 1) * width, theta)  # [C, 1]: the bracket [low, high), a bin wider
+    low = torch.maximum(safe_top - (cut_bin + 2) * width, theta)  # each way than the cut's bin
+    above = _masses(finite, high, safe_top, buffer).sum(-1, keepdim=True)  # [C, 1]: the mass of {z ≥ high}
+    inside = fill_below_(buffer.copy_(finite), low).neg_()  # [C, V]: −z on [low, ∞), −inf below
+    inside = fill_below_(inside, torch.nextafter(-high, high.new_full((), math.inf)), math.inf).neg_()  # [low, high)
+    count = int((inside > -math.inf).sum(-1).max()) if C else 0
+    values = inside.topk(max(count, 1), dim=-1).values  # [C, K], descending; -inf past each row's count
+    masses = (values - safe_top).exp_()  # [C, K]
+    before = masses.cumsum(-1).sub_(masses).add_(above)  # [C, K]: the mass ahead of each token
+    kept = (before < need) & (values > -math.inf)
+    cut = values.masked_fill(~kept, math.inf).amin(-1, keepdim=True)  # [C, 1]
+    missed = (above >= need) | (before[:, -1:] + masses[:, -1:] < need)  # [C, 1]: the cut lies outside [low, high)
+    missed &= need > 0
+    if bool(missed.any()):
+        rows = missed[:, 0].nonzero()[:, 0]
+        cut[rows] = _top_p_cut(finite[rows], top_p, theta[rows], None, 0, RowReduce(z.shape[-1]))
+    return cut
+
+
+def _masses(z: Tensor, theta: Tensor, top: Tensor, buffer: Tensor) -> Tensor:
+    """exp(z − top) where z ≥ θ, 0 elsewhere, [C, V] in `buffer`."""
+    kept = buffer.copy_(z)
+    if bool((theta > -math.inf).any()):
+        fill_below_(kept, theta)
+    return kept.sub_(top).exp_()
 
 
 def _top_p_cut(z: Tensor, top_p: float, theta: Tensor, candidates: Tensor | None, k: int, rows: RowReduce) -> Tensor:
@@ -117,25 +195,44 @@ def _row_lse(z: Tensor, out: Tensor) -> Tensor:
     return torch.where(top == -math.inf, top, lse)[:, 0]  # a row of -inf: -inf
 
 
+def keep_ids_(z: Tensor, ids: Tensor) -> Tensor:
+    """z [C, V] ← -inf outside each row's kept ids [C, K] (-1 or any id outside [0, V): padding), in place: the
+    kept values gathered, the row filled, the values put back (no [C, V] mask)."""
+    V = z.shape[-1]
+    padding = (ids < 0) | (ids >= V)  # [C, K]
+    at = ids.masked_fill(padding, 0)
+    values = z.gather(1, at).masked_fill_(padding, -math.inf)  # [C, K]
+    return z.fill_(-math.inf).scatter_reduce_(1, at, values, "amax")  # padding's -inf never wins over a kept value
+
+
 def mask_window_(z: Tensor, targets: Tensor, replay: Replay, ids: Tensor | None, theta: Tensor | None,
-                 rows: RowReduce, owned: Tensor | None = None, lse_buffer: Tensor | None = None):  # fmt: skip
+                 rows: RowReduce, owned: Tensor | None = None, scratch: Scratch | None = None,
+                 with_lse: bool = False):  # fmt: skip
     """Set z [C, V] to -inf outside support ∪ {target} in place (targets [C, 1] inside [0, V); ids [C, K] the kept
-    ids, or θ [C, 1] from `thresholds`, computed when None). On a shard, `owned` [C] says which rows' target is
-    this shard's (the others' stand-in column is not kept for them). Returns (this window's lse over its columns
-    [C] through `lse_buffer` [C, V], None without one; target outside [C] bool (owned rows only); θ)."""
-    lse_full = None if lse_buffer is None else _row_lse(z, lse_buffer)  # [C]
+    ids, or θ [C, 1] from `thresholds`, computed when None), a window of `window_rows` rows at a time through
+    `scratch`'s "temp" buffer. On a shard, `owned` [C] says which rows' target is this shard's (the others'
+    stand-in column is not kept for them). Returns (this window's lse over its columns [C] with `with_lse`, else
+    None; target outside [C] bool (owned rows only); θ)."""
+    C = z.shape[0]
     target_z = z.gather(1, targets)  # [C, 1]
+    lse_full = z.new_empty(C) if with_lse else None
+    thetas = [] if ids is None and theta is None else None
+    step = window_rows(rows.vocab, C)
+    for start in range(0, C, step):
+        part = z[start : start + step]  # [c, V], every rank of a shard's group runs the same windows
+        if with_lse:
+            lse_full[start : start + step] = _row_lse(part, scratch.get("temp", part.shape[0]))
+        if ids is not None:
+            keep_ids_(part, ids[start : start + step])
+            continue
+        if thetas is not None:
+            thetas.append(thresholds(part, replay, rows, scratch))
+        fill_below_(part, thetas[-1] if thetas is not None else theta[start : start + step])
     if ids is not None:
-        V = z.shape[-1]
-        keep = torch.zeros(z.shape[0], V + 1, dtype=torch.bool, device=z.device)  # [C, V + 1]: column V takes -1
-        keep.scatter_(1, ids.masked_fill((ids < 0) | (ids >= V), V), True)
-        drop = ~keep[:, :V]  # [C, V]
+        outside = ~(ids == targets).any(-1)  # [C]
     else:
-        if theta is None:
-            theta = thresholds(z, replay, rows)
-        drop = z < theta  # [C, V]
-    outside = drop.gather(1, targets)[:, 0]  # [C]
-    z.masked_fill_(drop, -math.inf)
+        theta = torch.cat(thetas) if thetas is not None else theta
+        outside = (target_z < theta)[:, 0]  # [C]
     if owned is not None:
         outside &= owned
         target_z = torch.where(owned[:, None], target_z, z.gather(1, targets))
@@ -145,8 +242,8 @@ def mask_window_(z: Tensor, targets: Tensor, replay: Replay, ids: Tensor | None,
 
 @dataclass
 class Window:
-    """One window of a replayed pass: the masked transformed logits z [C, V] (a view of the scratch buffer), the
-    full lse, the outside flags and the rule's θ (None for kept ids)."""
+    """One window of a replayed pass: the masked transformed logits z [C, V] (the logits' own buffer, or a view of
+    the scratch buffer), the full lse, the outside flags and the rule's θ (None for kept ids)."""
 
     z: Tensor
     lse_full: Tensor | None
@@ -155,16 +252,19 @@ class Window:
 
 
 class Scratch:
-    """The compute-dtype buffers of one call's windows, allocated on first use and reused."""
+    """The compute-dtype buffers of one call's windows ([rows, vocab] at most each), allocated on first use at the
+    rows first asked and reused."""
 
     def __init__(self, rows: int, vocab: int, dtype: torch.dtype, device: torch.device):
         self.shape, self.dtype, self.device = (rows, vocab), compute_dtype(dtype), device
         self._buffers: dict[str, Tensor] = {}
 
-    def get(self, name: str, rows: int) -> Tensor:
-        if name not in self._buffers:
-            self._buffers[name] = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        return self._buffers[name][:rows]
+    def get(self, name: str, rows: int, dtype: torch.dtype | None = None) -> Tensor:
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.shape[0] < rows:
+            shape, dtype = (rows, self.shape[1]), dtype or self.dtype
+            buffer = self._buffers[name] = torch.empty(shape, dtype=dtype, device=self.device)
+        return buffer[:rows]
 
 
 def window_rows(vocab: int, rows: int) -> int:
@@ -177,18 +277,29 @@ def row_ids(replay: Replay, rows: slice) -> Tensor | None:
     return None if replay.kept_ids is None else replay.kept_ids[rows]
 
 
+def masks_in_place(x: Tensor, opts: PassOptions) -> bool:
+    """Whether a replayed pass may transform and mask the logits x [C, V] in their own buffer (a chunk of the fused
+    lm_head, which nothing else reads): in the compute dtype, without soft-capping (its chain rule reads the raw
+    logits) and without the whole distribution's entropy (its pass reads them unmasked)."""
+    return (
+        x.dtype == compute_dtype(x.dtype)
+        and opts.final_logit_softcapping is None
+        and not (opts.replay.full_entropy and opts.with_entropy)
+    )
+
+
 def masked_window(x: Tensor, targets: Tensor, replay: Replay, ids, theta, opts, scratch: Scratch,
                   rows: RowReduce | None = None, owned: Tensor | None = None,
-                  forward: bool = True) -> Window:  # fmt: skip
-    """x [C, V] logits rows (any dtype) copied into scratch, transformed (`opts.transform`, `opts.temperature`) and
-    masked to the support ∪ {target}; targets [C]; `rows` / `owned` on a vocabulary shard (`mask_window_`). The
-    backward's window (`forward=False`) skips the full lse."""
-    z = scratch.get("z", x.shape[0]).copy_(x)
+                  forward: bool = True, in_place: bool = False) -> Window:  # fmt: skip
+    """x [C, V] logits rows transformed (`opts.transform`, `opts.temperature`) and masked to the support ∪
+    {target}: in their own buffer with `in_place` (`masks_in_place`), else in a copy in scratch (any dtype);
+    targets [C]; `rows` / `owned` on a vocabulary shard (`mask_window_`). The backward's window (`forward=False`)
+    skips the full lse."""
+    z = x if in_place else scratch.get("z", x.shape[0]).copy_(x)
     transform_(z, opts.temperature, opts.logit_scale, opts.final_logit_softcapping)
     safe = targets.clamp(0, x.shape[-1] - 1).reshape(-1, 1)  # masked rows may hold any id
     rows = RowReduce(x.shape[-1]) if rows is None else rows
-    lse_buffer = scratch.get("temp", x.shape[0]) if forward else None
-    lse_full, outside, theta = mask_window_(z, safe, replay, ids, theta, rows, owned, lse_buffer)
+    lse_full, outside, theta = mask_window_(z, safe, replay, ids, theta, rows, owned, scratch, forward)
     return Window(z, lse_full, outside, theta)
 
 
@@ -251,9 +362,9 @@ def chunk_state(z: Tensor, targets: Tensor, opts: PassOptions, rows: slice, scra
                 full_lse: Tensor | None) -> ChunkState:  # fmt: skip
     """A chunk's state for `chunk_grad` again, in the backward: its window masked from the saved θ [c, 1] (or the
     kept ids), and the full pass's saved lse [1, c] (or None)."""
-    window = masked_window(
-        z[0], targets[0], opts.replay, row_ids(opts.replay, rows), theta, opts, scratch, forward=False
-    )
+    ids = row_ids(opts.replay, rows)
+    in_place = masks_in_place(z[0], opts)
+    window = masked_window(z[0], targets[0], opts.replay, ids, theta, opts, scratch, forward=False, in_place=in_place)
     return ChunkState(window, full_lse)
 
 
@@ -268,12 +379,13 @@ class ChunkState:
 
 def chunk_forward(kernels, z: Tensor, targets: Tensor, mask: Tensor, opts: PassOptions, rows: slice, scratch: Scratch,
                   theta: Tensor | None = None):  # fmt: skip
-    """The replayed pass over one chunk z [1, c, V] of the fused lm_head's logits (read only), targets and mask
-    [1, c], `rows` its slice of the pass's rows: (logp, lse of the support, entropy or None, {statistic}, state),
-    [1, c] each. The entropy is the support's, or with `Replay.full_entropy` the whole distribution's."""
+    """The replayed pass over one chunk z [1, c, V] of the fused lm_head's logits (masked in place where
+    `masks_in_place`), targets and mask [1, c], `rows` its slice of the pass's rows: (logp, lse of the support,
+    entropy or None, {statistic}, state), [1, c] each. The entropy is the support's, or with `Replay.full_entropy` the whole distribution's."""
     replay: Replay = opts.replay
     full = replay.full_entropy and opts.with_entropy
-    window = masked_window(z[0], targets[0], replay, row_ids(replay, rows), theta, opts, scratch)
+    ids, in_place = row_ids(replay, rows), masks_in_place(z[0], opts)
+    window = masked_window(z[0], targets[0], replay, ids, theta, opts, scratch, in_place=in_place)
     logp, lse, entropy, stats = window_forward(
         kernels, window, targets[0], mask[0], opts.with_entropy and not full, opts.stats, replay.truncates(z.shape[-1])
     )
