@@ -381,7 +381,8 @@ def chunk_forward(kernels, z: Tensor, targets: Tensor, mask: Tensor, opts: PassO
                   theta: Tensor | None = None):  # fmt: skip
     """The replayed pass over one chunk z [1, c, V] of the fused lm_head's logits (masked in place where
     `masks_in_place`), targets and mask [1, c], `rows` its slice of the pass's rows: (logp, lse of the support,
-    entropy or None, {statistic}, state), [1, c] each. The entropy is the support's, or with `Replay.full_entropy` the whole distribution's."""
+    entropy or None, {statistic}, state), [1, c] each. The entropy is the support's, or with
+    `Replay.full_entropy` the whole distribution's."""
     replay: Replay = opts.replay
     full = replay.full_entropy and opts.with_entropy
     ids, in_place = row_ids(replay, rows), masks_in_place(z[0], opts)
