@@ -245,7 +245,8 @@ class _FusedLinearLogprobsFunction(torch.autograd.Function):
                 continue
             theta, full_lse = None if thetas is None else thetas[r], None if full_lses is None else full_lses[:, r]
             state = replay.chunk_state(z, targets[None, r], opts, r, scratch, theta, full_lse)
-            grad = replay.chunk_grad(kernels, state, z, targets[None, r], masks(r), *grad_args, opts, scratch)
+            grads = replay.RowGrads(targets[r], masks(r)[0], *(None if x is None else x[0] for x in grad_args))
+            grad = replay.chunk_grad(kernels, state, z, grads, opts, scratch)
             sink.add(r, grad, hidden[r], weight)
         return (*sink.result(weight, bias), None, None, None)
 
@@ -301,8 +302,8 @@ class _FusedLinearTokenLossFunction(torch.autograd.Function):
                 )
                 sink.add(r, z[0], hidden[r], weight)
             else:
-                sink.add(r, replay.chunk_grad(kernels, state, z, targets[None, r], mask, *grad_args, opts, scratch),
-                         hidden[r], weight)  # fmt: skip
+                grads = replay.RowGrads(targets[r], mask[0], *(None if x is None else x[0] for x in grad_args))
+                sink.add(r, replay.chunk_grad(kernels, state, z, grads, opts, scratch), hidden[r], weight)
             if checked:
                 for grad in (g for g in (grad_logp, grad_entropy) if g is not None):
                     gradient_sum += grad.sum()

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from grpo_kernels.kernels.pass_options import PassOptions, Replay
 from grpo_kernels.kernels.protocol import compute_dtype
-from grpo_kernels.kernels.torch.token_logprobs import transform_
+from grpo_kernels.kernels.transform import chain_rule_, transform_
 
 REPLAY_STATS = ("log_kept_mass", "outside_support")  # per-token statistics of a replayed pass (float32, bool)
 WINDOW_ELEMENTS = 1 << 20  # logits per scratch window (4 MiB of float32)
@@ -326,36 +326,50 @@ def window_forward(kernels, window: Window, targets: Tensor, mask: Tensor, with_
     return logp, lse, None if entropy is None else entropy[0], found
 
 
-def window_grad_(kernels, window: Window, x: Tensor, targets, mask, lse, entropy, grad_logp, grad_entropy, opts,
-                 scratch: Scratch, foreign: Tensor | None = None) -> Tensor:  # fmt: skip
-    """dL/dx [C, V] (in the window's scratch) of the masked window's logp / entropy: the backend's backward on z in
-    place, then the transform's chain rule dz/dx = s/T, or s/T·sech²(s·x/c) soft-capped. Outside the support 0.
-    On a vocabulary shard `foreign` [C] is the one-hot the backward put in column 0 for rows whose target another
-    shard owns (`parallel.remove_foreign_onehot`), taken back out before the chain rule."""
+@dataclass(frozen=True)
+class RowGrads:
+    """What the backward of a window's rows reads, [C] each: the targets (inside [0, V)), the kept rows, the lse of
+    the support, and the entropy and upstream gradients (None where not taken)."""
+
+    targets: Tensor
+    mask: Tensor
+    lse: Tensor
+    entropy: Tensor | None = None
+    grad_logp: Tensor | None = None
+    grad_entropy: Tensor | None = None
+
+    def at(self, rows: slice) -> RowGrads:
+        """The record of `rows` of these rows."""
+        pick = lambda x: None if x is None else x[rows]  # noqa: E731
+        fields = (self.targets, self.mask, self.lse, self.entropy, self.grad_logp, self.grad_entropy)
+        return RowGrads(*(pick(x) for x in fields))
+
+
+def window_grad_(kernels, window: Window, x: Tensor, grads: RowGrads, opts: PassOptions, scratch: Scratch,
+                 foreign: Tensor | None = None) -> Tensor:  # fmt: skip
+    """dL/dx [C, V] (in the window's buffer) of the masked window's logp / entropy: the backend's backward on z in
+    place, then the transform's chain rule (`transform.chain_rule_`). Outside the support 0. On a vocabulary shard
+    `foreign` [C] is the one-hot the backward put in column 0 for rows whose target another shard owns
+    (`parallel.remove_foreign_onehot`), taken back out before the chain rule."""
     z = window.z[None]
+    one = lambda x: None if x is None else x[None]  # noqa: E731  [1, C]
     kernels.token_logprobs_bwd(
         z,
-        targets[None],
-        mask[None],
-        lse[None],
-        None if entropy is None else entropy[None],
-        None if grad_logp is None else grad_logp[None],
-        None if grad_entropy is None else grad_entropy[None],
+        grads.targets[None],
+        grads.mask[None],
+        grads.lse[None],
+        one(grads.entropy),
+        one(grads.grad_logp),
+        one(grads.grad_entropy),
         1.0,
         z,
     )
     grad = window.z
     if foreign is not None:
         grad[:, 0].sub_(foreign.to(grad.dtype))
-    slope = opts.logit_scale / opts.temperature
     cap = opts.final_logit_softcapping
-    if cap is not None:  # masked rows may hold NaN logits: their 0 stays 0
-        sech2 = scratch.get("temp", x.shape[0]).copy_(x).mul_(opts.logit_scale / cap)
-        grad.mul_(sech2.cosh_().square_().reciprocal_().mul_(slope))  # 1/cosh², not 1 − tanh² (cancels near ±1)
-        grad.masked_fill_(~mask[:, None], 0.0)
-    elif slope != 1.0:
-        grad.mul_(slope)
-    return grad
+    buffer = None if cap is None else scratch.get("temp", x.shape[0])  # sech², soft-capped only
+    return chain_rule_(grad, x, grads.mask, opts.temperature, opts.logit_scale, cap, buffer)
 
 
 def chunk_state(z: Tensor, targets: Tensor, opts: PassOptions, rows: slice, scratch: Scratch, theta: Tensor | None,
@@ -399,28 +413,25 @@ def chunk_forward(kernels, z: Tensor, targets: Tensor, mask: Tensor, opts: PassO
     return logp[None], lse[None], entropy, {name: x[None] for name, x in stats.items()}, state
 
 
-def chunk_grad(kernels, state: ChunkState, z: Tensor, targets: Tensor, mask: Tensor, lse: Tensor,
-               entropy: Tensor | None, grad_logp: Tensor | None, grad_entropy: Tensor | None, opts: PassOptions,
-               scratch: Scratch) -> Tensor:  # fmt: skip
-    """dL/dlogits [c, V] (compute dtype, in scratch) of one chunk from its `chunk_forward` state; z [1, c, V] the
-    chunk's logits, overwritten with the full entropy's gradient when that is asked; the rest [1, c]."""
+def chunk_grad(kernels, state: ChunkState, z: Tensor, grads: RowGrads, opts: PassOptions, scratch: Scratch) -> Tensor:
+    """dL/dlogits [c, V] (compute dtype, in the chunk's buffer or scratch) of one chunk from its `chunk_forward`
+    state; z [1, c, V] the chunk's logits, overwritten with the full entropy's gradient when that is asked; `grads`
+    its rows' [c]."""
     full = state.full_lse is not None
-    grad = window_grad_(
-        kernels,
-        state.window,
-        z[0],
-        targets[0],
-        mask[0],
-        lse[0],
-        None if full or entropy is None else entropy[0],
-        None if grad_logp is None else grad_logp[0],
-        None if full or grad_entropy is None else grad_entropy[0],
-        opts,
-        scratch,
-    )
-    if full and grad_entropy is not None:
+    support = RowGrads(grads.targets, grads.mask, grads.lse, grad_logp=grads.grad_logp)
+    grad = window_grad_(kernels, state.window, z[0], grads if not full else support, opts, scratch)
+    if full and grads.grad_entropy is not None:
         kernels.token_logprobs_bwd(
-            z, targets, mask, state.full_lse, entropy, None, grad_entropy, opts.temperature, z, **opts.transform()
+            z,
+            grads.targets[None],
+            grads.mask[None],
+            state.full_lse,
+            grads.entropy[None],
+            None,
+            grads.grad_entropy[None],
+            opts.temperature,
+            z,
+            **opts.transform(),
         )
         grad.add_(z[0])
     return grad
