@@ -166,9 +166,16 @@ class _Replayed:
         """The chunk's rows z [c, V_r] masked (θ [c, 1] from the forward, or None: computed)."""
         ids = replay_steps.row_ids(self.opts.replay, r)
         ids = None if ids is None else ids - self.shard.start  # the shard's columns; ids elsewhere dropped
-        replay, scratch = self.opts.replay, self.scratch
         return replay_steps.masked_window(
-            z, local[r], replay, ids, theta, self.opts, scratch, self.reduce, owned[r], forward
+            z,
+            local[r],
+            ids=ids,
+            theta=theta,
+            opts=self.opts,
+            scratch=self.scratch,
+            rows=self.reduce,
+            owned=owned[r],
+            forward=forward,
         )
 
     def keep(self, window) -> None:

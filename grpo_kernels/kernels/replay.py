@@ -205,7 +205,7 @@ def keep_ids_(z: Tensor, ids: Tensor) -> Tensor:
     return z.fill_(-math.inf).scatter_reduce_(1, at, values, "amax")  # padding's -inf never wins over a kept value
 
 
-def mask_window_(z: Tensor, targets: Tensor, replay: Replay, ids: Tensor | None, theta: Tensor | None,
+def mask_window_(z: Tensor, targets: Tensor, *, replay: Replay, ids: Tensor | None, theta: Tensor | None,
                  rows: RowReduce, owned: Tensor | None = None, scratch: Scratch | None = None,
                  with_lse: bool = False):  # fmt: skip
     """Set z [C, V] to -inf outside support ∪ {target} in place (targets [C, 1] inside [0, V); ids [C, K] the kept
@@ -288,8 +288,8 @@ def masks_in_place(x: Tensor, opts: PassOptions) -> bool:
     )
 
 
-def masked_window(x: Tensor, targets: Tensor, replay: Replay, ids, theta, opts, scratch: Scratch,
-                  rows: RowReduce | None = None, owned: Tensor | None = None,
+def masked_window(x: Tensor, targets: Tensor, *, ids: Tensor | None, theta: Tensor | None, opts: PassOptions,
+                  scratch: Scratch, rows: RowReduce | None = None, owned: Tensor | None = None,
                   forward: bool = True, in_place: bool = False) -> Window:  # fmt: skip
     """x [C, V] logits rows transformed (`opts.transform`, `opts.temperature`) and masked to the support ∪
     {target}: in their own buffer with `in_place` (`masks_in_place`), else in a copy in scratch (any dtype);
@@ -299,7 +299,9 @@ def masked_window(x: Tensor, targets: Tensor, replay: Replay, ids, theta, opts, 
     transform_(z, opts.temperature, opts.logit_scale, opts.final_logit_softcapping)
     safe = targets.clamp(0, x.shape[-1] - 1).reshape(-1, 1)  # masked rows may hold any id
     rows = RowReduce(x.shape[-1]) if rows is None else rows
-    lse_full, outside, theta = mask_window_(z, safe, replay, ids, theta, rows, owned, scratch, forward)
+    lse_full, outside, theta = mask_window_(
+        z, safe, replay=opts.replay, ids=ids, theta=theta, rows=rows, owned=owned, scratch=scratch, with_lse=forward
+    )
     return Window(z, lse_full, outside, theta)
 
 
@@ -378,7 +380,9 @@ def chunk_state(z: Tensor, targets: Tensor, opts: PassOptions, rows: slice, scra
     kept ids), and the full pass's saved lse [1, c] (or None)."""
     ids = row_ids(opts.replay, rows)
     in_place = masks_in_place(z[0], opts)
-    window = masked_window(z[0], targets[0], opts.replay, ids, theta, opts, scratch, forward=False, in_place=in_place)
+    window = masked_window(
+        z[0], targets[0], ids=ids, theta=theta, opts=opts, scratch=scratch, forward=False, in_place=in_place
+    )
     return ChunkState(window, full_lse)
 
 
@@ -400,7 +404,7 @@ def chunk_forward(kernels, z: Tensor, targets: Tensor, mask: Tensor, opts: PassO
     replay: Replay = opts.replay
     full = replay.full_entropy and opts.with_entropy
     ids, in_place = row_ids(replay, rows), masks_in_place(z[0], opts)
-    window = masked_window(z[0], targets[0], replay, ids, theta, opts, scratch, in_place=in_place)
+    window = masked_window(z[0], targets[0], ids=ids, theta=theta, opts=opts, scratch=scratch, in_place=in_place)
     logp, lse, entropy, stats = window_forward(
         kernels, window, targets[0], mask[0], opts.with_entropy and not full, opts.stats, replay.truncates(z.shape[-1])
     )

@@ -145,7 +145,10 @@ class _Rows:
         if ids is not None and self.shard is not None:  # the shard's columns; ids elsewhere dropped
             ids = ids - self.shard.start
         owned = None if self.owned is None else self.owned[rows]
-        return masked_window(x, self.targets[rows], opts.replay, ids, theta, opts, scratch, self.reduce, owned, forward)
+        targets = self.targets[rows]
+        return masked_window(
+            x, targets, ids=ids, theta=theta, opts=opts, scratch=scratch, rows=self.reduce, owned=owned, forward=forward
+        )
 
 
 def _replay_forward(logits: Tensor, targets: Tensor, mask: Tensor, opts: PassOptions, shard: VocabShard | None):
