@@ -108,51 +108,44 @@ def thresholds(z: Tensor, replay: Replay, rows: RowReduce, scratch: Scratch | No
     return theta.masked_fill_(top.isnan(), math.nan)
 
 
-TOP_P_BINS = 2048  # value bins of top-p's scan between a row's max and its smallest kept logit
+TOP_P_BINS = 8192  # value bins of top-p's scan between a row's max and its smallest kept logit
 
 
 def top_p_scan(z: Tensor, top_p: float, theta: Tensor, top: Tensor, scratch: Scratch) -> Tensor:
     """top-p's cut of each row of z [C, V] over {z ≥ θ} without sorting the row, [C, 1]: the kept tokens' masses
-    binned by value below the row's max `top` [C, 1] (one scatter-add), the bin where their mass from the top
-    reaches top_p of the whole, then only that bin's tokens (and one bin either side) sorted, walked from the mass
-    above them. The rule's cut as `_top_p_cut`'s walk over the sorted row finds it, to the rounding of the summed
-    masses (ties all on one side: a bin is a range of values); a row whose bracket misses the cut (rounding at a
-    bin's edge) is walked whole."""
+    binned by value below the row's max `top` [C, 1] (one scatter-add; a bin is a range of values, so ties share
+    one), the bin where their mass from the top reaches top_p of the whole, then only that bin's tokens sorted and
+    walked from the mass of the bins above. The rule's cut as `_top_p_cut`'s walk over the sorted row finds it, to
+    the rounding of the summed masses."""
     C = z.shape[0]
-    buffer = scratch.get("temp", C)
     finite = z
     if not bool(top.isfinite().all()):  # rows holding NaN or +inf (their θ is NaN in the end), or only -inf
         finite = torch.nan_to_num(z, nan=0.0, posinf=0.0, neginf=-math.inf)
         top, theta = finite.amax(-1, keepdim=True), theta.nan_to_num(nan=-math.inf)
     safe_top = top.clamp(min=torch.finfo(z.dtype).min)  # a row of -inf: the masses are all 0
-    mass = _masses(finite, theta, safe_top, buffer)  # [C, V]: exp(z − top) over {z ≥ θ}, 0 elsewhere
-    need = mass.sum(-1, keepdim=True) * top_p  # [C, 1]: top_p of the kept mass
+    mass = _masses(finite, theta, safe_top, scratch.get("temp", C))  # [C, V]: exp(z − top) over {z ≥ θ}, else 0
     # bins: u = (top − z) / width, width = (top − lo) / (BINS − 1), lo the smallest value a cut can take
     span = -math.log(torch.finfo(z.dtype).tiny)  # below top − span every mass is 0 (never a cut)
     lo = torch.maximum(finite.amin(-1, keepdim=True), safe_top - span)
     lo = torch.maximum(lo, theta.clamp(max=safe_top))
     width = (safe_top - lo).clamp_(min=torch.finfo(z.dtype).tiny) / (TOP_P_BINS - 1)  # [C, 1]
-    u = torch.sub(safe_top, finite, out=scratch.get("bins", C)).div_(width).clamp_(0, TOP_P_BINS - 1)
-    at = scratch.get("bin_ids", C, torch.int64).copy_(u)  # [C, V]: each token's bin
-    binned = torch.zeros(C, TOP_P_BINS, dtype=mass.dtype, device=z.device).scatter_add_(1, at, mass)
-    cut_bin = (binned.cumsum(-1) < need).sum(-1, keepdim=True)  # [C, 1]: the first bin whose mass reaches it
-    high = torch.maximum(safe_top - (cut_bin - 1) * width, theta)  # [C, 1]: the bracket [low, high), a bin wider
-    low = torch.maximum(safe_top - (cut_bin + 2) * width, theta)  # each way than the cut's bin
-    above = _masses(finite, high, safe_top, buffer).sum(-1, keepdim=True)  # [C, 1]: the mass of {z ≥ high}
-    inside = fill_below_(buffer.copy_(finite), low).neg_()  # [C, V]: −z on [low, ∞), −inf below
-    inside = fill_below_(inside, torch.nextafter(-high, high.new_full((), math.inf)), math.inf).neg_()  # [low, high)
+    u = torch.sub(safe_top, finite, out=scratch.get("bins", C)).div_(width).clamp_(0, TOP_P_BINS - 1)  # [C, V]
+    at = scratch.get("bin_ids", C, torch.int64).copy_(u)  # [C, V]: each token's bin, ⌊u⌋
+    cumulative = torch.zeros(C, TOP_P_BINS, dtype=mass.dtype, device=z.device).scatter_add_(1, at, mass).cumsum_(-1)
+    need = cumulative[:, -1:] * top_p  # [C, 1]: top_p of the kept mass
+    cut_bin = (cumulative < need).sum(-1, keepdim=True).clamp_(max=TOP_P_BINS - 1)  # [C, 1]: the first to reach it
+    above = cumulative.gather(1, (cut_bin - 1).clamp_(min=0)).masked_fill_(cut_bin == 0, 0.0)  # [C, 1]
+    # the cut bin's tokens: −u on (−(b + 1), −b], −inf elsewhere (the same tokens as ⌊u⌋ = b)
+    inside = fill_below_(u.neg_(), torch.nextafter(-(cut_bin + 1.0), u.new_full((), math.inf)).to(u.dtype))
+    inside = fill_below_(inside.neg_(), cut_bin.to(u.dtype), math.inf).neg_()
     count = int((inside > -math.inf).sum(-1).max()) if C else 0
-    values = inside.topk(max(count, 1), dim=-1).values  # [C, K], descending; -inf past each row's count
-    masses = (values - safe_top).exp_()  # [C, K]
+    ids = inside.topk(max(count, 1), dim=-1).indices  # [C, K]: the bin's tokens, -inf past each row's count
+    values = finite.gather(1, ids).masked_fill_(inside.gather(1, ids) == -math.inf, -math.inf)
+    values, order = values.sort(dim=-1, descending=True)  # [C, K]
+    masses = mass.gather(1, ids.gather(1, order))  # [C, K]
     before = masses.cumsum(-1).sub_(masses).add_(above)  # [C, K]: the mass ahead of each token
     kept = (before < need) & (values > -math.inf)
-    cut = values.masked_fill(~kept, math.inf).amin(-1, keepdim=True)  # [C, 1]
-    missed = (above >= need) | (before[:, -1:] + masses[:, -1:] < need)  # [C, 1]: the cut lies outside [low, high)
-    missed &= need > 0
-    if bool(missed.any()):
-        rows = missed[:, 0].nonzero()[:, 0]
-        cut[rows] = _top_p_cut(finite[rows], top_p, theta[rows], None, 0, RowReduce(z.shape[-1]))
-    return cut
+    return values.masked_fill(~kept, math.inf).amin(-1, keepdim=True)  # [C, 1]; a row of no mass: +inf
 
 
 def _masses(z: Tensor, theta: Tensor, top: Tensor, buffer: Tensor) -> Tensor:
@@ -277,6 +270,11 @@ def row_ids(replay: Replay, rows: slice) -> Tensor | None:
     return None if replay.kept_ids is None else replay.kept_ids[rows]
 
 
+def _transforms(opts: PassOptions) -> bool:
+    """Whether the logit transform is other than the identity (temperature 1, scale 1, no soft-capping)."""
+    return opts.temperature != 1.0 or opts.logit_scale != 1.0 or opts.final_logit_softcapping is not None
+
+
 def masks_in_place(x: Tensor, opts: PassOptions) -> bool:
     """Whether a replayed pass may transform and mask the logits x [C, V] in their own buffer (a chunk of the fused
     lm_head, which nothing else reads): in the compute dtype, without soft-capping (its chain rule reads the raw
@@ -296,7 +294,8 @@ def masked_window(x: Tensor, targets: Tensor, *, ids: Tensor | None, theta: Tens
     targets [C]; `rows` / `owned` on a vocabulary shard (`mask_window_`). The backward's window (`forward=False`)
     skips the full lse."""
     z = x if in_place else scratch.get("z", x.shape[0]).copy_(x)
-    transform_(z, opts.temperature, opts.logit_scale, opts.final_logit_softcapping)
+    if _transforms(opts):
+        transform_(z, opts.temperature, opts.logit_scale, opts.final_logit_softcapping)
     safe = targets.clamp(0, x.shape[-1] - 1).reshape(-1, 1)  # masked rows may hold any id
     rows = RowReduce(x.shape[-1]) if rows is None else rows
     lse_full, outside, theta = mask_window_(
@@ -369,6 +368,8 @@ def window_grad_(kernels, window: Window, x: Tensor, grads: RowGrads, opts: Pass
     grad = window.z
     if foreign is not None:
         grad[:, 0].sub_(foreign.to(grad.dtype))
+    if not _transforms(opts):
+        return grad
     cap = opts.final_logit_softcapping
     buffer = None if cap is None else scratch.get("temp", x.shape[0])  # sech², soft-capped only
     return chain_rule_(grad, x, grads.mask, opts.temperature, opts.logit_scale, cap, buffer)
