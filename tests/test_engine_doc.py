@@ -15,8 +15,6 @@ def test_every_file_the_engine_doc_names_exists():
     names = {m.group(1) + (m.group(2) or "") for m in NAME.finditer(DOC.read_text())}
     assert len(names) > 20, "the doc names the files of a call's path"
     missing = [
-        name
-        for name in sorted(names)
-        if not any((PACKAGE / candidate).exists() for candidate in (name, name + ".py"))
+        name for name in sorted(names) if not any((PACKAGE / candidate).exists() for candidate in (name, name + ".py"))
     ]
     assert not missing, missing
