@@ -5,6 +5,7 @@ memory to the plain step of the same run.
 
     python -m benchmarks.sampling_replay                  # the size's TRL case (CPU: fp32, N 2,048, H 896, V 151,936)
     python -m benchmarks.sampling_replay --size smoke --rounds 1     # a quick check
+    python -m benchmarks.sampling_replay --rows 1024      # the size's case at N 1,024 (a loaded CPU: half the time)
 
 Cases run in interleaved rounds in one process after a warm-up each (the order reversed every other round), medians
 of the wall time and of the process's CPU time (all threads; on a shared CPU it moves less than the wall time);
@@ -18,6 +19,7 @@ extra [N, V] memory. `--out` writes JSON and its markdown.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import subprocess
@@ -42,9 +44,11 @@ CASES = {  # name -> the replay keywords of fused_linear_grpo_loss ("mask": the 
 }
 
 
-def shape_of(size: str):
-    """The size's TRL case (the standard fused-lm_head case), or its first shape where it has none."""
-    return TRL_CASES.get(size) or SIZES[size][0]
+def shape_of(size: str, rows: int | None = None):
+    """The size's TRL case (the standard fused-lm_head case), or its first shape where it has none; N = `rows`
+    when given."""
+    shape = TRL_CASES.get(size) or SIZES[size][0]
+    return shape if rows is None else dataclasses.replace(shape, N=rows)
 
 
 def inputs(shape) -> dict:
@@ -99,7 +103,8 @@ def peak_extra_bytes(case: str, size: str, shape, data: dict) -> int:
     """Peak extra memory of one step: CUDA in this process, the CPU in a fresh one."""
     if cases.device().type == "cuda":
         return measure_peak(step(case, shape, data))
-    command = [sys.executable, "-m", "benchmarks.sampling_replay", "--size", size, "--memory-of", case]
+    command = [sys.executable, "-m", "benchmarks.sampling_replay", "--size", size, "--rows", str(shape.N)]
+    command += ["--memory-of", case]
     return int(subprocess.run(command, check=True, capture_output=True, text=True).stdout.split()[-1])
 
 
@@ -127,10 +132,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="gpu" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rows", type=int, help="N instead of the size's (its other dimensions kept)")
     parser.add_argument("--out", type=Path, help="JSON path (its markdown beside it)")
     parser.add_argument("--memory-of", choices=sorted(CASES), help=argparse.SUPPRESS)  # a fresh process's case
     args = parser.parse_args(argv)
-    shape = shape_of(args.size)
+    shape = shape_of(args.size, args.rows)
     data = inputs(shape)
     if args.memory_of:
         print(measure_peak(step(args.memory_of, shape, data)))

@@ -40,11 +40,11 @@ def vocab_pass(plan: Plan) -> dict[str, Tensor]:
     opts, kept, shard, layout = plan.pass_options, plan.kept, plan.shard, plan.layout
     if kept is None:  # logits in
         if opts.replay is not None:  # the sampler's support
-            out = replay_logits.vocab_pass(layout.rows, layout.targets, layout.mask, opts, shard)
+            out = replay_logits.replayed_logits_pass(layout.rows, layout.targets, layout.mask, opts, shard)
         elif shard is None:
-            out = function.vocab_pass(layout.rows, layout.targets, layout.mask, opts)
+            out = function.logits_pass(layout.rows, layout.targets, layout.mask, opts)
         else:
-            out = parallel.vocab_pass(layout.rows, layout.targets, layout.mask, opts, shard=shard)
+            out = parallel.shard_logits_pass(layout.rows, layout.targets, layout.mask, opts, shard=shard)
     else:  # the fused lm_head on the kept rows [M, H], scattered back to [R, C]
         rows = (_take(kept, layout.rows), plan.source.weight, plan.source.bias, _take(kept, layout.targets))
         if shard is None:  # row chunks ("fast") or 2-D tiles ("lean")

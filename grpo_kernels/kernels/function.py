@@ -69,7 +69,7 @@ def _pass_forward(logits: Tensor, targets: Tensor, mask: Tensor, opts: PassOptio
     return logp, lse, entropy, [stats[name] for name in opts.stats]
 
 
-def vocab_pass(logits: Tensor, targets: Tensor, mask: Tensor, opts: PassOptions) -> dict[str, Tensor]:
+def logits_pass(logits: Tensor, targets: Tensor, mask: Tensor, opts: PassOptions) -> dict[str, Tensor]:
     """Run the pass on checked [B, T, V] logits: {"logp", "entropy" (if asked), each of `opts.stats`}, all [B, T];
     the statistics (see `token_logprobs`) carry no gradient. Without a gradient to take, no autograd Function."""
     if torch.is_grad_enabled() and logits.requires_grad:

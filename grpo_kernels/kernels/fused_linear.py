@@ -10,9 +10,10 @@ input dtype (tensor cores) with float32 accumulation (`gemm_mode`). Two Function
   log-probs are, so the gradients are formed in the forward from the logits still in memory and the backward only
   scales them: 3 GEMMs, the floor.
 `PassOptions.head_precision` sets the logits GEMM's dtype (`head_precision.py`); the gradient GEMMs stay in
-the weight's. With sampling replay (`PassOptions.replay`) each chunk's logits are copied into a compute-dtype
-scratch chunk and masked to the sampler's support before the pass and the in-forward gradient (`replay.py`); the
-backward of the 4-GEMM Function masks them again from each row's saved threshold.
+the weight's. With sampling replay (`PassOptions.replay`) each chunk's logits are masked to the sampler's support
+in their own buffer before the pass and the in-forward gradient (`replay.py`; a compute-dtype copy where
+`replay.masks_in_place` says no); the backward of the 4-GEMM Function masks them again from each row's saved
+threshold.
 """
 
 from __future__ import annotations
@@ -175,7 +176,7 @@ class _FusedLinearLogprobsFunction(torch.autograd.Function):
         rows = rows_per_chunk(opts, M)
         masks = _row_masks(rows, row_mask, hidden.device)
         buffer = w.new_empty(rows, V)  # [rows, V]
-        scratch = replay.chunk_scratch(opts, rows, weight)  # replay: the masked chunk, in the compute dtype
+        scratch = replay.chunk_scratch(opts, rows, weight)  # replay: its windows' buffers, in the compute dtype
         logps, lses, entropies, thetas, full_lses = [], [], [], [], []
         stats = {name: [] for name in opts.stats}
         for r in _chunks(M, rows):
@@ -244,7 +245,8 @@ class _FusedLinearLogprobsFunction(torch.autograd.Function):
                 continue
             theta, full_lse = None if thetas is None else thetas[r], None if full_lses is None else full_lses[:, r]
             state = replay.chunk_state(z, targets[None, r], opts, r, scratch, theta, full_lse)
-            grad = replay.chunk_grad(kernels, state, z, targets[None, r], masks(r), *grad_args, opts, scratch)
+            grads = replay.RowGrads(targets[r], masks(r)[0], *(None if x is None else x[0] for x in grad_args))
+            grad = replay.chunk_grad(kernels, state, z, grads, opts, scratch)
             sink.add(r, grad, hidden[r], weight)
         return (*sink.result(weight, bias), None, None, None)
 
@@ -275,7 +277,7 @@ class _FusedLinearTokenLossFunction(torch.autograd.Function):
         logps, lses, entropies = [], [], []
         stats = {name: [] for name in opts.stats}  # replay's statistics
         buffer = w.new_empty(rows, V)  # [rows, V]
-        scratch = replay.chunk_scratch(opts, rows, weight)  # replay: the masked chunk, in the compute dtype
+        scratch = replay.chunk_scratch(opts, rows, weight)  # replay: its windows' buffers, in the compute dtype
         backends.count_launch("fused_linear_token_loss")
         for r in _chunks(M, rows):
             backends.count_launch(opts.backend, 2)
@@ -300,8 +302,8 @@ class _FusedLinearTokenLossFunction(torch.autograd.Function):
                 )
                 sink.add(r, z[0], hidden[r], weight)
             else:
-                sink.add(r, replay.chunk_grad(kernels, state, z, targets[None, r], mask, *grad_args, opts, scratch),
-                         hidden[r], weight)  # fmt: skip
+                grads = replay.RowGrads(targets[r], mask[0], *(None if x is None else x[0] for x in grad_args))
+                sink.add(r, replay.chunk_grad(kernels, state, z, grads, opts, scratch), hidden[r], weight)
             if checked:
                 for grad in (g for g in (grad_logp, grad_entropy) if g is not None):
                     gradient_sum += grad.sum()

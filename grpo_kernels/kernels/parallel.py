@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from grpo_kernels.kernels import backend as backends
+from grpo_kernels.kernels import transform
 from grpo_kernels.kernels.function import (
     backend_kernels,
     check_not_overwritten,
@@ -168,21 +169,13 @@ def merge_replay(found: dict[str, Tensor], owned: Tensor, mask: Tensor, opts, gr
     return lse, logp, entropy, stats
 
 
-def onehot_slope(x: Tensor, temperature: float, logit_scale: float, softcap: float | None) -> Tensor:
-    """dz/dx of the logit transform (`torch/token_logprobs.transform_`) at raw logits x, float32."""
-    slope = logit_scale / temperature
-    if softcap is None:
-        return torch.full_like(x, slope, dtype=torch.float32)
-    return slope / torch.cosh(x.float() * (logit_scale / softcap)).square()
-
-
 def remove_foreign_onehot(grad: Tensor, x0: Tensor, owned: Tensor, grad_logp: Tensor | None, opts) -> None:
     """In place: take g·dz/dx back out of column 0 of the gradient rows whose target another shard owns (the
     shard's backward put the one-hot there, for the column its forward stood in with). grad [..., V_r], x0 the raw
     logits of column 0 before the backward overwrote them, owned / grad_logp [...]."""
     if grad_logp is None:
         return
-    foreign = grad_logp.float() * onehot_slope(x0, opts.temperature, opts.logit_scale, opts.final_logit_softcapping)
+    foreign = grad_logp.float() * transform.slope(x0, opts.temperature, opts.logit_scale, opts.final_logit_softcapping)
     grad[..., 0].sub_(torch.where(owned, 0.0, foreign).to(grad.dtype))
 
 
@@ -228,9 +221,9 @@ class _ParallelTokenLogprobsFunction(torch.autograd.Function):
         return out, None, None, None, None
 
 
-def vocab_pass(
+def shard_logits_pass(
     logits: Tensor, targets: Tensor, mask: Tensor, opts: PassOptions, *, shard: VocabShard
 ) -> dict[str, Tensor]:
-    """`function.vocab_pass` on this rank's shard [B, T, V_r] of the logits; targets are whole-vocabulary ids."""
+    """`function.logits_pass` on this rank's shard [B, T, V_r] of the logits; targets are whole-vocabulary ids."""
     logp, entropy = _ParallelTokenLogprobsFunction.apply(logits, targets, mask, opts, shard)
     return {"logp": logp} | ({"entropy": entropy} if opts.with_entropy else {})

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from grpo_kernels.kernels import backend as backends
 from grpo_kernels.kernels import head_precision
+from grpo_kernels.kernels import replay as replay_steps
 from grpo_kernels.kernels.function import backend_kernels, checked_rows
 from grpo_kernels.kernels.fused_linear import accumulate, gemm_mode, rows_per_chunk
 from grpo_kernels.kernels.parallel import (
@@ -26,7 +27,6 @@ from grpo_kernels.kernels.parallel import (
 )
 from grpo_kernels.kernels.pass_options import PassOptions
 from grpo_kernels.kernels.protocol import compute_dtype
-from grpo_kernels.kernels.replay import RowReduce, Scratch, masked_window, row_ids, window_forward, window_grad_
 
 
 def _chunk_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, buffer: Tensor, precision: str) -> Tensor:
@@ -68,7 +68,9 @@ class _ParallelFusedLinearFunction(torch.autograd.Function):
                 logp, lse, entropy = logp[0], lse[0], None if entropy is None else entropy[0]
             else:
                 window = replayed.window(z[0], r, local, owned, None)
-                logp, lse, entropy, _ = window_forward(kernels, window, local[r], mask[r], opts.with_entropy, ())
+                logp, lse, entropy, _ = replay_steps.window_forward(
+                    kernels, window, local[r], mask[r], opts.with_entropy, ()
+                )
                 found["lse_full"][r], found["outside"][r] = window.lse_full, window.outside
                 replayed.keep(window)
             found["logp"][r], found["lse"][r] = logp, lse
@@ -115,11 +117,9 @@ class _ParallelFusedLinearFunction(torch.autograd.Function):
             if replayed.scratch is not None:
                 window = replayed.window(z[0], r, local, owned, replayed.theta(r), forward=False)
                 foreign = None if grad_logp is None else torch.where((owned | ~mask)[r], 0.0, grad_logp[r])
-                g_entropy = None if grad_entropy is None else grad_entropy[r]
-                grad = window_grad_(
-                    kernels, window, z[0], local[r], mask[r], lse[r], None if g_entropy is None else entropy[r],
-                    None if grad_logp is None else grad_logp[r], g_entropy, opts, replayed.scratch, foreign,
-                )  # fmt: skip
+                entropy_read = entropy if grad_entropy is not None else None
+                grads = replay_steps.RowGrads(local, mask, lse, entropy_read, grad_logp, grad_entropy).at(r)
+                grad = replay_steps.window_grad_(kernels, window, z[0], grads, opts, replayed.scratch, foreign)
                 z[0].copy_(grad)
             else:
                 x0 = z[..., 0].clone()  # [1, c]
@@ -156,16 +156,27 @@ class _Replayed:
 
     def __init__(self, opts: PassOptions, shard: VocabShard, rows: int, weight: Tensor, thetas: Tensor | None = None):
         self.opts, self.shard = opts, shard
-        self.scratch = None if opts.replay is None else Scratch(rows, weight.shape[0], weight.dtype, weight.device)
-        self.reduce = RowReduce(shard.vocab, shard.group)
+        self.scratch = (
+            None if opts.replay is None else replay_steps.Scratch(rows, weight.shape[0], weight.dtype, weight.device)
+        )
+        self.reduce = replay_steps.RowReduce(shard.vocab, shard.group)
         self.thetas, self._kept = thetas, []
 
     def window(self, z: Tensor, r: slice, local: Tensor, owned: Tensor, theta: Tensor | None, forward: bool = True):
         """The chunk's rows z [c, V_r] masked (θ [c, 1] from the forward, or None: computed)."""
-        ids = row_ids(self.opts.replay, r)
+        ids = replay_steps.row_ids(self.opts.replay, r)
         ids = None if ids is None else ids - self.shard.start  # the shard's columns; ids elsewhere dropped
-        replay, scratch = self.opts.replay, self.scratch
-        return masked_window(z, local[r], replay, ids, theta, self.opts, scratch, self.reduce, owned[r], forward)
+        return replay_steps.masked_window(
+            z,
+            local[r],
+            ids=ids,
+            theta=theta,
+            opts=self.opts,
+            scratch=self.scratch,
+            rows=self.reduce,
+            owned=owned[r],
+            forward=forward,
+        )
 
     def keep(self, window) -> None:
         if window.theta is not None:

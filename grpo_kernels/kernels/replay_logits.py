@@ -17,13 +17,14 @@ from grpo_kernels.kernels.function import (
     checked_rows,
     consume,
     in_place_or_new,
+    logits_pass,
     mark_overwritten,
 )
-from grpo_kernels.kernels.function import vocab_pass as function_vocab_pass
 from grpo_kernels.kernels.parallel import VocabShard, merge_replay
 from grpo_kernels.kernels.pass_options import PassOptions, Replay
 from grpo_kernels.kernels.protocol import compute_dtype
 from grpo_kernels.kernels.replay import (
+    RowGrads,
     RowReduce,
     Scratch,
     masked_window,
@@ -107,6 +108,7 @@ class _ReplayLogprobsFunction(torch.autograd.Function):
         lse, g, g_h = flat(lse), flat(grad_logp), flat(grad_entropy)
         entropy = flat(entropy) if grad_entropy is not None else None
         scratch = rows_of.scratch()
+        grads = RowGrads(rows_of.targets, rows_of.mask, lse, entropy, g, g_h)
         backends.count_launch(opts.backend)
         for rows, x in _windows(logits, scratch.shape[0]):
             theta_rows = None if theta.numel() == 0 else theta[rows, None]
@@ -114,20 +116,7 @@ class _ReplayLogprobsFunction(torch.autograd.Function):
             foreign = None
             if ctx.shard is not None and g is not None:  # the one-hot of rows whose target another shard owns
                 foreign = torch.where(rows_of.owned[rows] | ~rows_of.mask[rows], 0.0, g[rows])
-            grad = window_grad_(
-                kernels,
-                window,
-                x,
-                rows_of.targets[rows],
-                rows_of.mask[rows],
-                lse[rows],
-                None if entropy is None else entropy[rows],
-                None if g is None else g[rows],
-                None if g_h is None else g_h[rows],
-                opts,
-                scratch,
-                foreign,
-            )
+            grad = window_grad_(kernels, window, x, grads.at(rows), opts, scratch, foreign)
             _at(out, rows).copy_(grad)
         mark_overwritten(ctx, logits, version)
         return out, None, None, None, None
@@ -156,7 +145,10 @@ class _Rows:
         if ids is not None and self.shard is not None:  # the shard's columns; ids elsewhere dropped
             ids = ids - self.shard.start
         owned = None if self.owned is None else self.owned[rows]
-        return masked_window(x, self.targets[rows], opts.replay, ids, theta, opts, scratch, self.reduce, owned, forward)
+        targets = self.targets[rows]
+        return masked_window(
+            x, targets, ids=ids, theta=theta, opts=opts, scratch=scratch, rows=self.reduce, owned=owned, forward=forward
+        )
 
 
 def _replay_forward(logits: Tensor, targets: Tensor, mask: Tensor, opts: PassOptions, shard: VocabShard | None):
@@ -204,10 +196,10 @@ def _replay_forward(logits: Tensor, targets: Tensor, mask: Tensor, opts: PassOpt
     return logp, lse.view(B, T), entropy, [stats[name].view(B, T) for name in opts.stats], theta
 
 
-def vocab_pass(
+def replayed_logits_pass(
     logits: Tensor, targets: Tensor, mask: Tensor, opts: PassOptions, shard: VocabShard | None = None
 ) -> dict[str, Tensor]:
-    """`function.vocab_pass` (`parallel.vocab_pass` on a vocabulary shard) over the replayed support
+    """`function.logits_pass` (`parallel.shard_logits_pass` on a vocabulary shard) over the replayed support
     (`opts.replay`): {"logp", "entropy" (if asked; the support's, or the whole distribution's with
     `Replay.full_entropy`), each of `opts.stats`}, all [B, T]."""
     replay: Replay = opts.replay
@@ -215,9 +207,9 @@ def vocab_pass(
     if full:  # the entropy from an ordinary pass beside the replayed one
         plain = _full_pass_options(opts)
         if shard is None:
-            from_full = function_vocab_pass(logits, targets, mask, plain)
+            from_full = logits_pass(logits, targets, mask, plain)
         else:
-            from_full = parallel.vocab_pass(logits, targets, mask, plain, shard=shard)
+            from_full = parallel.shard_logits_pass(logits, targets, mask, plain, shard=shard)
         opts = dataclasses.replace(opts, with_entropy=False, inplace=False)
     if torch.is_grad_enabled() and logits.requires_grad:
         logp, entropy, *stats = _ReplayLogprobsFunction.apply(logits, targets, mask, opts, shard)

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from grpo_kernels.kernels.protocol import compute_dtype
-from grpo_kernels.kernels.torch.token_logprobs import transform_
+from grpo_kernels.kernels.transform import transform_
 
 WINDOW_ELEMENTS = 1 << 20  # float32 scratch per window: 4 MiB
 

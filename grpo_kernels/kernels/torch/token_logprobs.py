@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from grpo_kernels.kernels.protocol import compute_dtype
+from grpo_kernels.kernels.transform import transform_
 
 CHUNK_ELEMENTS = {"cpu": 1 << 20, "other": 1 << 22}  # logits per chunk: 4 MiB of float32 (cache-sized) on CPU
 LSE_FROM_TARGET = 32.0  # lse = z_t − log q_t for log q_t > −32 (rounding ≤ ulp(32)); logsumexp for the rest
@@ -79,15 +80,6 @@ def _scratch(logits: Tensor) -> Tensor:
     logits have: a small call allocates a small buffer)."""
     rows = min(_chunk_rows(logits), logits.shape[:-1].numel())
     return torch.empty(rows, logits.shape[-1], dtype=compute_dtype(logits.dtype), device=logits.device)
-
-
-def transform_(z: Tensor, temperature: float, logit_scale: float, softcap: float | None) -> Tensor:
-    """In place on a compute-dtype buffer: z ← s·z, then c·tanh(z/c) when soft-capped, then z/T (TRL's order)."""
-    if softcap is not None:
-        return z.mul_(logit_scale / softcap).tanh_().mul_(softcap / temperature)
-    if logit_scale != 1.0:
-        z.mul_(logit_scale)
-    return z.div_(temperature) if temperature != 1.0 else z
 
 
 def token_logprobs_fwd(
