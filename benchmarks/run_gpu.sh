@@ -12,7 +12,8 @@
 #   first  (480 s)  env 20, build 35, tests 50 (-m cuda, opcheck), parity 130 (triton and cuda, bf16 and fp32),
 #                   headline 155, host 30, compiled 40, report 20
 #   second (240 s)  env 15, the three bench suites at --bench-size gpu-short (40 + 55 + 35), lean_memory 30,
-#                   packing 30, replay 25, report 10
+#                   packing 30, replay 25, report 10 (its sum is the bound: mismatch, divergence and one_pass are
+#                   in the full run only)
 # Without --plan: every step but alltests, at the full sizes, within --budget (default 1500 s): the full suites.
 # Steps, in this order:
 #   env          OUTDIR/env.{json,md}, nvidia-smi.txt: device, driver, torch/triton/CUDA/nvcc versions, peers
@@ -47,6 +48,15 @@
 #   replay       python -m benchmarks.sampling_replay: the fused lm_head + loss with sampling replay (rule, min-p,
 #                kept-set) against the plain step, time and peak memory (bf16, N 8,192, H 4,096, V 151,936);
 #                OUTDIR/bench/sampling_replay.{json,md}
+#   mismatch     pytest benchmarks/bench_mismatch.py --bench-size gpu: the fused step with the heaviest rollout
+#                correction against the plain step (bf16, N 8,192, H 4,096, V 151,936), and the [B, T] correction
+#                against verl's rollout_corr_helper (B 256, T 4,096, host syncs counted); OUTDIR/bench/mismatch.json
+#   divergence   pytest benchmarks/bench_divergence.py --bench-size gpu: fused_linear_divergence against TRL's
+#                ChunkedDivergenceFunction and Liger's LigerFusedLinearJSD (fp32, N 2,048, H 896, V 151,936, beta 1
+#                and 0.5), peak memory from a fresh process per case; OUTDIR/bench/divergence.json
+#   one_pass     pytest benchmarks/bench_one_pass.py --bench-size gpu: the trainer's training phase with the update
+#                as its own pi_old pass against a separate pi_old pass (a 2-layer Qwen2, H 896, V 151,936, 32 rows of
+#                640 tokens); OUTDIR/bench/one_pass.json
 #   vllm_mask    python -m benchmarks.vllm_sampling_mask: kept-set replay on vLLM's own sampling masks
 #                (return_sampling_mask) against its processed log-probs, a small Llama in fp32; OUTDIR/vllm_mask;
 #                skipped, and said so, when vllm is not importable
@@ -62,18 +72,20 @@
 #   --rebuild    compile the extension even when OUTDIR/build holds one for these sources and this torch
 #   --dry-run    print both plans and every command; run the CPU-checkable steps on the CPU at tiny sizes (env,
 #                parity at smoke size on the torch backend, headline at smoke size, host on the CPU, compiled at
-#                smoke size (Triton's interpreter, the aot_eager compiler), the suites
-#                at --bench-size smoke --benchmark-disable, interleaved at smoke size for the fused lm_head, report);
-#                no GPU needed
+#                smoke size (Triton's interpreter, the aot_eager compiler), the suites, mismatch, divergence and
+#                one_pass at --bench-size smoke --benchmark-disable, interleaved at smoke size for the fused lm_head,
+#                lean_memory, packing and replay at smoke size, report); no GPU needed
 # Environment: PYTHON (default python3), WHEELS (a folder of wheels, e.g. trl and liger-kernel, installed with
 #   pip --no-index --no-deps into /tmp/grpo_gpu_site first), GPU_RUN_BENCH_K (a pytest -k expression for the
-#   suites), TORCH_CUDA_ARCH_LIST (default: this GPU's capability), MAX_JOBS (default: the CPU count).
+#   three suites of the group bench), TORCH_CUDA_ARCH_LIST (default: this GPU's capability), MAX_JOBS (default:
+#   the CPU count).
 # Exit status: 0 when every step that ran passed, 1 when one failed or timed out, 2 on bad usage or no GPU.
 
 set -uo pipefail
 
 ALL_STEPS=(env build tests alltests parity headline host compiled bench_grpo_loss bench_fused_linear
-    bench_token_logprobs interleaved lean_memory packing replay vllm_mask vllm_train report)
+    bench_token_logprobs interleaved lean_memory packing replay mismatch divergence one_pass vllm_mask vllm_train
+    report)
 declare -A TIMEOUT=([env]=120 [build]=900 [tests]=600 [alltests]=1500 [parity]=900 [headline]=600
     [bench_grpo_loss]=480 [bench_fused_linear]=600 [bench_token_logprobs]=480 [interleaved]=300 [report]=180)
 declare -A MINIMUM=([env]=10 [build]=30 [tests]=30 [alltests]=120 [parity]=90 [headline]=60 [bench_grpo_loss]=30
@@ -84,11 +96,15 @@ TIMEOUT[packing]=600 MINIMUM[packing]=30
 TIMEOUT[host]=120 MINIMUM[host]=15
 TIMEOUT[compiled]=300 MINIMUM[compiled]=20
 TIMEOUT[replay]=300 MINIMUM[replay]=20
+TIMEOUT[mismatch]=300 MINIMUM[mismatch]=20
+TIMEOUT[divergence]=300 MINIMUM[divergence]=30
+TIMEOUT[one_pass]=300 MINIMUM[one_pass]=30
 TIMEOUT[vllm_mask]=300 MINIMUM[vllm_mask]=90
 # The plans: "step:timeout" in order. Measured on an H100 (2026-11-26): env ~10 s, build 19 s, pytest -m cuda 22 s,
 # gpu_parity triton bf16+fp32 35 s (the cuda backend and the plain implementation come on top), the fused step ~25 s.
 # compiled has not run on a GPU yet: its 40 s (two graphs compiled by Inductor, their CUDA graphs recorded, the timed
-# calls at ~1-3 ms each) come from build's and tests' margins and parity's.
+# calls at ~1-3 ms each) come from build's and tests' margins and parity's. Plan second's sum is its 240 s bound:
+# mismatch, divergence and one_pass run in the full run only.
 PLAN_FIRST="env:20 build:35 tests:50 parity:130 headline:155 host:30 compiled:40 report:20"
 PLAN_SECOND="env:15 bench_grpo_loss:40 bench_fused_linear:55 bench_token_logprobs:35 lean_memory:30 packing:30 replay:25"
 PLAN_SECOND+=" report:10"
@@ -152,8 +168,8 @@ expand() {  # a comma list of steps and groups -> one step a line
         fi
     done
 }
-DEFAULT_STEPS="env,build,tests,parity,headline,host,compiled,bench,interleaved,lean_memory,packing,replay,vllm_mask"
-DEFAULT_STEPS+=",vllm_train,report"
+DEFAULT_STEPS="env,build,tests,parity,headline,host,compiled,bench,interleaved,lean_memory,packing,replay,mismatch"
+DEFAULT_STEPS+=",divergence,one_pass,vllm_mask,vllm_train,report"
 [ -z "$PLAN" ] || DEFAULT_STEPS="$(for item in $PLAN_STEPS; do printf '%s,' "${item%%:*}"; done)"
 WANTED="$(expand "${DEFAULT_STEPS%,}")" || exit 2
 if [ -n "$ONLY" ]; then
@@ -241,10 +257,13 @@ commands() {  # GPU and CPU (dry run) command of step $1; an empty CPU one: not 
             [ "$PLAN" != first ] || GPU=("$PY" -m benchmarks.gpu_parity --backends triton,cuda --dtypes bf16,fp32
                 --out "$OUTDIR/parity")
             CPU=("$PY" -m benchmarks.gpu_parity --size smoke --backends torch --out "$OUTDIR/parity") ;;
-        bench_*)
-            local suite=(-m pytest "benchmarks/$1.py" -rs -q -p no:cacheprovider -p benchmarks.gpu_run "${k[@]}")
-            GPU=("$PY" "${suite[@]}" --bench-size "$([ "$PLAN" = second ] && echo gpu-short || echo gpu)"
-                --benchmark-json "$OUTDIR/bench/$1.json")
+        bench_*|mismatch|divergence|one_pass)  # pytest-benchmark files; the suites (bench_*) take -k and gpu-short
+            local file="benchmarks/$1.py" size=gpu
+            if [[ "$1" != bench_* ]]; then file="benchmarks/bench_$1.py" k=()
+            elif [ "$PLAN" = second ]; then size=gpu-short
+            fi
+            local suite=(-m pytest "$file" -rs -q -p no:cacheprovider -p benchmarks.gpu_run "${k[@]}")
+            GPU=("$PY" "${suite[@]}" --bench-size "$size" --benchmark-json "$OUTDIR/bench/$1.json")
             CPU=("$PY" "${suite[@]}" --bench-size smoke --benchmark-disable) ;;
         interleaved)
             GPU=("$PY" -m benchmarks.interleaved --out "$OUTDIR/bench/interleaved-trl.json")

@@ -37,7 +37,8 @@ def steps(outdir: Path) -> dict[str, str]:
 
 def test_dry_run(tmp_path):
     """Every GPU command is printed; the CPU-checkable steps run and write their files. (The suites run only the
-    torch-backend cases here, through GPU_RUN_BENCH_K, to keep the test short.)"""
+    torch-backend cases here, through GPU_RUN_BENCH_K, to keep the test short; mismatch, divergence and one_pass,
+    which it does not narrow, run every case at their smoke size.)"""
     out = run_gpu("--dry-run", str(tmp_path), bench_k="torch")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     for command in (
@@ -58,6 +59,11 @@ def test_dry_run(tmp_path):
         "-m benchmarks.lean_memory --device cuda",
         "-m benchmarks.packing_step --size gpu",
         "-m benchmarks.sampling_replay --size gpu",
+        *(
+            f"benchmarks/bench_{step}.py -rs -q -p no:cacheprovider -p benchmarks.gpu_run --bench-size gpu "
+            f"--benchmark-json {tmp_path}/bench/{step}.json"
+            for step in ("mismatch", "divergence", "one_pass")
+        ),
         "-m benchmarks.vllm_sampling_mask",
         "-m benchmarks.vllm_train",
         "-m benchmarks.gpu_run report",
@@ -80,6 +86,9 @@ def test_dry_run(tmp_path):
         lean_memory="ok",
         packing="ok",
         replay="ok",
+        mismatch="ok",
+        divergence="ok",
+        one_pass="ok",
         vllm_mask="dry run: printed",  # the GPU run does it when vllm is importable
         vllm_train="dry run: printed",  # the GPU run does it when vllm is importable
         report="ok",
