@@ -44,14 +44,14 @@ def forwards(model: torch.nn.Module | None) -> list[bool]:
 @pytest.mark.parametrize(
     "overrides, source, policy_calls",
     [
-        (dict(loss=dict(beta=0.0)), "update", [True]),
-        (dict(), "update", [True]),
-        (dict(gradient_accumulation_steps=2), "update", [True, True]),
-        (dict(old_logprobs="pass"), "pass", [False, True]),
-        (dict(num_iterations=2), "pass", [False, True, True]),
+        (dict(old_logprobs="auto", loss=dict(beta=0.0)), "update", [True]),
+        (dict(old_logprobs="auto"), "update", [True]),
+        (dict(old_logprobs="auto", gradient_accumulation_steps=2), "update", [True, True]),
+        (dict(), "pass", [False, True]),
+        (dict(old_logprobs="auto", num_iterations=2), "pass", [False, True, True]),
         (dict(old_logprobs="sampler", num_iterations=2), "sampler", [True, True]),
     ],
-    ids=["one_pass_beta_0", "one_pass", "accumulation", "forced_pass", "mu_2", "bypass_mu_2"],
+    ids=["one_pass_beta_0", "one_pass", "accumulation", "default_pass", "mu_2", "bypass_mu_2"],
 )
 def test_the_pi_old_pass_runs_only_where_needed(cpu_vllm, tmp_path, overrides, source, policy_calls):
     overrides = dict(overrides)
@@ -139,7 +139,7 @@ ONE_PROCESS = ParallelState(0, 1, torch.device("cpu"), "none")
     ],
 )
 def test_which_presets_keep_the_pi_old_pass(preset, reason):
-    config = apply_preset(vllm_demo("unused"), preset, paper_settings=False)
+    config = apply_preset(vllm_demo("unused", old_logprobs="auto"), preset, paper_settings=False)
     components = PresetComponents(config, AdditionTask(), ONE_PROCESS)
     reasons = pass_reasons(config, components)
     assert old_logp_source(config, components) == ("update" if reason is None else "pass")

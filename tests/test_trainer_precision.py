@@ -109,7 +109,7 @@ def test_a_model_with_dropout_trains_without_a_false_stale_sampler_stop(tmp_path
     """Dropout on every attention of a model in train mode: generation, π_old and the sampler-sync guard see the
     eval-mode policy, so the fp32 run's sampler log-probs equal π_old's after each update (it used to stop as a
     failed push); π_old keeps its own pass, since the update pass's log-probs carry dropout."""
-    config = tiny(tmp_path, steps=3, checkpoint_every=0, hidden_size=32, num_heads=4)
+    config = tiny(tmp_path, steps=3, checkpoint_every=0, hidden_size=32, num_heads=4, old_logprobs="auto")
     model, tokenizer = policy_of(config)
     with_dropout(model.train())
     trainer = GRPOTrainer(config, model=model, tokenizer=tokenizer)
@@ -128,7 +128,7 @@ def test_disable_dropout_zeroes_every_rate():
 
 
 def test_disable_dropout_option_gives_the_update_pass_pi_old(tmp_path):
-    config = tiny(tmp_path, steps=1, checkpoint_every=0, disable_dropout=True)
+    config = tiny(tmp_path, steps=1, checkpoint_every=0, disable_dropout=True, old_logprobs="auto")
     model, tokenizer = policy_of(config)
     with_dropout(model)
     trainer = GRPOTrainer(config, model=model, tokenizer=tokenizer)
