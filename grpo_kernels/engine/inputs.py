@@ -18,7 +18,7 @@ from torch import Tensor
 from grpo_kernels.engine import finite
 from grpo_kernels.engine.layout import Layout
 from grpo_kernels.engine.sync import ValueCheck
-from grpo_kernels.losses.mismatch import rollout_correction
+from grpo_kernels.losses.mismatch import apply_rollout_correction
 from grpo_kernels.losses.terms import TokenTerms, build_terms
 from grpo_kernels.options import LossOptions
 
@@ -112,12 +112,10 @@ class LossInputs:
     def with_correction(self, options: LossOptions, logp: Tensor | None) -> LossInputs:
         """The rollout correction applied: its IS weight as `is_ratio`, its rejection removed from the mask, its
         metrics kept; `logp` [B, T] (padded view): the policy's, when the correction reads it."""
-        correction = options.rollout_correction
-        policy = None if logp is None else logp.detach()
-        train = policy if correction.bypass_mode else self.old_logp
-        weights, keep, metrics = rollout_correction(train, self.sampling_logp, self.mask, correction, policy)
-        mask = self.mask if keep is None else self.mask & keep  # [B, T]
-        return dataclasses.replace(self, mask=mask, is_ratio=weights, correction_metrics=metrics)
+        old_logp, weights, mask, metrics = apply_rollout_correction(
+            options.rollout_correction, self.old_logp, self.sampling_logp, self.mask, logp
+        )
+        return dataclasses.replace(self, old_logp=old_logp, mask=mask, is_ratio=weights, correction_metrics=metrics)
 
     def terms(self, logp: Tensor, entropy: Tensor | None, options: LossOptions) -> TokenTerms:
         """TokenTerms of the loss algebra from the pass's logp / entropy [R, C], in the padded view: the one way

@@ -35,6 +35,21 @@ class Correction(NamedTuple):
     metrics: dict[str, Tensor]
 
 
+def apply_rollout_correction(
+    correction: RolloutCorrection, old_logp: Tensor, sampling_logp: Tensor, mask: Tensor, policy_logp: Tensor | None
+) -> tuple[Tensor, Tensor | None, Tensor, dict[str, Tensor]]:
+    """(π_old, IS weight, kept mask, metrics) of a loss's inputs under `correction`, [B, T] each: decoupled, the
+    weights are π_old's against the sampler; bypass, π_old is the sampler's and the weights are π_θ's (`policy_logp`,
+    detached here) against it. The rejected tokens leave the mask."""
+    policy = None if policy_logp is None else policy_logp.detach()
+    if correction.bypass_mode:
+        old_logp, trained = sampling_logp, policy
+    else:
+        trained = old_logp
+    weights, keep, metrics = rollout_correction(trained, sampling_logp, mask, correction, policy)
+    return old_logp, weights, mask if keep is None else mask & keep, metrics
+
+
 @torch.no_grad()
 def rollout_correction(
     train_logp: Tensor,

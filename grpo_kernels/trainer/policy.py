@@ -34,7 +34,7 @@ from grpo_kernels.api import fused_linear_grpo_loss
 from grpo_kernels.engine.routes import replay_metrics
 from grpo_kernels.integrations.hf import completion_hidden_states, lm_head, logit_transform, policy_logprobs
 from grpo_kernels.losses.loss import compute_loss
-from grpo_kernels.losses.mismatch import rollout_correction
+from grpo_kernels.losses.mismatch import apply_rollout_correction
 from grpo_kernels.losses.terms import build_terms
 from grpo_kernels.options import LossOptions
 from grpo_kernels.packing import PackedSequences
@@ -262,13 +262,9 @@ def own_pass_loss(
         is_ratio = own_pass.correction.ratio(old_logp, batch.sampling_logp, mask)  # [b, T] or [b]
     rollout = options.rollout_correction  # the loss's own sampler correction (`losses.mismatch`)
     if rollout is not None:
-        if rollout.bypass_mode:  # π_old is the sampler's, the weights are π_θ's against it
-            old_logp = batch.sampling_logp
-        trained = logp.detach() if rollout.bypass_mode else old_logp
-        is_ratio, keep, correction_metrics = rollout_correction(
-            trained, batch.sampling_logp, mask, rollout, logp.detach()
+        old_logp, is_ratio, kept, correction_metrics = apply_rollout_correction(
+            rollout, old_logp, batch.sampling_logp, mask, logp
         )
-        kept = mask if keep is None else mask & keep  # [b, T]
     terms = build_terms(
         logp,
         advantages=batch.advantages,
