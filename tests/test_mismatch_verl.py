@@ -263,3 +263,68 @@ def test_registered_loss_takes_verls_rollout_correction(name, loss_type, dtype):
     assert "rollout_corr/rollout_rs_masked_fraction" in shared and "rollout_corr/chi2_token" in shared
     for n in shared:
         assert our_metrics[n] == pytest.approx(their_metrics[n], rel=tol, abs=tol, nan_ok=True), n
+
+
+NORMALISER_CASES = {  # name -> the correction's fields
+    "decoupled_rs": dict(rollout_is="token", rollout_rs="seq_mean_k3,token_k1", rollout_rs_threshold="0.05,0.6_1.6"),
+    "bypass_rs": dict(rollout_rs="seq_max_k2", rollout_rs_threshold=0.02, bypass_mode=True),
+    "every_token_rejected": dict(rollout_rs="token_k2", rollout_rs_threshold=1e-12),
+}
+
+
+@pytest.mark.parametrize("name", NORMALISER_CASES)
+def test_trainer_normaliser_is_verls(name):
+    """The trainer's step normaliser over two micro-batches against verl's own path: decoupled, verl's helper drops
+    the rejected tokens from the response mask before the update, so `batch_num_tokens` (the count verl's engine
+    all-reduces) leaves them out; under bypass the rejection happens inside verl's loss, after that count. A step
+    whose every token is rejected: 0 here, verl's 0 / 0 = NaN."""
+    from grpo_kernels.trainer.policy import UpdateBatch
+    from grpo_kernels.trainer.update import step_normalisers
+
+    dtype = torch.float64
+    logits, targets, log_prob, sampling, advantages, mask = logits_case(10, dtype)
+    fields = NORMALISER_CASES[name]
+    correction = RolloutCorrection(**fields)
+    noise = 0.3 * torch.randn(B, T, dtype=dtype, generator=torch.Generator().manual_seed(11))  # [B, T]
+    old = None if correction.bypass_mode else log_prob.detach() + noise
+    verl_old = log_prob.detach() if correction.bypass_mode else old  # bypass: π_θ against the sampler
+    verl_config = {k: v for k, v in fields.items() if k != "bypass_mode"} | {"rollout_is": fields.get("rollout_is")}
+    weights, verl_mask, _ = verl_correction(dict(old=verl_old, sampling=sampling, mask=mask), **verl_config)
+    counted = mask if correction.bypass_mode else verl_mask  # verl's loss_mask when its engine counts the tokens
+    batch_info = dict(dp_size=1, batch_num_tokens=counted.sum().item(), global_batch_size=B)
+    arguments = dict(advantages=advantages, response_mask=mask.to(dtype), loss_agg_mode="token-mean")
+    if correction.bypass_mode:
+        policy_loss = dict(rollout_correction=RolloutCorrectionConfig(**fields))
+        config = actor_config("token-mean", policy_loss=policy_loss, batch_info=batch_info)
+        theirs, _ = core_algos.compute_policy_loss_bypass_mode(sampling, log_prob, config=config, **arguments)
+    else:
+        config = actor_config("token-mean", batch_info=batch_info)
+        arguments["response_mask"] = verl_mask
+        theirs, _ = core_algos.compute_policy_loss_vanilla(
+            old, log_prob, config=config, rollout_is_weights=weights, **arguments
+        )
+
+    options, _ = options_from_config("dapo", actor_config("token-mean"), "token-mean", mask, {})
+    options = type(options)(**{**_fields(options), "rollout_correction": correction})
+    tokens = torch.zeros(B, T + 1, dtype=torch.long)
+    whole = UpdateBatch(
+        input_ids=tokens, attention_mask=torch.ones_like(tokens), completion_mask=mask, advantages=advantages[:, 0],
+        old_logp=sampling if old is None else old, sampling_logp=sampling,
+    )  # fmt: skip
+    micro_batches = whole.split(2)
+    step_options, scales, _ = step_normalisers(options, micro_batches)
+    ours = sum(
+        scale * gk.grpo_loss(
+            logits[micro_rows], targets[micro_rows], micro.advantages, None if old is None else micro.old_logp, None,
+            micro.completion_mask, sampling_logp=micro.sampling_logp, inplace=False, options=step_options,
+        ).loss
+        for micro, micro_rows, scale in zip(micro_batches, torch.tensor_split(torch.arange(B), 2), scales, strict=True)
+    )  # fmt: skip
+    (grad_ours,) = torch.autograd.grad(ours, logits)
+    if name == "every_token_rejected":
+        assert torch.isnan(theirs) and ours.item() == 0.0 and not grad_ours.any()
+        return
+    assert 0 < verl_mask.sum() < mask.sum()  # the case rejects some tokens
+    torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
+    (grad_theirs,) = torch.autograd.grad(theirs, logits)
+    torch.testing.assert_close(grad_ours, grad_theirs, rtol=1e-12, atol=1e-12)

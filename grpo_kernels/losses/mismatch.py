@@ -51,6 +51,20 @@ def apply_rollout_correction(
 
 
 @torch.no_grad()
+def normaliser_mask(
+    correction: RolloutCorrection | None, old_logp: Tensor | None, sampling_logp: Tensor | None, mask: Tensor
+) -> Tensor:
+    """The tokens [B, T] a token-count normaliser counts under `correction`, as verl counts them: a decoupled
+    rejection is formed from π_old before the loss, so verl drops its rejected tokens from the response mask and from
+    `batch_num_tokens`; under bypass (or with π_old unknown before the update pass, `old_logp` None) the rejection is
+    formed inside the loss from π_θ, and the count is the mask's before it."""
+    if correction is None or correction.bypass_mode or not correction.rules or old_logp is None:
+        return mask
+    keep, _ = rejection_keep(old_logp - sampling_logp, mask.bool(), correction.rules)
+    return mask.bool() & keep
+
+
+@torch.no_grad()
 def rollout_correction(
     train_logp: Tensor,
     sampling_logp: Tensor,

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from grpo_kernels.distributed import micro_batch_scale, num_items_in_batch, num_sequences_in_batch
+from grpo_kernels.losses.mismatch import normaliser_mask
 from grpo_kernels.losses.policy import POLICY_LOSSES
 from grpo_kernels.options import LossOptions
 from grpo_kernels.trainer.parallel import no_gradient_sync, unwrap
@@ -56,15 +57,7 @@ def inner_updates(
     """
     policy.train()
     micro_batches = split_batch(batch, gradient_accumulation_steps, max_tokens_per_microbatch, policy)
-    masks = [micro.completion_mask for micro in micro_batches]
-    options = dataclasses.replace(
-        options,
-        num_items_in_batch=float(num_items_in_batch(masks)),
-        num_sequences_in_batch=float(num_sequences_in_batch(masks)),
-    )
-    normaliser = options.loss_agg_mode or POLICY_LOSSES[options.loss_type].normaliser
-    scales = [float(micro_batch_scale(normaliser, mask, masks)) for mask in masks]
-    shares = [float(mask.sum()) / max(options.num_items_in_batch, 1.0) for mask in masks]  # token share × K
+    options, scales, shares = step_normalisers(options, micro_batches)
     totals: dict[str, float] = defaultdict(float)
     extra = () if own_pass is None else (own_pass,)
     for iteration in range(num_iterations):
@@ -88,6 +81,31 @@ def inner_updates(
         optimizer.step()
         totals["grad_norm"] += norm
     return {name: value / num_iterations for name, value in totals.items()}
+
+
+def step_normalisers(
+    options: LossOptions, micro_batches: list[UpdateBatch]
+) -> tuple[LossOptions, list[float], list[float]]:
+    """`options` with the whole step batch's normalisers (`num_items_in_batch`, `num_sequences_in_batch`, all-reduced),
+    each micro-batch's loss scale (`micro_batch_scale`) and its token share × K (the metrics' weights).
+
+    The loss's token counts leave out the tokens a decoupled rollout correction rejects
+    (`losses.mismatch.normaliser_mask`: verl drops them from the response mask that its `batch_num_tokens` counts);
+    sequence and row counts keep them (verl's `global_batch_size` is the mini-batch's rows), and so do the metrics'
+    shares. A step whose every token is rejected has a zero loss: its token count is taken as 1."""
+    masks = [micro.completion_mask for micro in micro_batches]
+    correction = options.rollout_correction
+    kept = [normaliser_mask(correction, m.old_logp, m.sampling_logp, m.completion_mask) for m in micro_batches]
+    kept_count = float(num_items_in_batch(kept))
+    count = kept_count if all(k is m for k, m in zip(kept, masks, strict=True)) else float(num_items_in_batch(masks))
+    options = dataclasses.replace(
+        options,
+        num_items_in_batch=kept_count if kept_count > 0 else 1.0,
+        num_sequences_in_batch=float(num_sequences_in_batch(masks)),
+    )
+    normaliser = options.loss_agg_mode or POLICY_LOSSES[options.loss_type].normaliser
+    scales = [float(micro_batch_scale(normaliser, k, kept)) for k in kept]
+    return options, scales, [float(mask.sum()) / max(count, 1.0) for mask in masks]
 
 
 def split_batch(
