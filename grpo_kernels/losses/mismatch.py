@@ -12,6 +12,7 @@ import math
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from grpo_kernels.losses.mismatch_metrics import (
@@ -77,7 +78,9 @@ def rollout_correction(
     mask = mask.bool()  # [B, T]
     log_ratio = train_logp - sampling_logp  # [B, T]
     metrics: dict[str, Tensor] = {}
-    if mask.shape[0] == 0:  # no sequence: nothing to weigh, no mean to take
+    if mask.shape[0] == 0:  # no sequence: nothing to weigh, no mean to take (but the batch mean's all-reduce)
+        if correction.rollout_is_batch_normalize:
+            batch_mean(log_ratio, mask, correction.rollout_is)
         return Correction(None, None, metrics)
     weights = None
     if correction.rollout_is is not None:
@@ -122,16 +125,30 @@ def importance_weights(log_ratio: Tensor, mask: Tensor, correction: RolloutCorre
         weights = raw.clamp(min=lower, max=upper)  # [B, T]
     metrics = is_metrics(weights, raw, log_weight, mask, correction)
     if correction.rollout_is_batch_normalize:
-        if correction.rollout_is == "token":
-            mean = masked_mean(weights, mask)
-        else:
-            valid = mask.any(-1).to(weights.dtype)  # [B]
-            mean = (masked_mean(weights, mask, -1) * valid).sum() / valid.sum().clamp(min=EPS)
-        usable = mean > EPS  # verl: no rescaling below 1e-8
+        mean = batch_mean(weights, mask, correction.rollout_is)
+        usable = mean > EPS  # verl: no rescaling below 1e-8 (nor at NaN: no token on any rank)
         factor = torch.where(usable, mean, torch.ones_like(mean))
         weights = weights / factor
         metrics["rollout_is_batch_norm_factor"] = factor
     return weights, metrics
+
+
+def batch_mean(weights: Tensor, mask: Tensor, level: str) -> Tensor:
+    """verl's batch mean of the IS weights [B, T]: over the kept tokens ("token"), or over the sequences' own means
+    ("sequence"). Under an initialised process group it is the mean over every rank's batch, as verl's
+    `distributed_masked_mean` takes it: one all-reduce of the sum and the count (a tensor: no host read), so every
+    rank of the default group makes the call, as data-parallel ranks do."""
+    if level == "token":
+        values, kept = weights, mask  # [B, T]
+    else:
+        values, kept = masked_mean(weights, mask, -1), mask.any(-1)  # [B]
+    if not (dist.is_available() and dist.is_initialized()):
+        if level == "token":
+            return masked_mean(weights, mask)
+        return masked_sum(values, kept) / kept.to(values.dtype).sum().clamp(min=EPS)
+    totals = torch.stack([masked_sum(values, kept), kept.to(values.dtype).sum()])  # [2]
+    dist.all_reduce(totals)
+    return totals[0] / totals[1]
 
 
 def geometric_mean_keep(log_ratio: Tensor, mask: Tensor, lower: float, upper: float) -> Tensor:
