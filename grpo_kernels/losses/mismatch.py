@@ -162,26 +162,37 @@ def geometric_mean_keep(log_ratio: Tensor, mask: Tensor, lower: float, upper: fl
 def rejection_keep(log_ratio: Tensor, mask: Tensor, rules: tuple[RejectionRule, ...]) -> tuple[Tensor, dict]:
     """verl's rejection: each rule's statistic of the clamped log-ratio (k1 = −log r, k2 = ½(log r)², k3 = r − 1 −
     log r; per token, or each sequence's sum, mean or max) against its bounds; a token stays when every rule keeps
-    it. Returns keep [B, T] bool and verl's rejection metrics."""
+    it. Returns keep [B, T] bool and verl's rejection metrics. A sequence rule stays [B, 1] until the rules combine."""
     safe = log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)  # [B, T]
-    per_token = {"k1": -safe, "k2": 0.5 * safe.square(), "k3": safe.exp() - 1.0 - safe}  # [B, T] each
-    dtype = log_ratio.dtype
-    combined = torch.ones_like(log_ratio)  # [B, T]
+    per_token: dict[str, Tensor] = {}  # the estimators the rules use, [B, T] each
+    dropped: Tensor | None = None  # rejected by some rule: [B, T], or [B, 1] while every rule is per sequence
     metrics: dict[str, Tensor] = {}
     for rule in rules:
         scope, estimator = rule.statistic.rsplit("_", 1)
+        if estimator not in per_token:
+            per_token[estimator] = _estimator(estimator, safe)
         stat = _statistic(per_token[estimator], mask, scope)  # [B, T] or [B, 1]
         if estimator == "k1":
             keep = (stat >= math.log(rule.lower)) & (stat <= math.log(rule.upper))
         else:
             keep = stat <= rule.upper
-        keep = keep.expand(mask.shape)  # [B, T]
-        combined = combined * keep.to(dtype)
-        metrics |= rule_metrics(rule.statistic, stat.expand(mask.shape), keep, mask)
-    metrics["rollout_rs_masked_fraction"] = masked_mean(1.0 - combined, mask)
-    kept = (combined > 0.5) & mask  # [B, T]
-    metrics["rollout_rs_seq_masked_fraction"] = float32_mean((~kept & mask).any(-1), dtype)
-    return combined > 0.5, metrics
+        metrics |= rule_metrics(rule.statistic, stat, keep, mask)
+        dropped = ~keep if dropped is None else dropped | ~keep
+    dropped = dropped.expand(mask.shape)  # [B, T]
+    dtype = log_ratio.dtype
+    metrics["rollout_rs_masked_fraction"] = masked_mean(dropped.to(dtype), mask)
+    metrics["rollout_rs_seq_masked_fraction"] = float32_mean((dropped & mask).any(-1), dtype)
+    return ~dropped, metrics
+
+
+def _estimator(name: str, safe: Tensor) -> Tensor:
+    """verl's divergence estimator `name` of the clamped log-ratio, per token: k1 = −log r, k2 = ½(log r)²,
+    k3 = r − 1 − log r."""
+    if name == "k1":
+        return -safe
+    if name == "k2":
+        return 0.5 * safe.square()
+    return safe.exp() - 1.0 - safe
 
 
 def _statistic(per_token: Tensor, mask: Tensor, scope: str) -> Tensor:

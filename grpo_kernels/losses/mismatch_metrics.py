@@ -22,7 +22,7 @@ def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
 
 def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     """verl's (and NeMo's) masked mean: Σ kept / (count + 1e-8)."""
-    count = mask.to(x.dtype).sum() if dim is None else mask.to(x.dtype).sum(dim)
+    count = mask.sum(dtype=x.dtype) if dim is None else mask.sum(dim, dtype=x.dtype)  # no float copy of the mask
     return masked_sum(x, mask, dim) / (count + EPS)
 
 
@@ -82,19 +82,29 @@ def is_metrics(
 
 def rule_metrics(name: str, statistic: Tensor, keep: Tensor, mask: Tensor) -> dict[str, Tensor]:
     """verl's per-statistic rejection metrics: the statistic's mean, max and min over the kept tokens, and the
-    fractions of tokens and of sequences it rejects. `statistic`, `keep` [B, T] (a sequence's value at each of its
-    tokens)."""
+    fractions of tokens and of sequences it rejects. `statistic`, `keep`: [B, T] per token, or [B, 1] per sequence
+    (a sequence's value counts once per kept token; taken at [B], weighted by the sequences' token counts)."""
     dtype = statistic.dtype
-    rejected = (~keep).to(dtype)  # [B, T]
     valid = mask.any(-1)  # [B]
-    sequence_rejected = (~keep & mask).any(-1) & valid  # [B]
     prefix = f"rollout_rs_{name}"
-    peak, floor = _masked_extremes(statistic, mask)
+    if statistic.shape[-1] == 1:  # per sequence: its token count weighs it
+        tokens = mask.sum(-1, dtype=dtype)  # [B]
+        value, rejected = statistic[:, 0], ~keep[:, 0]  # [B]
+        total = tokens.sum() + EPS
+        peak, floor = _masked_extremes(value, valid)
+        mean = masked_sum(value * tokens, valid) / total
+        token_fraction = (rejected.to(dtype) * tokens).sum() / total
+        sequence_rejected = rejected & valid  # [B]
+    else:
+        peak, floor = _masked_extremes(statistic, mask)
+        mean = masked_mean(statistic, mask)
+        token_fraction = masked_mean((~keep).to(dtype), mask)
+        sequence_rejected = (~keep & mask).any(-1)  # [B]
     return {
-        f"{prefix}_mean": masked_mean(statistic, mask),
+        f"{prefix}_mean": mean,
         f"{prefix}_max": peak,
         f"{prefix}_min": floor,
-        f"{prefix}_masked_fraction": masked_mean(rejected, mask),
+        f"{prefix}_masked_fraction": token_fraction,
         f"{prefix}_seq_masked_fraction": sequence_rejected.to(dtype).sum() / valid.to(dtype).sum().clamp(min=1.0),
     }
 
