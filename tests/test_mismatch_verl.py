@@ -84,13 +84,14 @@ DTYPES = pytest.mark.parametrize("dtype", (torch.float64, torch.float32), ids=("
 
 
 @DTYPES
-@pytest.mark.parametrize("normalize", (False, True), ids=("raw", "batch_norm"))
 @pytest.mark.parametrize("threshold", (2.0, 1.2, "0.5_1.5", "0.9_5.0"), ids=("tis2", "tis1.2", "icepop", "icepop_hi"))
 @pytest.mark.parametrize("level", ("token", "sequence"))
-def test_importance_weights(level, threshold, normalize, dtype):
+def test_importance_weights(level, threshold, dtype):
+    """Raw and batch-normalised weights on the same inputs."""
     x = inputs(0, dtype)
-    fields = dict(rollout_is=level, rollout_is_threshold=threshold, rollout_is_batch_normalize=normalize)
-    both(x, dtype, RolloutCorrection(**fields), **fields)
+    for normalize in (False, True):
+        fields = dict(rollout_is=level, rollout_is_threshold=threshold, rollout_is_batch_normalize=normalize)
+        both(x, dtype, RolloutCorrection(**fields), **fields)
 
 
 def _threshold(statistic: str):
@@ -102,9 +103,9 @@ def _threshold(statistic: str):
 def test_each_rejection_statistic(statistic, dtype):
     x = inputs(1, dtype)
     fields = dict(rollout_rs=statistic, rollout_rs_threshold=_threshold(statistic))
-    ours = RolloutCorrection(**fields)
-    assert_same(x, rollout_correction(x["old"], x["sampling"], x["mask"], ours), verl_correction(x, **fields), dtype)
-    rejected = ~rollout_correction(x["old"], x["sampling"], x["mask"], ours).keep & x["mask"]
+    ours = rollout_correction(x["old"], x["sampling"], x["mask"], RolloutCorrection(**fields))
+    assert_same(x, ours, verl_correction(x, **fields), dtype)
+    rejected = ~ours.keep & x["mask"]
     assert 0 < rejected.sum() < x["mask"].sum()  # the case rejects some tokens, not all
 
 
@@ -169,8 +170,26 @@ def logits_case(seed: int, dtype, spread: float = 0.15):
     return logits, targets, log_prob, sampling, advantages, x["mask"]
 
 
-@DTYPES
-@pytest.mark.parametrize("name", [n for n, (_, loss) in VERL_PRESETS.items() if loss is not None])
+# The presets' losses: every preset in float64; in float32 a subset holding each IS level and bound, each
+# rejection kind and both bypass losses (the float32 weights and masks of every mode are the tests above).
+FLOAT32_PRESETS = (
+    "decoupled_token_icepop",
+    "decoupled_seq_is_rs",
+    "decoupled_k3_rs_token_tis",
+    "bypass_ppo_clip_geo_rs",
+    "bypass_pg_is",
+    "bypass_pg_token_icepop",
+)
+
+
+def preset_cases(bypass: bool) -> list:
+    """(preset name, dtype) of the bypass or the decoupled presets."""
+    names = [n for n, (_, loss) in VERL_PRESETS.items() if (loss is not None) == bypass]
+    cases = [pytest.param(n, torch.float64, id=f"{n}-f64") for n in names]
+    return cases + [pytest.param(n, torch.float32, id=f"{n}-f32") for n in names if n in FLOAT32_PRESETS]
+
+
+@pytest.mark.parametrize("name, dtype", preset_cases(bypass=True))
 def test_bypass_losses_equal_verls(name, dtype):
     """Every bypass preset (PPO-clip and REINFORCE): verl's bypass loss against `grpo_loss` with the preset, loss
     and gradient w.r.t. the logits."""
@@ -183,8 +202,7 @@ def test_bypass_losses_equal_verls(name, dtype):
     assert_same_loss(theirs, name, config, (logits, targets, advantages, None, mask, sampling), dtype)
 
 
-@DTYPES
-@pytest.mark.parametrize("name", [n for n, (_, loss) in VERL_PRESETS.items() if loss is None])
+@pytest.mark.parametrize("name, dtype", preset_cases(bypass=False))
 def test_decoupled_losses_equal_verls(name, dtype):
     """Every decoupled preset: verl's helper forms the weights and the rejected mask, verl's vanilla loss takes
     them; `grpo_loss` with the preset forms them itself. Loss and gradient w.r.t. the logits."""
@@ -232,15 +250,14 @@ def _fields(options) -> dict:
     return {name: getattr(options, name) for name in options.__dataclass_fields__}
 
 
-@pytest.mark.parametrize("name", VERL_PRESETS)
-def test_presets_are_verls(name):
+def test_presets_are_verls():
     """Each named preset holds the fields of verl's factory method of the same name (at its defaults)."""
-    verl_config = getattr(RolloutCorrectionConfig, name)()
-    fields, verl_loss = VERL_PRESETS[name]
-    for field in ("rollout_is", "rollout_is_threshold", "rollout_rs", "rollout_rs_threshold", "bypass_mode"):
-        default = {"rollout_is": None, "rollout_is_threshold": 2.0, "bypass_mode": False}.get(field)
-        assert str(fields.get(field, default)) == str(getattr(verl_config, field)), field
-    assert (verl_loss or "ppo_clip") == verl_config.loss_type or not verl_config.bypass_mode
+    for name, (fields, verl_loss) in VERL_PRESETS.items():
+        verl_config = getattr(RolloutCorrectionConfig, name)()
+        for field in ("rollout_is", "rollout_is_threshold", "rollout_rs", "rollout_rs_threshold", "bypass_mode"):
+            default = {"rollout_is": None, "rollout_is_threshold": 2.0, "bypass_mode": False}.get(field)
+            assert str(fields.get(field, default)) == str(getattr(verl_config, field)), (name, field)
+        assert (verl_loss or "ppo_clip") == verl_config.loss_type or not verl_config.bypass_mode, name
 
 
 @DTYPES
