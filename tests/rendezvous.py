@@ -3,7 +3,8 @@ free and released again can be taken by another test's socket before rank 0 bind
 workers at once), and a gloo rank that meets a stranger's socket aborts its process."""
 
 import tempfile
-from collections.abc import Iterator
+import traceback
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -21,6 +22,19 @@ def rendezvous() -> Iterator[str]:
 def join(rank: int, world: int, store: str) -> None:
     """Join the `world` gloo ranks that meet at `store`."""
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+
+
+def run_rank(rank: int, world: int, store: str, queue, checks: Callable[[], None]) -> None:
+    """Join the ranks, run `checks` and report to `queue` as `spawn_ranks` reads it: (rank, None), or (rank, the
+    traceback of what failed); the process group is destroyed either way."""
+    join(rank, world, store)
+    try:
+        checks()
+        queue.put((rank, None))
+    except BaseException:  # noqa: BLE001  reported to the test, which fails with it
+        queue.put((rank, traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
 
 
 def spawn_ranks(worker, world: int, *args, timeout: float = 600) -> None:

@@ -3,8 +3,6 @@ split over data-parallel ranks are the whole batch's, as verl's own helper all-r
 the losses of a vocabulary-sharded lm_head / logits under a correction (formed from the inputs, from the policy's
 log-probs, packed) equal one process on the whole vocabulary: loss, every metric and gradient."""
 
-import traceback
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -13,7 +11,7 @@ import grpo_kernels as gk
 from grpo_kernels.losses.mismatch import rollout_correction
 from grpo_kernels.rollout_correction import RolloutCorrection
 from tests.conftest import assert_close
-from tests.rendezvous import join, spawn_ranks
+from tests.rendezvous import run_rank, spawn_ranks
 
 F32, F64 = torch.float32, torch.float64
 B, T, V, H = 6, 5, 37, 8
@@ -172,15 +170,11 @@ def _check_sharded_losses(rank: int, references: dict) -> None:
 
 
 def _worker(rank: int, store: str, queue, references: dict) -> None:
-    join(rank, 2, store)
-    try:
+    def checks() -> None:
         _check_batch_normalisation(rank, references)
         _check_sharded_losses(rank, references)
-        queue.put((rank, None))
-    except BaseException:  # noqa: BLE001  reported to the test, which fails with it
-        queue.put((rank, traceback.format_exc()))
-    finally:
-        dist.destroy_process_group()
+
+    run_rank(rank, 2, store, queue, checks)
 
 
 def test_two_ranks():
