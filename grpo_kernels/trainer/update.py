@@ -92,7 +92,8 @@ def step_normalisers(
     The loss's token counts leave out the tokens a decoupled rollout correction rejects
     (`losses.mismatch.normaliser_mask`: verl drops them from the response mask that its `batch_num_tokens` counts);
     sequence and row counts keep them (verl's `global_batch_size` is the mini-batch's rows), and so do the metrics'
-    shares. A step whose every token is rejected has a zero loss: its token count is taken as 1."""
+    shares. A step whose every token is rejected has a zero loss: its token count is taken as 1 (verl's is 0, its
+    loss NaN)."""
     masks = [micro.completion_mask for micro in micro_batches]
     correction = options.rollout_correction
     kept = [normaliser_mask(correction, m.old_logp, m.sampling_logp, m.completion_mask) for m in micro_batches]
@@ -100,7 +101,7 @@ def step_normalisers(
     count = kept_count if all(k is m for k, m in zip(kept, masks, strict=True)) else float(num_items_in_batch(masks))
     options = dataclasses.replace(
         options,
-        num_items_in_batch=kept_count if kept_count > 0 else 1.0,
+        num_items_in_batch=kept_count if kept_count > 0 or count == 0 else 1.0,  # no token at all: LossOptions' error
         num_sequences_in_batch=float(num_sequences_in_batch(masks)),
     )
     normaliser = options.loss_agg_mode or POLICY_LOSSES[options.loss_type].normaliser
