@@ -200,8 +200,10 @@ def grpo_loss(
     args = check_argument_types(locals())  # the call's arguments as one record, cu_seqlens a tensor
     options = resolve_options(options, loss_options)
     if options.teacher_kl_coef != 0.0:
-        raise ValueError("teacher_kl_coef > 0 needs the teacher's hidden states and lm_head: use "
-                         "fused_linear_grpo_loss(hidden, weight, ..., teacher_hidden=..., teacher_weight=...)")  # fmt: skip
+        raise ValueError(
+            "teacher_kl_coef > 0 needs the teacher's hidden states and lm_head: use "
+            "fused_linear_grpo_loss(hidden, weight, ..., teacher_hidden=..., teacher_weight=...)"
+        )
     return run(build_plan(source=Source(logits), arguments=args, options=options))
 
 

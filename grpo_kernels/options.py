@@ -107,7 +107,7 @@ class LossOptions:
     rollout_correction: RolloutCorrection | None = None  # the sampler-mismatch correction (docs/mismatch.md): a
     # RolloutCorrection, a mapping of its fields, or a verl preset name (bypass_ppo_clip, decoupled_k3_rs, ...)
     teacher_kl_coef: float = 0.0  # on-policy distillation in the GRPO step: coef · the divergence from a teacher
-    # (fused_linear_grpo_loss's teacher_hidden / teacher_weight), each token weighted as the loss weighs its own (0: off)
+    # (fused_linear_grpo_loss's teacher_hidden / teacher_weight), each token weighed as the loss weighs its own; 0: off
     teacher_divergence: DivergenceOptions | None = None  # the teacher term's divergence: a mapping of beta (0 forward
     # KL, 1 reverse KL, else JSD), temperature, teacher_logit_scale, teacher_final_logit_softcapping, top_k, as in
     # fused_linear_divergence (none: its defaults, reverse KL at temperature 1)

@@ -29,8 +29,8 @@ from grpo_kernels.distillation import check_float, check_heads, check_rows, dive
 from grpo_kernels.engine.plan import Plan, Route
 from grpo_kernels.engine.routes import chunk_loss, run, token_omega
 from grpo_kernels.kernels.divergence import fused_linear_divergence_rows
-from grpo_kernels.kernels.fused_linear import ChunkLoss
 from grpo_kernels.kernels.function import backend_kernels, checked_rows, not_finite_to_nan, poisoned
+from grpo_kernels.kernels.fused_linear import ChunkLoss
 from grpo_kernels.kernels.pass_options import PassOptions
 from grpo_kernels.kernels.protocol import compute_dtype
 from grpo_kernels.kernels.torch.divergence import Head
@@ -59,8 +59,9 @@ class GRPOChunk:
         share, grad_logp, grad_entropy = self.share(rows, logp[0], entropy[0] if opts.with_entropy else None)
         grad_logp = None if grad_logp is None else grad_logp[None]  # [1, c]
         grad_entropy = None if grad_entropy is None else grad_entropy[None]
-        self.kernels.token_logprobs_bwd(z, targets, mask, lse, entropy if grad_entropy is not None else None,
-                                        grad_logp, grad_entropy, opts.temperature, grad_out[None], **opts.transform())  # fmt: skip
+        read_entropy = entropy if grad_entropy is not None else None
+        self.kernels.token_logprobs_bwd(z, targets, mask, lse, read_entropy, grad_logp, grad_entropy, opts.temperature,
+                                        grad_out[None], **opts.transform())  # fmt: skip
         for grad in (g for g in (grad_logp, grad_entropy) if g is not None):
             self.gradient_sum += grad.sum()
         for name, value in (("logp", logp), ("lse", lse), ("entropy", entropy)):

@@ -31,7 +31,9 @@ class Teacher:
         """`options` with the teacher head's own logit scaling and soft-capping (its config's, as the policy's are)."""
         scale, softcap = logit_transform(self.model)
         divergence = options.teacher_divergence or divergence_options()
-        return dataclasses.replace(options, teacher_divergence=dataclasses.replace(divergence, teacher=Head(scale, softcap)))
+        return dataclasses.replace(
+            options, teacher_divergence=dataclasses.replace(divergence, teacher=Head(scale, softcap))
+        )
 
     @torch.no_grad()
     def inputs(

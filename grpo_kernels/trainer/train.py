@@ -61,8 +61,8 @@ from grpo_kernels.trainer.sampling_replay import old_policy_logprobs, reference_
 from grpo_kernels.trainer.settings import resolve_settings
 from grpo_kernels.trainer.signals import StopAtStepBoundary
 from grpo_kernels.trainer.size_limits import check_sizes
-from grpo_kernels.trainer.teacher import load_teacher
 from grpo_kernels.trainer.tasks import PromptStream, build_task
+from grpo_kernels.trainer.teacher import load_teacher
 from grpo_kernels.trainer.update import NonFiniteUpdate, inner_updates
 
 
@@ -111,9 +111,11 @@ class GRPOTrainer:
         self.ref_model = build_ref_model(model, self.options.beta)  # the initial weights, without adapters
         if self.ref_model is not None:
             self.ref_model.to(follower_dtype(config.ref_model_dtype, next(model.parameters()).dtype, "ref_model_dtype"))
-        teacher = None if config.teacher is None else load_teacher(  # once, frozen, outside what DDP / FSDP2 wrap
-            config.teacher, tokenizer, model, next(model.parameters()).dtype, self.parallel.device
-        )
+        teacher = None  # on-policy distillation's: loaded once, frozen, outside what DDP / FSDP2 wrap
+        if config.teacher is not None:
+            teacher = load_teacher(
+                config.teacher, tokenizer, model, next(model.parameters()).dtype, self.parallel.device
+            )
         if config.lora:
             if self.parallel.mode == "fsdp":
                 raise ValueError("--lora with --parallel fsdp is not supported: use --parallel ddp")

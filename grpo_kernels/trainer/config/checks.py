@@ -117,4 +117,6 @@ def check_config(config: TrainConfig) -> None:
                          f"--teacher-kl-coef > 0 weighs, got teacher={shown(config.teacher)}, "
                          f"teacher_kl_coef={config.loss.teacher_kl_coef}")  # fmt: skip
     if config.teacher is not None and config.old_logprobs != "pass":
-        raise ValueError(f"teacher needs old_logprobs='pass' (the fused loss's update pass), got {config.old_logprobs!r}")
+        raise ValueError(
+            f"teacher needs old_logprobs='pass' (the fused loss's update pass), got {config.old_logprobs!r}"
+        )
