@@ -8,6 +8,10 @@ and the backward only scales the gradients (4 GEMMs in all; TRL's Function recom
 The teacher gets no gradient. GEMMs run in the compute dtype (float32 for bf16/fp16/fp32, float64 for float64): a
 half-precision head is upcast once per pass, as TRL projects in float32.
 
+Rows may carry weights (`row_weights`: each row's divergence and gradient scaled), and a `ChunkTerm` may share the
+pass: another loss formed on the student's raw chunk logits before the divergence overwrites them, its dL/dlogits
+added to the divergence's before the gradient GEMMs (the GRPO loss of a step with a teacher term, `teacher_term.py`).
+
 `SUPPORT` is the capability record of this pass, one entry per backend: what runs it, or why it is refused.
 """
 
