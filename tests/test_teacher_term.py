@@ -191,3 +191,11 @@ def test_the_logits_form_refuses_the_term_and_the_term_off_is_the_plain_loss():
     off, _, _ = ours(t, dict(loss_type="dapo", teacher_kl_coef=0.0))
     assert torch.equal(plain, off)
     assert LossOptions(teacher_divergence={"beta": 0.5}).teacher_divergence.beta == 0.5
+
+
+def test_a_non_finite_teacher_row_is_named():
+    t = make(torch.float32)
+    t["mask"][0, 1] = True
+    t["teacher_hidden"][0, 1] = float("nan")
+    with pytest.raises(ValueError, match=r"teacher_hidden: the teacher head's logits at token \(0, 1\)"):
+        ours(t, dict(loss_type="dapo", teacher_kl_coef=COEF))
