@@ -13,6 +13,7 @@ from grpo_kernels.engine.routes import run
 from grpo_kernels.engine.validate import check_argument_types
 from grpo_kernels.losses.loss import GRPOLossOutput
 from grpo_kernels.options import LossOptions, resolve_options
+from grpo_kernels.teacher_term import check_teacher, run_with_teacher
 
 LossResult = GRPOLossOutput | tuple[GRPOLossOutput, Tensor]
 
@@ -198,6 +199,11 @@ def grpo_loss(
     """
     args = check_argument_types(locals())  # the call's arguments as one record, cu_seqlens a tensor
     options = resolve_options(options, loss_options)
+    if options.teacher_kl_coef != 0.0:
+        raise ValueError(
+            "teacher_kl_coef > 0 needs the teacher's hidden states and lm_head: use "
+            "fused_linear_grpo_loss(hidden, weight, ..., teacher_hidden=..., teacher_weight=...)"
+        )
     return run(build_plan(source=Source(logits), arguments=args, options=options))
 
 
@@ -228,6 +234,9 @@ def fused_linear_grpo_loss(
     vocab_start: int | None = None,
     sequence_group: torch.distributed.ProcessGroup | None = None,
     head_precision: str = "auto",
+    teacher_hidden: Tensor | None = None,
+    teacher_weight: Tensor | None = None,
+    teacher_bias: Tensor | None = None,
     options: LossOptions | None = None,
     **loss_options,
 ) -> LossResult:
@@ -244,7 +253,16 @@ def fused_linear_grpo_loss(
     of the lm_head) as in `fused_linear_token_logprobs`, `sequence_group` as in `grpo_loss`; either runs the
     4-GEMM route. `head_precision` as in `fused_linear_token_logprobs`. Sampling replay (`top_k`, `top_p`, `min_p`,
     `sampling_mask`) as in `grpo_loss`, on the "fast" route (3 or 4 GEMMs; "auto" picks it, "lean" is refused).
+
+    Teacher term (on-policy distillation in the same step; `teacher_term.py`, docs/distillation.md): with the loss
+    option `teacher_kl_coef` > 0, `teacher_hidden` `[B, T, H_t]` / `[N, H_t]` and the teacher's lm_head
+    `teacher_weight` `[V, H_t]` (`teacher_bias` `[V]`), over the student's vocabulary, add teacher_kl_coef · Σ_t ω_t
+    D_t: the divergence `teacher_divergence` per token, weighted as the loss type weighs that token's own loss. The
+    teacher gets no gradient. It shares the token-level route's pass (4 GEMMs per chunk), else runs a second pass.
     """
     args = check_argument_types(locals())  # the call's arguments as one record, cu_seqlens a tensor
     options = resolve_options(options, loss_options)
-    return run(build_plan(source=Source(hidden, weight, bias), arguments=args, options=options))
+    plan = build_plan(source=Source(hidden, weight, bias), arguments=args, options=options)
+    teacher = (teacher_hidden, teacher_weight, teacher_bias)
+    check_teacher(plan, teacher)
+    return run_with_teacher(plan, teacher)

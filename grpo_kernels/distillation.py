@@ -9,6 +9,9 @@ neither model's `[N, V]` logits exist beyond one chunk of rows. Argument names, 
 
 from __future__ import annotations
 
+import dataclasses
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +38,77 @@ class DivergenceOutput:
     logp: Tensor | None
     topk_ids: Tensor | None
     num_valid: Tensor
+
+
+def divergence_options(
+    *,
+    beta: float = 1.0,
+    temperature: float = 1.0,
+    student_logit_scale: float = 1.0,
+    teacher_logit_scale: float = 1.0,
+    student_final_logit_softcapping: float | None = None,
+    teacher_final_logit_softcapping: float | None = None,
+    top_k: int = 0,
+) -> DivergenceOptions:
+    """The two-head pass's options from `fused_linear_divergence`'s keywords of the same names and defaults, checked
+    (top_k < V is checked where V is known, with the tensors)."""
+    if not isinstance(beta, int | float) or isinstance(beta, bool) or not 0.0 <= beta <= 1.0:
+        raise ValueError(f"beta must be in [0, 1] (0 forward KL, 1 reverse KL), got {beta!r}")
+    if not isinstance(temperature, int | float) or isinstance(temperature, bool) or not 0 < temperature < math.inf:
+        raise ValueError(f"temperature must be > 0 and finite, got {temperature!r}")
+    for name, scale in (("student_logit_scale", student_logit_scale), ("teacher_logit_scale", teacher_logit_scale)):
+        if not isinstance(scale, int | float) or isinstance(scale, bool) or not math.isfinite(scale):
+            raise ValueError(f"{name} must be a finite number, got {scale!r}")
+    for name, cap in (("student_final_logit_softcapping", student_final_logit_softcapping),
+                      ("teacher_final_logit_softcapping", teacher_final_logit_softcapping)):  # fmt: skip
+        if cap is not None and (not isinstance(cap, int | float) or isinstance(cap, bool) or not 0 < cap < math.inf):
+            raise ValueError(f"{name} must be None or > 0, got {cap!r}")
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0:
+        raise ValueError(f"top_k must be an int >= 0, got {top_k!r}")
+    return DivergenceOptions(
+        beta=float(beta),
+        temperature=float(temperature),
+        student=Head(float(student_logit_scale), _float_or_none(student_final_logit_softcapping)),
+        teacher=Head(float(teacher_logit_scale), _float_or_none(teacher_final_logit_softcapping)),
+        top_k=top_k,
+        backend="torch",
+    )
+
+
+def _float_or_none(x: float | None) -> float | None:
+    return None if x is None else float(x)
+
+
+TEACHER_OPTIONS = ("beta", "temperature", "teacher_logit_scale", "teacher_final_logit_softcapping", "top_k")
+
+
+def as_teacher_divergence(value: DivergenceOptions | Mapping | None) -> DivergenceOptions | None:
+    """`LossOptions.teacher_divergence` as the pass's record: None (`divergence_options`' defaults when the term is
+    on), a DivergenceOptions, or a mapping of `TEACHER_OPTIONS` (`fused_linear_divergence`'s names). The student's
+    head transform is the loss's own `logit_scale` / `final_logit_softcapping`, so the mapping has none."""
+    if value is None:
+        return None
+    if isinstance(value, DivergenceOptions):
+        if value.student != Head():
+            raise ValueError("teacher_divergence: the student's head transform is the loss's logit_scale / "
+                             f"final_logit_softcapping, got student={value.student}")  # fmt: skip
+        return value
+    if not isinstance(value, Mapping):
+        raise TypeError(f"teacher_divergence must be a mapping of {list(TEACHER_OPTIONS)} or None, got "
+                        f"{type(value).__name__}")  # fmt: skip
+    unknown = sorted(map(str, set(value) - set(TEACHER_OPTIONS)))
+    if unknown:
+        raise TypeError(f"teacher_divergence: unknown option {unknown[0]!r}; valid: {list(TEACHER_OPTIONS)}")
+    try:
+        return divergence_options(**value)
+    except ValueError as error:
+        raise ValueError(f"teacher_divergence: {error}") from None
+
+
+def teacher_divergence_fields(opts: DivergenceOptions) -> dict:
+    """`as_teacher_divergence`'s mapping of a record (plain data: a config file's)."""
+    return {"beta": opts.beta, "temperature": opts.temperature, "teacher_logit_scale": opts.teacher.logit_scale,
+            "teacher_final_logit_softcapping": opts.teacher.final_logit_softcapping, "top_k": opts.top_k}  # fmt: skip
 
 
 def fused_linear_divergence(
@@ -90,31 +164,32 @@ def fused_linear_divergence(
     _check_route(backend, memory, process_group, vocab_start, student_hidden)
     for name, x in (("student_hidden", student_hidden), ("student_weight", student_weight),
                     ("teacher_hidden", teacher_hidden), ("teacher_weight", teacher_weight)):  # fmt: skip
-        _check_float(name, x)
+        check_float(name, x)
     lead, V = student_hidden.shape[:-1], student_weight.shape[0]
-    _check_heads(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias)
+    check_heads(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias)
     kept = _kept_rows(mask, lead, student_hidden.device)  # [M] row indices
     rows_targets = _rows_of("targets", targets, lead, kept, V)
     rows_ids = _checked_topk(top_k, topk_ids, lead, kept, V)
-    _check_options(beta, temperature, student_logit_scale, teacher_logit_scale, student_final_logit_softcapping,
-                   teacher_final_logit_softcapping, chunk_size)  # fmt: skip
-    rows = chunk_size or max(1, CHUNK_BYTES // (4 * V))
-    opts = DivergenceOptions(
-        beta=float(beta),
-        temperature=float(temperature),
-        student=Head(student_logit_scale, student_final_logit_softcapping),
-        teacher=Head(teacher_logit_scale, teacher_final_logit_softcapping),
-        chunk_size=rows,
+    opts = divergence_options(
+        beta=beta,
+        temperature=temperature,
+        student_logit_scale=student_logit_scale,
+        teacher_logit_scale=teacher_logit_scale,
+        student_final_logit_softcapping=student_final_logit_softcapping,
+        teacher_final_logit_softcapping=teacher_final_logit_softcapping,
         top_k=top_k,
-        backend="torch",
     )
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be None or an int >= 1, got {chunk_size!r}")
+    opts = dataclasses.replace(opts, chunk_size=chunk_size or max(1, CHUNK_BYTES // (4 * V)))
     s_rows = student_hidden.reshape(-1, student_hidden.shape[-1]).index_select(0, kept)  # [M, H_s]
     t_rows = teacher_hidden.reshape(-1, teacher_hidden.shape[-1]).index_select(0, kept)  # [M, H_t]
     total, details = fused_linear_divergence_rows(
         (s_rows, student_weight, student_bias), (t_rows, teacher_weight, teacher_bias), rows_targets, rows_ids, opts
     )
     if check_finite:
-        _check_rows(details, kept, lead)
+        check_rows(details["lse_s"], "student", kept, lead)
+        check_rows(details["lse_t"], "teacher", kept, lead)
     num_valid = torch.tensor(kept.numel(), device=student_hidden.device)
     denominator = num_valid.clamp(min=1) if num_items_in_batch is None else num_items_in_batch
     loss = total / (denominator.to(total.device) if isinstance(denominator, Tensor) else denominator)
@@ -167,31 +242,33 @@ def _check_route(backend, memory, process_group, vocab_start, like) -> None:
         )
 
 
-def _check_float(name: str, x: object) -> None:
+def check_float(name: str, x: object) -> None:
     check_tensor(name, x)
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
         raise TypeError(f"{name} must be bf16, fp16, fp32 or float64, got {x.dtype}")
 
 
-def _check_heads(s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias) -> None:
-    """Shapes: both hidden tensors with the same leading dims, each weight [V, its H], one V, biases [V]."""
+def check_heads(s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, student: str = "student_") -> None:
+    """Shapes: both hidden tensors with the same leading dims, each weight [V, its H], one V, biases [V]; the
+    student's tensors named `{student}hidden`, `{student}weight`, `{student}bias`."""
+    s_names = {part: f"{student}{part}" for part in ("hidden", "weight", "bias")}
     if s_hidden.dim() not in (2, 3):
-        raise ValueError(f"student_hidden must be [B, T, H] or [N, H], got {list(s_hidden.shape)}")
+        raise ValueError(f"{s_names['hidden']} must be [B, T, H] or [N, H], got {list(s_hidden.shape)}")
     if t_hidden.shape[:-1] != s_hidden.shape[:-1] or t_hidden.dim() != s_hidden.dim():
         want = list(s_hidden.shape[:-1]) + ["H_t"]
-        raise ValueError(f"teacher_hidden must be {want} like student_hidden, got {list(t_hidden.shape)}")
-    for name, weight, hidden in (("student_weight", s_weight, s_hidden), ("teacher_weight", t_weight, t_hidden)):
+        raise ValueError(f"teacher_hidden must be {want} like {s_names['hidden']}, got {list(t_hidden.shape)}")
+    for name, weight, hidden in ((s_names["weight"], s_weight, s_hidden), ("teacher_weight", t_weight, t_hidden)):
         if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
             raise ValueError(f"{name} must be [V, {hidden.shape[-1]}], got {list(weight.shape)}")
     V = s_weight.shape[0]
     if t_weight.shape[0] != V:
         raise ValueError(f"teacher_weight must be [V, H_t] with the student's V = {V}, got {list(t_weight.shape)}")
-    for name, bias in (("student_bias", s_bias), ("teacher_bias", t_bias)):
+    for name, bias in ((s_names["bias"], s_bias), ("teacher_bias", t_bias)):
         if bias is not None and (check_tensor(name, bias).shape != (V,) or not bias.is_floating_point()):
             raise ValueError(f"{name} must be a floating-point [V] = [{V}] tensor, got {list(bias.shape)}")
-    for name, x in (("teacher_hidden", t_hidden), ("teacher_weight", t_weight), ("student_weight", s_weight)):
+    for name, x in (("teacher_hidden", t_hidden), ("teacher_weight", t_weight), (s_names["weight"], s_weight)):
         if x.device != s_hidden.device:
-            raise ValueError(f"{name} must be on student_hidden's device {s_hidden.device}, got {x.device}")
+            raise ValueError(f"{name} must be on {s_names['hidden']}'s device {s_hidden.device}, got {x.device}")
 
 
 def _kept_rows(mask: Tensor | None, lead: torch.Size, device: torch.device) -> Tensor:
@@ -234,31 +311,15 @@ def _checked_topk(top_k: int, topk_ids: Tensor | None, lead: torch.Size, kept: T
     return rows
 
 
-def _check_options(beta, temperature, s_scale, t_scale, s_cap, t_cap, chunk_size) -> None:
-    if not 0.0 <= beta <= 1.0:
-        raise ValueError(f"beta must be in [0, 1] (0 forward KL, 1 reverse KL), got {beta!r}")
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature!r}")
-    for name, scale in (("student_logit_scale", s_scale), ("teacher_logit_scale", t_scale)):
-        if not isinstance(scale, int | float) or scale != scale:
-            raise ValueError(f"{name} must be a number, got {scale!r}")
-    for name, cap in (("student_final_logit_softcapping", s_cap), ("teacher_final_logit_softcapping", t_cap)):
-        if cap is not None and not cap > 0:
-            raise ValueError(f"{name} must be None or > 0, got {cap!r}")
-    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ValueError(f"chunk_size must be None or an int >= 1, got {chunk_size!r}")
-
-
-def _check_rows(details: dict[str, Tensor], kept: Tensor, lead: torch.Size) -> None:
-    """ValueError naming the first kept token whose student or teacher log-sum-exp is not finite."""
-    for head in ("student", "teacher"):
-        lse = details["lse_s" if head == "student" else "lse_t"]
-        bad = ~torch.isfinite(lse)
-        if bad.any():
-            flat = int(kept[bad.nonzero()[0, 0]])
-            where = flat if len(lead) == 1 else tuple(divmod(flat, lead[-1]))
-            raise ValueError(f"{head}_hidden: the {head} head's logits at token {where} have no finite log-sum-exp "
-                             f"(NaN or ±inf logits)")  # fmt: skip
+def check_rows(lse: Tensor, head: str, kept: Tensor, lead: torch.Size) -> None:
+    """ValueError naming the first kept token (`kept` [M]: the rows' flattened token indices) whose `head`'s
+    ("student" or "teacher") log-sum-exp `lse` [M] is not finite."""
+    bad = ~torch.isfinite(lse)
+    if bad.any():
+        flat = int(kept[bad.nonzero()[0, 0]])
+        where = flat if len(lead) == 1 else tuple(divmod(flat, lead[-1]))
+        raise ValueError(f"{head}_hidden: the {head} head's logits at token {where} have no finite log-sum-exp "
+                         f"(NaN or ±inf logits)")  # fmt: skip
 
 
 def _scatter(values: Tensor, kept: Tensor, lead: torch.Size) -> Tensor:

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from grpo_kernels.distillation import as_teacher_divergence
+from grpo_kernels.kernels.divergence import DivergenceOptions
 from grpo_kernels.option_checks import OPTION_RULES, check_option, type_words
 from grpo_kernels.rollout_correction import RolloutCorrection, as_rollout_correction
 from grpo_kernels.shown import shown
@@ -104,6 +106,11 @@ class LossOptions:
     epsilon_low: float | None = None  # verl-style alias of `epsilon`: moved into it on construction, then None
     rollout_correction: RolloutCorrection | None = None  # the sampler-mismatch correction (docs/mismatch.md): a
     # RolloutCorrection, a mapping of its fields, or a verl preset name (bypass_ppo_clip, decoupled_k3_rs, ...)
+    teacher_kl_coef: float = 0.0  # on-policy distillation in the GRPO step: coef · the divergence from a teacher
+    # (fused_linear_grpo_loss's teacher_hidden / teacher_weight), each token weighed as the loss weighs its own; 0: off
+    teacher_divergence: DivergenceOptions | None = None  # the teacher term's divergence: a mapping of beta (0 forward
+    # KL, 1 reverse KL, else JSD), temperature, teacher_logit_scale, teacher_final_logit_softcapping, top_k, as in
+    # fused_linear_divergence (none: its defaults, reverse KL at temperature 1)
 
     def __post_init__(self) -> None:
         given = self.rollout_correction
@@ -114,6 +121,7 @@ class LossOptions:
                 str(error) if str(error).startswith("rollout_correction") else f"rollout_correction: {error}"
             ) from None
         object.__setattr__(self, "rollout_correction", correction)
+        object.__setattr__(self, "teacher_divergence", as_teacher_divergence(self.teacher_divergence))
         if needed_loss is not None and self.loss_type != needed_loss:
             raise ValueError(
                 f"rollout_correction preset {shown(given)} is verl's REINFORCE: it needs "
@@ -180,6 +188,8 @@ class LossOptions:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
         if not self.clip_cov_lb < self.clip_cov_ub:
             raise ValueError(f"clip_cov_lb must be < clip_cov_ub, got ({self.clip_cov_lb}, {self.clip_cov_ub})")
+        if not self.teacher_kl_coef >= 0.0:
+            raise ValueError(f"teacher_kl_coef must be >= 0, got {self.teacher_kl_coef}")
         if not self.ppo_kl_coef >= 0.0:
             raise ValueError(f"ppo_kl_coef must be >= 0, got {self.ppo_kl_coef}")
         if self.loss_type == "dr_grpo":
@@ -298,7 +308,7 @@ def _check_types(options: LossOptions) -> None:
         allowed = {part.strip() for part in f.type.split("|")}
         if value is None and "None" in allowed or isinstance(value, torch.Tensor) and "torch.Tensor" in allowed:
             continue
-        if "RolloutCorrection" in allowed:  # converted (and validated) by as_rollout_correction
+        if allowed & {"RolloutCorrection", "DivergenceOptions"}:  # records, converted and validated on construction
             continue
         if isinstance(value, bool):
             ok = "bool" in allowed

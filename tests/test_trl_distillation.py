@@ -39,25 +39,30 @@ def models(tmp_path_factory):
     return str(root / "student"), str(root / "teacher"), tokenizer
 
 
-def _train(cls, models, beta: float):
+def _train(cls, models, beta: float, batch: int = 4):
     student, teacher, tokenizer = models
     args = trl.DistillationConfig(
-        output_dir=OUTPUT_DIR, per_device_train_batch_size=4, max_completion_length=8, max_steps=2, logging_steps=1,
+        output_dir=OUTPUT_DIR, per_device_train_batch_size=batch, max_completion_length=8, max_steps=2, logging_steps=1,
         learning_rate=1e-2, beta=beta, temperature=0.9, use_cpu=True, bf16=False, report_to=[], save_strategy="no",
         seed=0,
     )  # fmt: skip
     dataset = datasets.Dataset.from_dict({"prompt": ["abc", "de", "fgh", "ij"]})
     trainer = cls(student, teacher_model=teacher, args=args, train_dataset=dataset, processing_class=tokenizer)
     trainer.train()
-    return trainer.state.log_history
+    return trainer
 
 
-@pytest.mark.parametrize("beta", (0.0, 1.0, 0.5))
+@pytest.mark.parametrize("beta", (0.0, 1.0))  # the JSD (0.5): under DDP below
 def test_two_steps_log_the_same_numbers_as_stock_trl(models, beta, launches):
-    stock = _train(trl.DistillationTrainer, models, beta)
+    stock = _train(trl.DistillationTrainer, models, beta).state.log_history
     assert not launches  # stock TRL never runs the fused pass
-    ours = _train(drop_in.DistillationTrainer, models, beta)
+    ours = _train(drop_in.DistillationTrainer, models, beta).state.log_history
     assert launches["torch"] >= 2  # the drop-in's loss ran, at least once per step
+    assert_same_logs(stock, ours)
+
+
+def assert_same_logs(stock: list[dict], ours: list[dict]) -> None:
+    """Two steps' log histories: the same names, and every number but the timings equal."""
     assert len(stock) == len(ours) == 3  # 2 steps + the train summary
     assert "loss" in stock[0] and "entropy" in stock[0] and "grad_norm" in stock[0]
     for a, b in zip(stock, ours, strict=True):
@@ -65,6 +70,37 @@ def test_two_steps_log_the_same_numbers_as_stock_trl(models, beta, launches):
         for name, value in a.items():
             if name not in TIMING:
                 assert math.isclose(b[name], value, rel_tol=1e-4, abs_tol=1e-6), f"{name}: {b[name]} != {value}"
+
+
+def _data_parallel_worker(rank: int, store: str, queue, student: str, teacher: str) -> None:
+    """One of 2 CPU processes under accelerate's DDP (gloo): stock TRL and the drop-in, 2 steps each."""
+    import os
+    import traceback
+
+    from grpo_kernels.kernels import backend as backends
+    from tests.rendezvous import join
+
+    try:
+        os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
+        torch.set_num_threads(1)
+        join(rank, 2, store)
+        models = (student, teacher, build_tokenizer("abcdefghij"))
+        stock = _train(trl.DistillationTrainer, models, 0.5, batch=2)  # 2 of the 4 prompts on each rank
+        backends.launches.clear()
+        ours = _train(drop_in.DistillationTrainer, models, 0.5, batch=2)
+        assert backends.launches["torch"] >= 2, "the drop-in's loss did not run"
+        assert stock.accelerator.num_processes == ours.accelerator.num_processes == 2
+        assert_same_logs(stock.state.log_history, ours.state.log_history)
+        queue.put((rank, None))
+    except BaseException:  # noqa: BLE001  reported to the test, which fails with it
+        queue.put((rank, traceback.format_exc()))
+
+
+def test_data_parallel_training_matches_stock_trl(models):
+    """2 processes (accelerate's DDP over gloo, each its share of the prompts): the same logs as stock TRL's."""
+    from tests.rendezvous import spawn_ranks
+
+    spawn_ranks(_data_parallel_worker, 2, models[0], models[1])
 
 
 def test_the_drop_in_loss_is_trls_on_the_same_tensors():

@@ -8,12 +8,17 @@ and the backward only scales the gradients (4 GEMMs in all; TRL's Function recom
 The teacher gets no gradient. GEMMs run in the compute dtype (float32 for bf16/fp16/fp32, float64 for float64): a
 half-precision head is upcast once per pass, as TRL projects in float32.
 
+Rows may carry weights (`row_weights`: each row's divergence and gradient scaled), and a `ChunkTerm` may share the
+pass: another loss formed on the student's raw chunk logits before the divergence overwrites them, its dL/dlogits
+added to the divergence's before the gradient GEMMs (the GRPO loss of a step with a teacher term, `teacher_term.py`).
+
 `SUPPORT` is the capability record of this pass, one entry per backend: what runs it, or why it is refused.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -111,13 +116,23 @@ class _StudentGradients:
         return [None if g is None else g.mul_(scale.to(g.dtype)).to(x.dtype) for g, x in zip(grads, like, strict=True)]
 
 
+class ChunkTerm(Protocol):
+    """Another loss on the student's chunk logits, sharing the pass (the GRPO loss of a step with a teacher term):
+    called with a chunk's rows, its raw logits `[c, V]` (read only) and a buffer `[c, V]` it fills with its
+    dL/dlogits; returns its share of the loss (a 0-d tensor in the compute dtype, gradient formed already)."""
+
+    def __call__(self, rows: slice, logits: Tensor, grad_out: Tensor) -> Tensor: ...
+
+
 class _FusedLinearDivergenceFunction(torch.autograd.Function):
     """(hidden_s, weight_s, bias_s, hidden_t, weight_t, bias_t, targets [M] | None, topk_ids [M, k] | None) ->
-    Σ_rows divergence (differentiable in the student's three tensors), and, detached, the per-row divergence, entropy,
-    logp (empty without targets), student and teacher lse `[M]`, and the top-k ids `[M, k]` (empty without top_k)."""
+    Σ_rows w·divergence (+ a `ChunkTerm`'s shares; w: `row_weights` [M], None: 1), differentiable in the student's
+    three tensors, and, detached, the per-row divergence, entropy, logp (empty without targets), student and teacher
+    lse `[M]`, and the top-k ids `[M, k]` (empty without top_k)."""
 
     @staticmethod
-    def forward(ctx, s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, targets, topk_ids, opts, grad_enabled):
+    def forward(ctx, s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, targets, topk_ids, opts, grad_enabled,
+                row_weights=None, term=None):  # fmt: skip
         dtype = compute_dtype(s_weight.dtype)
         needs = tuple(grad_enabled and need for need in ctx.needs_input_grad[:3])  # none under torch.no_grad()
         with_grad = any(needs)
@@ -127,12 +142,16 @@ class _FusedLinearDivergenceFunction(torch.autograd.Function):
         M, V = s_hidden.shape[0], s_weight.shape[0]
         rows = max(1, min(opts.chunk_size, M))
         s_buf, t_buf = ws.new_empty(rows, V), ws.new_empty(rows, V)  # [rows, V] each, reused by every chunk
+        term_buf = ws.new_empty(rows, V) if term is not None else None  # the term's dL/dlogits
+        term_total = torch.zeros((), dtype=dtype, device=s_hidden.device)
         outs = {name: [] for name in ("divergence", "entropy", "logp", "lse_s", "lse_t", "ids")}
         for start in range(0, M, rows):
             r = slice(start, min(start + rows, M))
             backends.count_launch(opts.backend)
             zs = _project(s_hidden[r], ws, bs, s_buf[: r.stop - start])
             zt = _project(t_hidden[r], wt, bt, t_buf[: r.stop - start])
+            if term is not None:  # before the divergence overwrites the student's logits
+                term_total += term(r, zs, term_buf[: r.stop - start])
             chunk_targets = None if targets is None else targets[r]
             common = dict(beta=opts.beta, temperature=opts.temperature, student=opts.student, teacher=opts.teacher,
                           with_grad=with_grad, block=opts.block)  # fmt: skip
@@ -146,10 +165,12 @@ class _FusedLinearDivergenceFunction(torch.autograd.Function):
                 if value is not None:
                     outs[name].append(value)
             if grads is not None:
-                grads.add(r, zs, s_hidden[r], ws)
+                grad = zs if row_weights is None else zs.mul_(row_weights[r, None])
+                grads.add(r, grad if term is None else term_buf[: r.stop - start].add_(grad), s_hidden[r], ws)
         joined = {name: _cat(parts, s_hidden, dtype) for name, parts in outs.items() if name != "ids"}
         ids = torch.cat(outs["ids"]) if outs["ids"] else s_hidden.new_empty((0,), dtype=torch.long)
-        total = joined["divergence"].sum()
+        divergence = joined["divergence"] if row_weights is None else joined["divergence"] * row_weights
+        total = divergence.sum() + term_total
         ctx.grads, ctx.like = grads, (s_hidden, s_weight, s_bias)
         details = (*(joined[name] for name in ("divergence", "entropy", "logp", "lse_s", "lse_t")), ids)
         ctx.mark_non_differentiable(*details)
@@ -159,8 +180,8 @@ class _FusedLinearDivergenceFunction(torch.autograd.Function):
     def backward(ctx, grad_total, *_details):
         grads, ctx.grads = ctx.grads, None
         if grads is None or grad_total is None:
-            return (None,) * 10
-        return (*grads.result(grad_total, ctx.like), *(None,) * 7)
+            return (None,) * 12
+        return (*grads.result(grad_total, ctx.like), *(None,) * 9)
 
 
 def _cat(parts: list[Tensor], like: Tensor, dtype: torch.dtype) -> Tensor:
@@ -173,12 +194,17 @@ def fused_linear_divergence_rows(
     targets: Tensor | None,
     topk_ids: Tensor | None,
     opts: DivergenceOptions,
+    row_weights: Tensor | None = None,
+    term: ChunkTerm | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """(Σ divergence over the rows, differentiable in the student's hidden, weight and bias; {"divergence", "entropy",
-    "logp" (with targets), "lse_s", "lse_t", "topk_ids" (with top_k)}, `[M]` each, detached) for rows already chosen
-    (every row is kept)."""
+    """(Σ divergence over the rows, each times its `row_weights` (`[M]` in the compute dtype; None: 1), plus the
+    shares of `term` (another loss on the same chunk logits), differentiable in the student's hidden, weight and bias;
+    {"divergence", "entropy", "logp" (with targets), "lse_s", "lse_t", "topk_ids" (with top_k)}, `[M]` each,
+    unweighted and detached) for rows already chosen (every row is kept)."""
     grad_enabled = torch.is_grad_enabled()
-    total, *details = _FusedLinearDivergenceFunction.apply(*student, *teacher, targets, topk_ids, opts, grad_enabled)
+    total, *details = _FusedLinearDivergenceFunction.apply(
+        *student, *teacher, targets, topk_ids, opts, grad_enabled, row_weights, term
+    )
     names = ("divergence", "entropy", "logp", "lse_s", "lse_t", "topk_ids")
     out = dict(zip(names, details, strict=True))
     if targets is None:

@@ -42,6 +42,7 @@ from grpo_kernels.trainer import sampling_replay
 
 if TYPE_CHECKING:
     from grpo_kernels.trainer.sampler_correction import SamplerCorrection
+    from grpo_kernels.trainer.teacher import Teacher
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,6 +127,7 @@ class PolicyModule(nn.Module):
         super().__init__()
         self.model = model
         self.padding_free = padding_free
+        self.teacher: Teacher | None = None  # on-policy distillation's (`trainer/teacher.py`): not a submodule
 
     def fused_loss(self, batch: UpdateBatch, options: LossOptions) -> tuple[Tensor, dict[str, Tensor]]:
         """The fused loss on `batch`, its π_old given (`batch.old_logp`)."""
@@ -135,6 +137,11 @@ class PolicyModule(nn.Module):
         mask = batch.completion_mask
         bypass = options.rollout_correction is not None and options.rollout_correction.bypass_mode
         old_logp = None if bypass else batch.old_logp  # bypass: π_old is the sampler's
+        packed = checked_pack(batch.input_ids, batch.attention_mask, mask) if self.padding_free else None
+        teacher = {}
+        if self.teacher is not None and options.teacher_kl_coef != 0.0:
+            options = self.teacher.options(options)
+            teacher = self.teacher.inputs(batch.input_ids, batch.attention_mask, mask.shape[1], packed)
         if not self.padding_free:
             hidden = completion_hidden_states(self.model, batch.input_ids, batch.attention_mask, mask.shape[1])
             out = fused_linear_grpo_loss(
@@ -152,9 +159,9 @@ class PolicyModule(nn.Module):
                 sequence_weights=batch.sequence_weights,
                 with_entropy=True,
                 options=options,
+                **teacher,
             )
             return out.loss, out.metrics
-        packed = checked_pack(batch.input_ids, batch.attention_mask, mask)
         if options.loss_scale_factor is None:  # seq-mean-token-sum-norm's T: the padded width, not the packed max
             options = dataclasses.replace(options, loss_scale_factor=float(mask.shape[1]))
         out = fused_linear_grpo_loss(
@@ -173,6 +180,7 @@ class PolicyModule(nn.Module):
             cu_seqlens=packed.completion_cu_seqlens,
             with_entropy=True,
             options=options,
+            **teacher,
         )
         return out.loss, out.metrics
 

@@ -62,6 +62,7 @@ from grpo_kernels.trainer.settings import resolve_settings
 from grpo_kernels.trainer.signals import StopAtStepBoundary
 from grpo_kernels.trainer.size_limits import check_sizes
 from grpo_kernels.trainer.tasks import PromptStream, build_task
+from grpo_kernels.trainer.teacher import load_teacher
 from grpo_kernels.trainer.update import NonFiniteUpdate, inner_updates
 
 
@@ -110,6 +111,11 @@ class GRPOTrainer:
         self.ref_model = build_ref_model(model, self.options.beta)  # the initial weights, without adapters
         if self.ref_model is not None:
             self.ref_model.to(follower_dtype(config.ref_model_dtype, next(model.parameters()).dtype, "ref_model_dtype"))
+        teacher = None  # on-policy distillation's: loaded once, frozen, outside what DDP / FSDP2 wrap
+        if config.teacher is not None:
+            teacher = load_teacher(
+                config.teacher, tokenizer, model, next(model.parameters()).dtype, self.parallel.device
+            )
         if config.lora:
             if self.parallel.mode == "fsdp":
                 raise ValueError("--lora with --parallel fsdp is not supported: use --parallel ddp")
@@ -120,7 +126,9 @@ class GRPOTrainer:
         self.skipped_updates = 0  # refused updates skipped so far (`skip_nonfinite_steps`)
         if start is not None:  # weights before wrapping: FSDP2 shards what it is given
             checkpoint.load_weights(start.path, self.model, self.ref_model)
-        self.policy = wrap_policy(self.components.policy_module(self.model, self.padding_free), self.parallel)
+        policy_module = self.components.policy_module(self.model, self.padding_free)
+        policy_module.teacher = teacher
+        self.policy = wrap_policy(policy_module, self.parallel)
         trainable = [p for p in self.policy.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(trainable, lr=config.learning_rate, weight_decay=config.weight_decay)
         if start is not None:

@@ -112,3 +112,11 @@ def check_config(config: TrainConfig) -> None:
         raise ValueError("replay_reference replays the sampler's truncation, but top_k, top_p and min_p are all off")
     if config.resume and config.overwrite:
         raise ValueError("resume and overwrite contradict each other: --resume continues the run in output_dir")
+    if (config.teacher is None) != (config.loss.teacher_kl_coef == 0.0):
+        raise ValueError("teacher and teacher_kl_coef go together: --teacher names the model whose divergence "
+                         f"--teacher-kl-coef > 0 weighs, got teacher={shown(config.teacher)}, "
+                         f"teacher_kl_coef={config.loss.teacher_kl_coef}")  # fmt: skip
+    if config.teacher is not None and config.old_logprobs != "pass":
+        raise ValueError(
+            f"teacher needs old_logprobs='pass' (the fused loss's update pass), got {config.old_logprobs!r}"
+        )

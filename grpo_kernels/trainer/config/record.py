@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from grpo_kernels import presets
+from grpo_kernels.distillation import teacher_divergence_fields
 from grpo_kernels.options import LossOptions
 from grpo_kernels.rollout_correction import correction_fields
 
@@ -55,6 +56,8 @@ class TrainConfig:
     model: str = "tiny"  # "tiny": a Llama built from the three sizes below; else a Hugging Face name or local path
     dtype: str = "auto"  # the policy's parameter dtype; auto: bfloat16 on a GPU, float32 on the CPU
     ref_model_dtype: str = "auto"  # the reference model's parameter dtype; auto: the policy's
+    teacher: str | None = None  # on-policy distillation: a teacher model (a directory or Hugging Face name) over the
+    # policy's tokenizer, frozen; the loss adds teacher_kl_coef · its divergence (docs/distillation.md)
     hidden_size: int = 64  # the tiny Llama's hidden size
     num_layers: int = 2  # the tiny Llama's decoder layers
     num_heads: int = 4  # the tiny Llama's attention heads (they divide hidden_size)
@@ -139,5 +142,7 @@ class TrainConfig:
             data["loss"].pop(name)
         if self.loss.rollout_correction is not None:  # a record: its fields
             data["loss"]["rollout_correction"] = correction_fields(self.loss.rollout_correction)
+        if self.loss.teacher_divergence is not None:  # a record: its options
+            data["loss"]["teacher_divergence"] = teacher_divergence_fields(self.loss.teacher_divergence)
         data["sources"] = dict(self.sources)
         return data

@@ -1,0 +1,168 @@
+"""The teacher term of a GRPO step, for recipes that mix RL with on-policy distillation:
+
+    loss = the GRPO loss + teacher_kl_coef · Σ_t ω_t · D_t
+
+D_t is the two-head divergence (`LossOptions.teacher_divergence`, `fused_linear_divergence`'s options) between the
+student (the policy's hidden states and lm_head, with the loss's own logit_scale / final_logit_softcapping) and a
+teacher at token t; ω_t is the weight the loss type gives token t's own loss (its normaliser times token_weights and
+sequence_weights: `losses.token_loss.token_omega`). So the term reduces as the loss does, as TRL adds its KL penalty
+β·KL_t to each token's loss before the loss type's reduction and verl aggregates its KL loss with the policy loss's
+loss_agg_mode; `teacher_kl_coef` is then on β's scale.
+
+Two ways it runs (`run_with_teacher`):
+- one pass, where the plan forms a token-level loss in the fused lm_head's forward (route LINEAR_TOKEN_LOSS, no
+  sampling replay): the two-head divergence's chunked pass (`kernels/divergence.py`), whose student chunk logits
+  also give the GRPO loss's log-probs and dL/dlogits (`GRPOChunk`), summed into one gradient: 4 GEMMs per chunk (both
+  heads' logits, the student's dH and dW) against the plain step's 3, three `[rows, V]` float32 buffers;
+- two passes everywhere else (sequence-level losses, memory="lean", sampling replay, no gradient taken): the plan's
+  route as without the term, then the divergence's own pass with the row weights ω.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import Tensor
+
+from grpo_kernels.distillation import check_float, check_heads, check_rows, divergence_options
+from grpo_kernels.engine.plan import Plan, Route
+from grpo_kernels.engine.routes import chunk_loss, run, token_omega
+from grpo_kernels.kernels.divergence import fused_linear_divergence_rows
+from grpo_kernels.kernels.function import backend_kernels, checked_rows, not_finite_to_nan, poisoned
+from grpo_kernels.kernels.fused_linear import ChunkLoss
+from grpo_kernels.kernels.pass_options import PassOptions
+from grpo_kernels.kernels.protocol import compute_dtype
+from grpo_kernels.kernels.torch.divergence import Head
+from grpo_kernels.losses.loss import GRPOLossOutput, loss_metrics
+
+Teacher = tuple[Tensor | None, Tensor | None, Tensor | None]  # teacher_hidden, teacher_weight, teacher_bias
+
+
+class GRPOChunk:
+    """The GRPO token-level loss on the student's raw chunk logits inside the two-head pass (a `ChunkTerm`): the
+    backend's vocabulary pass gives each row's logp (and entropy), `chunk_loss` the share and dL/dlogp, and the
+    backward kernel writes dL/dlogits into the pass's buffer. Keeps each chunk's logp, lse and entropy."""
+
+    def __init__(self, targets: Tensor, opts: PassOptions, share: ChunkLoss):
+        self.targets, self.opts, self.share = targets, opts, share
+        self.kernels = backend_kernels(opts.backend)
+        self.parts: dict[str, list[Tensor]] = {"logp": [], "lse": [], "entropy": []}
+        self.gradient_sum = torch.zeros((), dtype=torch.float64, device=targets.device)  # finite iff the gradients are
+
+    def __call__(self, rows: slice, logits: Tensor, grad_out: Tensor) -> Tensor:
+        opts, z, targets = self.opts, logits[None], self.targets[None, rows]
+        mask = torch.ones_like(targets, dtype=torch.bool)  # [1, c]: the rows were gathered
+        logp, lse, entropy, _ = self.kernels.token_logprobs_fwd(
+            z, targets, mask, opts.temperature, opts.with_entropy, **opts.transform()
+        )
+        share, grad_logp, grad_entropy = self.share(rows, logp[0], entropy[0] if opts.with_entropy else None)
+        grad_logp = None if grad_logp is None else grad_logp[None]  # [1, c]
+        grad_entropy = None if grad_entropy is None else grad_entropy[None]
+        read_entropy = entropy if grad_entropy is not None else None
+        self.kernels.token_logprobs_bwd(z, targets, mask, lse, read_entropy, grad_logp, grad_entropy, opts.temperature,
+                                        grad_out[None], **opts.transform())  # fmt: skip
+        for grad in (g for g in (grad_logp, grad_entropy) if g is not None):
+            self.gradient_sum += grad.sum()
+        for name, value in (("logp", logp), ("lse", lse), ("entropy", entropy)):
+            if value is not None:
+                self.parts[name].append(value[0])
+        return share
+
+    def joined(self, name: str, like: Tensor) -> Tensor | None:
+        """The chunks' `name` values `[M]` (None for an entropy not computed)."""
+        parts = self.parts[name]
+        if name == "entropy" and not self.opts.with_entropy:
+            return None
+        return torch.cat(parts) if parts else like.new_zeros(0, dtype=torch.float32)
+
+
+def check_teacher(plan: Plan, teacher: Teacher) -> None:
+    """The teacher's tensors against the plan's student (its hidden states' leading dims, one V, one device), or
+    the refusals of the routes the term does not run on; nothing when the term is off."""
+    coef, (hidden, weight, bias) = plan.options.teacher_kl_coef, teacher
+    if coef == 0.0:
+        return
+    if hidden is None or weight is None:
+        raise ValueError(f"teacher_kl_coef={coef} needs teacher_hidden and teacher_weight (the teacher's head)")
+    for name, x in (("teacher_hidden", hidden), ("teacher_weight", weight)):
+        check_float(name, x)
+    source = plan.source
+    check_heads(source.x, source.weight, None, hidden, weight, bias, student="")
+    k = divergence_of(plan).top_k
+    if k >= source.weight.shape[0]:
+        raise ValueError(f"teacher_divergence top_k must be < V = {source.weight.shape[0]}, got {k}")
+    refused = {
+        "process_group": plan.shard is not None,
+        "sequence_group": plan.inputs.sequence_group is not None,
+        "return_sequence_losses": plan.return_sequence_losses,
+        "a CUDA graph capture with check_finite=False": plan.kept.row_mask is not None,
+    }
+    for what, present in refused.items():
+        if present:
+            raise ValueError(f"teacher_kl_coef > 0 does not run with {what} (the teacher term's rows are gathered and "
+                             "whole on this rank)")  # fmt: skip
+
+
+def divergence_of(plan: Plan):
+    """The term's `DivergenceOptions`: the loss's `teacher_divergence` (or the defaults), the student's head
+    transform the loss's own, rows per chunk the plan's."""
+    options = plan.options
+    return dataclasses.replace(
+        options.teacher_divergence or divergence_options(),
+        student=Head(options.logit_scale, options.final_logit_softcapping),
+        chunk_size=plan.pass_options.chunk_size or 128,
+    )
+
+
+def run_with_teacher(plan: Plan, teacher: Teacher) -> GRPOLossOutput:
+    """The plan's loss with the teacher term (`run(plan)` when teacher_kl_coef is 0): one pass where the plan forms
+    a token-level loss in the fused lm_head's forward, else two (module docstring)."""
+    options = plan.options
+    if options.teacher_kl_coef == 0.0:
+        return run(plan)
+    layout, kept, source = plan.layout, plan.kept, plan.source
+    dtype = compute_dtype(source.weight.dtype)
+    hidden, weight, bias = teacher
+    student = (layout.rows[kept.index], source.weight, source.bias)  # [M, H]
+    teacher_rows = ((hidden[None] if layout.flat else hidden)[kept.index], weight, bias)  # [M, H_t]
+    weights = options.teacher_kl_coef * omega_at(plan, dtype)  # [M]
+    divergence = divergence_of(plan)
+    if plan.route is Route.LINEAR_TOKEN_LOSS and plan.pass_options.replay is None:
+        output, details = _one_pass(plan, student, teacher_rows, weights, divergence)
+    else:
+        output = run(plan)
+        total, details = fused_linear_divergence_rows(student, teacher_rows, None, None, divergence, weights)
+        output = GRPOLossOutput(output.loss + total, output.metrics)
+    if plan.pass_options.row_check is not None:
+        flat = kept.index[0] * layout.rows.shape[1] + kept.index[1]  # [M] in the user's flattened tokens
+        check_rows(details["lse_t"], "teacher", flat, torch.Size(layout.leading))
+    count = max(details["divergence"].numel(), 1)
+    metrics = output.metrics | {"teacher/divergence": details["divergence"].detach().sum() / count}
+    return GRPOLossOutput(output.loss, metrics)
+
+
+def omega_at(plan: Plan, dtype: torch.dtype) -> Tensor:
+    """ω (`token_omega`) at the kept rows `[M]`, in `dtype`."""
+    r, c = plan.kept.index
+    index = plan.layout.padded_index
+    at = (r, c) if index is None else (index[0][c], index[1][c])  # the kept rows in the padded view
+    return token_omega(plan.inputs, plan.options, dtype)[at]
+
+
+def _one_pass(plan: Plan, student, teacher_rows, weights: Tensor, divergence) -> tuple[GRPOLossOutput, dict]:
+    """The GRPO loss and the weighted divergence from one chunked pass over both heads (`GRPOChunk`)."""
+    inputs, kept, options, layout, opts = plan.inputs, plan.kept, plan.options, plan.layout, plan.pass_options
+    dtype = compute_dtype(plan.source.weight.dtype)
+    targets = layout.targets[kept.index]  # [M]
+    term = GRPOChunk(targets, opts, chunk_loss(inputs, kept.index, options, None, dtype))
+    total, details = fused_linear_divergence_rows(student, teacher_rows, None, None, divergence, weights, term)
+    like = student[0]
+    logp = checked_rows(opts.row_check, term.joined("lse", like), term.joined("logp", like), None)
+    scatter = lambda x: None if x is None else x.new_zeros(layout.mask.shape).index_put(kept.index, x)  # noqa: E731
+    logp = scatter(logp)
+    if layout.invalid is not None:
+        logp, total = logp.masked_fill(layout.invalid, float("nan")), poisoned(total, layout.invalid)
+    total = not_finite_to_nan(total, term.gradient_sum.to(total.dtype))
+    terms = inputs.terms(logp, scatter(term.joined("entropy", like)), options)
+    return GRPOLossOutput(total, loss_metrics(terms, options)), details
