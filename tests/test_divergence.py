@@ -73,18 +73,30 @@ def _oracle(t: dict, opts: dict, beta: float, **extra):
     return out, {k: v.grad for k, v in student.items()}
 
 
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("beta", BETAS)
-def test_matches_the_float64_oracle(beta, dtype, case, launches):
+# The Triton pass runs under its interpreter on CPU (seconds a point): every divergence on the transforms, each hard
+# case once, each half dtype once.
+TRITON_POINTS = [(beta, torch.float32, "transforms") for beta in BETAS] + [
+    (0.5, torch.float32, "neg_inf_both"),
+    (0.0, torch.float32, "one_hot_teacher"),
+    (1.0, torch.float32, "masked"),
+    (0.5, torch.bfloat16, "non_contiguous"),
+    (0.0, torch.float16, "packed"),
+]
+ORACLE_POINTS = [("torch", beta, dtype, case) for beta in BETAS for dtype in DTYPES for case in CASES] + [
+    ("triton", *point) for point in TRITON_POINTS
+]
+
+
+@pytest.mark.parametrize(("backend", "beta", "dtype", "case"), ORACLE_POINTS, ids=str)
+def test_matches_the_float64_oracle(backend, beta, dtype, case, launches):
     t, opts = _inputs(case, dtype)
-    out, grads = _run(t, opts, beta)
+    out, grads = _run(t, opts, beta, backend=backend)
     want, want_grads = _oracle(t, opts, beta)
     if case == "one_hot_teacher" and beta == 1.0:  # KL(p_s || one-hot) is infinite
         assert torch.isposinf(out.loss) and torch.isposinf(want["loss"])
         return
     kept = int(t["mask"].sum()) if "mask" in t else B * T
-    assert launches["torch"] == math.ceil(kept / 3)  # one per chunk of 3 kept rows
+    assert launches == {backend: math.ceil(kept / 3)}  # one per chunk of 3 kept rows, on the backend asked for
     assert_close(out.loss, want["loss"], dtype, "loss")
     for name in ("divergence", "entropy", "logp"):
         assert_close(getattr(out, name), want[name], dtype, name)
@@ -93,12 +105,12 @@ def test_matches_the_float64_oracle(beta, dtype, case, launches):
         assert_close(grad, want_grads[name], dtype, f"d{name}")
 
 
-@pytest.mark.parametrize("beta", BETAS)
-def test_teacher_excluding_a_token_the_student_reaches(beta):
+@pytest.mark.parametrize(("backend", "beta"), [("torch", beta) for beta in BETAS] + [("triton", 1.0)])
+def test_teacher_excluding_a_token_the_student_reaches(backend, beta):
     """-inf in the teacher only: forward KL and the JSD stay finite; the reverse KL is +inf, as the oracle says."""
     t, _ = _inputs("plain", torch.float32)
     t["teacher_bias"][[2, 9]] = -math.inf
-    out = fused_linear_divergence(**t, beta=beta)
+    out = fused_linear_divergence(**t, beta=beta, backend=backend)
     want = ref.fused_linear_divergence(**t, beta=beta)
     if beta == 1.0:
         assert torch.isposinf(out.loss) and torch.isposinf(want["loss"])
@@ -169,8 +181,8 @@ def test_every_token_dropped_gives_zero_and_zero_gradients():
 
 
 REFUSALS = [
-    (dict(backend="triton"), "backend='triton': the two-head divergence has no Triton kernels"),
-    (dict(backend="cuda"), "backend='cuda'"),
+    (dict(backend="triton", top_k=3), r"backend='triton': top_k > 0 \(the top-k-plus-tail divergence\) has no Triton"),
+    (dict(backend="cuda"), "backend='cuda': the two-head divergence has no CUDA"),
     (dict(memory="lean"), "memory='lean'"),
     (dict(process_group=object()), "vocabulary-parallel"),
     (dict(backend="jax"), "backend must be one of"),
@@ -197,6 +209,13 @@ def test_refusals_and_bad_arguments_name_the_argument(change, message, launches)
     t, _ = _inputs("plain", torch.float32)
     with pytest.raises((ValueError, TypeError), match=message):
         fused_linear_divergence(**(t | change))
+    assert not launches
+
+
+def test_triton_refuses_float64_heads_saying_why(launches):
+    t, _ = _inputs("plain", torch.float64)
+    with pytest.raises(ValueError, match="backend='triton': float64 heads: the Triton divergence computes in float32"):
+        fused_linear_divergence(**t, backend="triton")
     assert not launches
 
 
