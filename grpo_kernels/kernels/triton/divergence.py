@@ -30,7 +30,7 @@ from grpo_kernels.kernels.triton.token_logprobs import softcapped, transform_coe
 KINDS = {"forward_kl": 0, "reverse_kl": 1, "jsd": 2}
 OUTPUTS = ("divergence", "entropy", "logp", "lse_s", "lse_t")  # the rows of the kernel's [5, c] output
 MAX_BLOCK_V = 1024
-NUM_WARPS = 4
+NUM_WARPS = 8
 _FLOAT32_LOWEST = tl.constexpr(-3.4028234663852886e38)
 
 
