@@ -81,7 +81,9 @@ def fused_linear_divergence(
         top_k: > 0 compares the heads over the teacher's k ids plus one tail bucket with the rest of the mass;
             `topk_ids` `[B, T, k]` / `[N, k]` gives the ids (distinct per token), else the teacher's top k are taken.
         chunk_size: rows per chunk (default: two float32 `[rows, V]` buffers of 64 MiB each). memory: "auto" or
-            "fast" (row chunks); "lean" is refused. backend: "auto" (Triton on CUDA where it runs the call, else
+            "fast" (row chunks), or "lean" (tiles of rows × vocabulary columns, `chunk_size` rows at most: no
+            `[rows, V]` buffer and, for bf16/fp16 heads, no float32 `[V, H]` one, for 8 GEMMs instead of 4; torch
+            backend, no top_k). backend: "auto" (Triton on CUDA where it runs the call, else
             torch), "torch" or "triton" (top_k and float64 refused on it, reason given; "cuda": refused).
             process_group / vocab_start (vocabulary-parallel heads): refused.
         check_finite: a kept token whose student or teacher log-sum-exp is not finite is a ValueError naming it
@@ -101,7 +103,8 @@ def fused_linear_divergence(
     _check_options(beta, temperature, student_logit_scale, teacher_logit_scale, student_final_logit_softcapping,
                    teacher_final_logit_softcapping, chunk_size)  # fmt: skip
     rows = chunk_size or max(1, CHUNK_BYTES // (4 * V))
-    backend = _resolved(backend, top_k, student_weight.dtype, student_hidden.device)
+    memory = "fast" if memory == "auto" else memory
+    backend = _resolved(backend, top_k, student_weight.dtype, student_hidden.device, memory)
     opts = DivergenceOptions(
         beta=float(beta),
         temperature=float(temperature),
@@ -110,6 +113,8 @@ def fused_linear_divergence(
         chunk_size=rows,
         top_k=top_k,
         backend=backend,
+        memory=memory,
+        tile=(chunk_size, None),
     )
     s_rows = student_hidden.reshape(-1, student_hidden.shape[-1]).index_select(0, kept)  # [M, H_s]
     t_rows = teacher_hidden.reshape(-1, teacher_hidden.shape[-1]).index_select(0, kept)  # [M, H_t]
@@ -161,8 +166,6 @@ def _check_route(backend, memory, process_group, vocab_start) -> None:
         raise ValueError(f"backend={backend!r}: {SUPPORT[backend].why_not}")
     if memory not in ("auto", *MEMORY_MODES):
         raise ValueError(f"memory must be one of {('auto', *MEMORY_MODES)}, got {memory!r}")
-    if MEMORY_MODES.get(memory):
-        raise ValueError(MEMORY_MODES[memory])
     if process_group is not None or vocab_start is not None:
         raise ValueError(
             "process_group / vocab_start: vocabulary-parallel heads are not supported by the two-head divergence "
@@ -170,13 +173,13 @@ def _check_route(backend, memory, process_group, vocab_start) -> None:
         )
 
 
-def _resolved(backend: str, top_k: int, dtype: torch.dtype, device: torch.device) -> str:
+def _resolved(backend: str, top_k: int, dtype: torch.dtype, device: torch.device, memory: str) -> str:
     """The backend that runs the call: "auto" is Triton on CUDA where its record claims the call, else torch; a
-    named backend that refuses it, or cannot run on `device`, is a ValueError saying why."""
+    backend that refuses the call, or cannot run on `device`, is a ValueError saying why."""
     if backend == "auto":
-        claimed = device.type == "cuda" and not SUPPORT["triton"].refusal(top_k, dtype)
-        return "triton" if claimed and backends.CAPABILITIES["triton"].usable(device)[0] else "torch"
-    why = SUPPORT[backend].refusal(top_k, dtype)
+        claimed = device.type == "cuda" and not SUPPORT["triton"].refusal(top_k, dtype, memory)
+        backend = "triton" if claimed and backends.CAPABILITIES["triton"].usable(device)[0] else "torch"
+    why = SUPPORT[backend].refusal(top_k, dtype, memory)
     if not why:
         usable, why = backends.CAPABILITIES[backend].usable(device)
         why = "" if usable else why

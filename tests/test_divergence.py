@@ -11,6 +11,7 @@ import torch
 
 from grpo_kernels import FusedLinearDivergence, fused_linear_divergence
 from grpo_kernels import reference_divergence as ref
+from grpo_kernels.kernels import divergence_lean
 from grpo_kernels.kernels.divergence import DivergenceOptions, fused_linear_divergence_rows
 from grpo_kernels.kernels.torch.divergence import Head
 from tests.conftest import DTYPES, assert_close
@@ -58,7 +59,7 @@ def _inputs(case: str, dtype: torch.dtype, seed: int = 0) -> tuple[dict, dict]:
 def _run(t: dict, opts: dict, beta: float, **extra):
     student = {k: t[k].detach().clone().requires_grad_() for k in ("student_hidden", "student_weight", "student_bias")}
     rest = {k: v for k, v in t.items() if k not in student}
-    out = fused_linear_divergence(**student, **rest, beta=beta, chunk_size=3, **opts, **extra)
+    out = fused_linear_divergence(**student, **rest, beta=beta, **{"chunk_size": 3, **opts, **extra})
     out.loss.backward()
     return out, {k: v.grad for k, v in student.items()}
 
@@ -82,15 +83,31 @@ TRITON_POINTS = [(beta, torch.float32, "transforms") for beta in BETAS] + [
     (0.5, torch.bfloat16, "non_contiguous"),
     (0.0, torch.float16, "packed"),
 ]
-ORACLE_POINTS = [("torch", beta, dtype, case) for beta in BETAS for dtype in DTYPES for case in CASES] + [
-    ("triton", *point) for point in TRITON_POINTS
+# memory="lean" (torch): every divergence on the transforms, and each hard case once, in tiles of 3 rows × 128 columns
+LEAN_POINTS = [(beta, torch.float32, "transforms") for beta in BETAS] + [
+    (0.5, torch.bfloat16, "neg_inf_both"),
+    (0.0, torch.float32, "one_hot_teacher"),
+    (1.0, torch.float16, "masked"),
+    (0.5, torch.float32, "non_contiguous"),
+    (0.0, torch.bfloat16, "packed"),
 ]
+ORACLE_POINTS = (
+    [("torch", "fast", beta, dtype, case) for beta in BETAS for dtype in DTYPES for case in CASES]
+    + [("triton", "fast", *point) for point in TRITON_POINTS]
+    + [("torch", "lean", *point) for point in LEAN_POINTS]
+)
 
 
-@pytest.mark.parametrize(("backend", "beta", "dtype", "case"), ORACLE_POINTS, ids=str)
-def test_matches_the_float64_oracle(backend, beta, dtype, case, launches):
+@pytest.fixture
+def small_lean_tiles(monkeypatch):
+    """Lean tiles of 128 columns for 3 rows (V = 301: two whole tiles and a tail)."""
+    monkeypatch.setitem(divergence_lean.TILE_BYTES, "cpu", 2 * 4 * 3 * 128)
+
+
+@pytest.mark.parametrize(("backend", "memory", "beta", "dtype", "case"), ORACLE_POINTS, ids=str)
+def test_matches_the_float64_oracle(backend, memory, beta, dtype, case, launches, small_lean_tiles):
     t, opts = _inputs(case, dtype)
-    out, grads = _run(t, opts, beta, backend=backend)
+    out, grads = _run(t, opts, beta, backend=backend, memory=memory)
     want, want_grads = _oracle(t, opts, beta)
     if case == "one_hot_teacher" and beta == 1.0:  # KL(p_s || one-hot) is infinite
         assert torch.isposinf(out.loss) and torch.isposinf(want["loss"])
@@ -132,14 +149,16 @@ def test_topk_plus_tail_matches_the_oracle(beta, given):
         assert_close(grad, want_grads[name], torch.float32, f"d{name}")
 
 
+@pytest.mark.parametrize("memory", ("fast", "lean"))
 @pytest.mark.parametrize("beta", BETAS)
-def test_vocabulary_blocks_and_row_chunks_that_do_not_divide(beta):
-    """The chunk pass itself, with blocks of 64 columns (V = 301) and 4-row chunks, against the oracle."""
+def test_vocabulary_blocks_and_row_chunks_that_do_not_divide(beta, memory):
+    """The chunk pass itself, with blocks (lean: tiles) of 64 columns (V = 301) and 4-row chunks, against the
+    oracle."""
     t, opts = _inputs("transforms", torch.float32)
     flat = {k: v.reshape(-1, v.shape[-1]) if v.dim() == 3 else v for k, v in t.items()}
     student = [flat[k].clone().requires_grad_() for k in ("student_hidden", "student_weight", "student_bias")]
     options = DivergenceOptions(beta=beta, temperature=0.7, student=Head(1.5, 4.0), teacher=Head(0.8, 6.0),
-                                chunk_size=4, block=64)  # fmt: skip
+                                chunk_size=4, block=64, memory=memory, tile=(4, 64))  # fmt: skip
     teacher = (flat["teacher_hidden"], flat["teacher_weight"], flat["teacher_bias"])
     total, _ = fused_linear_divergence_rows(tuple(student), teacher, None, None, options)
     loss = total / (B * T)
@@ -160,6 +179,19 @@ def test_teacher_gets_no_gradient_and_reduction_follows_num_items():
     unreduced = out.divergence.sum() / 40
     assert_close(out.loss, unreduced, torch.float32, "loss")
     assert int(out.num_valid) == int(t["mask"].sum())
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+def test_lean_with_every_row_in_one_tile(dtype):
+    """memory="lean" without chunk_size: one row tile, so each vocabulary tile's dW comes from one GEMM (written in
+    place for float32 weights)."""
+    t, opts = _inputs("transforms", dtype)
+    out, grads = _run(t, opts, 0.5, memory="lean", chunk_size=None)
+    want, want_grads = _oracle(t, opts, 0.5)
+    assert_close(out.loss, want["loss"], dtype, "loss")
+    for name, grad in grads.items():
+        assert grad.dtype == t[name].dtype
+        assert_close(grad, want_grads[name], dtype, f"d{name}")
 
 
 def test_module_holds_the_options():
@@ -183,7 +215,8 @@ def test_every_token_dropped_gives_zero_and_zero_gradients():
 REFUSALS = [
     (dict(backend="triton", top_k=3), r"backend='triton': top_k > 0 \(the top-k-plus-tail divergence\) has no Triton"),
     (dict(backend="cuda"), "backend='cuda': the two-head divergence has no CUDA"),
-    (dict(memory="lean"), "memory='lean'"),
+    (dict(memory="lean", top_k=3), "top_k > 0 with memory='lean'"),
+    (dict(memory="lean", backend="triton"), "backend='triton': memory='lean' .* runs on backend='torch' only"),
     (dict(process_group=object()), "vocabulary-parallel"),
     (dict(backend="jax"), "backend must be one of"),
 ]
@@ -204,7 +237,12 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize(("change", "message"), REFUSALS + BAD, ids=lambda x: str(x)[:40])
+def _named(x) -> str:
+    """A point's id: the changed arguments' names (an object's address differs between xdist workers)."""
+    return ",".join(x) if isinstance(x, dict) else x[:30]
+
+
+@pytest.mark.parametrize(("change", "message"), REFUSALS + BAD, ids=_named)
 def test_refusals_and_bad_arguments_name_the_argument(change, message, launches):
     t, _ = _inputs("plain", torch.float32)
     with pytest.raises((ValueError, TypeError), match=message):

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from grpo_kernels.kernels import backend as backends
+from grpo_kernels.kernels.divergence_lean import LeanDivergenceFunction
 from grpo_kernels.kernels.protocol import compute_dtype
 from grpo_kernels.kernels.torch.divergence import Head
 from grpo_kernels.kernels.torch.divergence_topk import topk_divergence_chunk
@@ -39,13 +40,16 @@ class DivergenceSupport:
     module: str = ""
     top_k_why_not: str = ""
     float64_why_not: str = ""
+    lean_why_not: str = ""
 
-    def refusal(self, top_k: int, dtype: torch.dtype) -> str:
-        """Why this backend refuses a call with `top_k` on heads of `dtype`, or "" when it runs it."""
+    def refusal(self, top_k: int, dtype: torch.dtype, memory: str = "fast") -> str:
+        """Why this backend refuses a call with `top_k` on heads of `dtype` in `memory` mode, or "" when it runs it."""
         if not self.runs:
             return self.why_not
         if top_k and self.top_k_why_not:
             return self.top_k_why_not
+        if memory == "lean" and (self.lean_why_not or top_k):
+            return self.lean_why_not or LEAN_TOP_K
         return self.float64_why_not if dtype == torch.float64 else ""
 
 
@@ -58,16 +62,15 @@ SUPPORT = {
         top_k_why_not="top_k > 0 (the top-k-plus-tail divergence) has no Triton kernel (its ids are a torch.topk "
         "and its tail a scatter over each chunk): use backend='torch'",
         float64_why_not="float64 heads: the Triton divergence computes in float32; use backend='torch'",
+        lean_why_not="memory='lean' (vocabulary tiles) runs on backend='torch' only: the Triton kernel works on whole "
+        "rows of a chunk",
     ),  # fmt: skip
     "cuda": DivergenceSupport(
         "cuda", False, "the two-head divergence has no CUDA extension kernels: use backend='torch' or 'triton'"
     ),  # fmt: skip
 }
-MEMORY_MODES = {
-    "fast": "",
-    "lean": "memory='lean' (vocabulary tiles) is not implemented for the two-head divergence: "
-    "its row chunks already hold only two [rows, V] buffers; use memory='fast' or a smaller chunk_size",
-}
+MEMORY_MODES = ("fast", "lean")  # row chunks with two [rows, V] buffers; tiles (`divergence_lean.py`)
+LEAN_TOP_K = "top_k > 0 with memory='lean': the top-k-plus-tail divergence needs whole rows; use memory='fast'"
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,8 @@ class DivergenceOptions:
     block: int = 32768
     top_k: int = 0
     backend: str = "torch"
+    memory: str = "fast"  # "fast": row chunks (this module); "lean": tiles (`divergence_lean.py`)
+    tile: tuple[int | None, int | None] = (None, None)  # lean: (rows, columns) per tile; None: from its budget
 
 
 @functools.cache
@@ -206,7 +211,8 @@ def fused_linear_divergence_rows(
     "logp" (with targets), "lse_s", "lse_t", "topk_ids" (with top_k)}, `[M]` each, detached) for rows already chosen
     (every row is kept)."""
     grad_enabled = torch.is_grad_enabled()
-    total, *details = _FusedLinearDivergenceFunction.apply(*student, *teacher, targets, topk_ids, opts, grad_enabled)
+    function = LeanDivergenceFunction if opts.memory == "lean" else _FusedLinearDivergenceFunction
+    total, *details = function.apply(*student, *teacher, targets, topk_ids, opts, grad_enabled)
     names = ("divergence", "entropy", "logp", "lse_s", "lse_t", "topk_ids")
     out = dict(zip(names, details, strict=True))
     if targets is None:
