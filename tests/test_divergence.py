@@ -74,27 +74,19 @@ def _oracle(t: dict, opts: dict, beta: float, **extra):
     return out, {k: v.grad for k, v in student.items()}
 
 
-# The Triton pass runs under its interpreter on CPU (seconds a point): every divergence on the transforms, each hard
-# case once, each half dtype once.
-TRITON_POINTS = [(beta, torch.float32, "transforms") for beta in BETAS] + [
+# A few points for the Triton pass (its interpreter takes seconds a point) and for memory="lean" (torch, in tiles of 3
+# rows × 128 columns): every divergence on the transforms, each hard case once, each half dtype once.
+FEW_POINTS = [(beta, torch.float32, "transforms") for beta in BETAS] + [
     (0.5, torch.float32, "neg_inf_both"),
     (0.0, torch.float32, "one_hot_teacher"),
     (1.0, torch.float32, "masked"),
     (0.5, torch.bfloat16, "non_contiguous"),
     (0.0, torch.float16, "packed"),
 ]
-# memory="lean" (torch): every divergence on the transforms, and each hard case once, in tiles of 3 rows × 128 columns
-LEAN_POINTS = [(beta, torch.float32, "transforms") for beta in BETAS] + [
-    (0.5, torch.bfloat16, "neg_inf_both"),
-    (0.0, torch.float32, "one_hot_teacher"),
-    (1.0, torch.float16, "masked"),
-    (0.5, torch.float32, "non_contiguous"),
-    (0.0, torch.bfloat16, "packed"),
-]
 ORACLE_POINTS = (
     [("torch", "fast", beta, dtype, case) for beta in BETAS for dtype in DTYPES for case in CASES]
-    + [("triton", "fast", *point) for point in TRITON_POINTS]
-    + [("torch", "lean", *point) for point in LEAN_POINTS]
+    + [("triton", "fast", *point) for point in FEW_POINTS]
+    + [("torch", "lean", *point) for point in FEW_POINTS]
 )
 
 

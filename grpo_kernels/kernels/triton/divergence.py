@@ -74,6 +74,15 @@ def _lse(row_ptr, stride_v, V, a, b, capped, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
+def _log_probs(s_row, s_stride_v, lse_s, t_row, t_stride_v, lse_t, cols, valid, a_s, b_s, capped_s, a_t, b_t,
+               capped_t):  # fmt: skip
+    """(log p_s, log p_t, dz_s/dx_s) of a block of both heads' columns."""
+    zs, derivative = _head(s_row, cols, s_stride_v, valid, a_s, b_s, capped_s)
+    zt, _ = _head(t_row, cols, t_stride_v, valid, a_t, b_t, capped_t)
+    return zs - lse_s, zt - lse_t, derivative
+
+
+@triton.jit
 def _weighted(p, log_ratio):
     """p · log_ratio, 0 where p is 0 (whatever the log ratio)."""
     return tl.where(p > 0, p * log_ratio, 0.0)
@@ -112,10 +121,8 @@ def _divergence_chunk_kernel(
     kl_student = tl.zeros((BLOCK_V,), tl.float32)  # Σ p_s (log p_s − ·): the reverse KL, or the JSD's student side
     for start in range(0, V, BLOCK_V):
         valid = start + cols < V
-        zs, derivative = _head(s_row, start + cols, s_stride_v, valid, a_s, b_s, capped_s)
-        zt, _ = _head(t_row, start + cols, t_stride_v, valid, a_t, b_t, capped_t)
-        ls = zs - lse_s
-        lt = zt - lse_t
+        ls, lt, derivative = _log_probs(s_row, s_stride_v, lse_s, t_row, t_stride_v, lse_t, start + cols, valid, a_s,
+                                        b_s, capped_s, a_t, b_t, capped_t)  # fmt: skip
         ps = tl.exp(ls)
         pt = tl.exp(lt)
         entropy -= _weighted(ps, ls)
@@ -141,10 +148,8 @@ def _divergence_chunk_kernel(
     if WITH_GRAD and KIND != 0:
         for start in range(0, V, BLOCK_V):
             valid = start + cols < V
-            zs, derivative = _head(s_row, start + cols, s_stride_v, valid, a_s, b_s, capped_s)
-            zt, _ = _head(t_row, start + cols, t_stride_v, valid, a_t, b_t, capped_t)
-            ls = zs - lse_s
-            lt = zt - lse_t
+            ls, lt, derivative = _log_probs(s_row, s_stride_v, lse_s, t_row, t_stride_v, lse_t, start + cols, valid,
+                                            a_s, b_s, capped_s, a_t, b_t, capped_t)  # fmt: skip
             if KIND == 1:
                 grad = _weighted(tl.exp(ls), ls - lt - centre) * derivative
             else:
