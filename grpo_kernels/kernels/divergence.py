@@ -8,6 +8,7 @@ soon as a chunk's logits are, and the backward only scales the gradients (4 GEMM
 both heads in its backward: 6). The teacher gets no gradient. GEMMs run in the compute dtype (float32 for
 bf16/fp16/fp32, float64 for float64): a half-precision head is upcast once per pass, as TRL projects in float32.
 
+`memory="lean"` runs `divergence_lean.py` instead (tiles of rows × vocabulary columns, the gradients in the backward).
 `SUPPORT` is the capability record of this pass, one entry per backend: what runs it, or why it is refused.
 """
 
