@@ -101,9 +101,10 @@ class LeanDivergenceFunction(torch.autograd.Function):
             for name, value in zip(names, values, strict=True):
                 if value is not None:  # logp: gathered tile by tile
                     outs[name][rows] = value
-        ctx.heads, ctx.tile, ctx.exact = heads, (r, columns), exact
+        ctx.opts, ctx.tile, ctx.exact = opts, (r, columns), exact
         ctx.needs = tuple(grad_enabled and need for need in ctx.needs_input_grad[:3])
-        ctx.save_for_backward(outs["lse_s"], outs["lse_t"], outs["centre"])
+        ctx.save_for_backward(s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, outs["lse_s"], outs["lse_t"],
+                              outs["centre"])  # fmt: skip
         logp = outs["logp"] if targets is not None else s_hidden.new_empty((0,), dtype=dtype)
         details = (outs["divergence"], outs["entropy"], logp, outs["lse_s"], outs["lse_t"])
         ids = s_hidden.new_empty((0,), dtype=torch.long)
@@ -112,10 +113,11 @@ class LeanDivergenceFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_total, *_details):
-        heads, ctx.heads = ctx.heads, None
         if grad_total is None or not any(ctx.needs):
             return (None,) * 10
-        lse_s, lse_t, centre = (x[:, None] for x in ctx.saved_tensors)  # [M, 1] each
+        *inputs, lse_s, lse_t, centre = ctx.saved_tensors
+        heads = _Heads(tuple(inputs[:3]), tuple(inputs[3:]), ctx.opts, lse_s.dtype)
+        lse_s, lse_t, centre = lse_s[:, None], lse_t[:, None], centre[:, None]  # [M, 1] each
         return (*_student_gradients(heads, lse_s, lse_t, centre, grad_total, ctx.tile, ctx.exact, ctx.needs),
                 *(None,) * 7)  # fmt: skip
 
