@@ -216,10 +216,11 @@ def test_module_holds_the_options():
         FusedLinearDivergence(mask=None)
 
 
-def test_every_token_dropped_gives_zero_and_zero_gradients():
+@pytest.mark.parametrize("memory", ("fast", "lean"))
+def test_every_token_dropped_gives_zero_and_zero_gradients(memory):
     t, _ = _inputs("plain", torch.float32)
     t["mask"] = torch.zeros(B, T, dtype=torch.bool)
-    out, grads = _run(t, {}, 1.0)
+    out, grads = _run(t, {}, 1.0, memory=memory)
     assert out.loss.item() == 0.0 and all(torch.count_nonzero(g) == 0 for g in grads.values())
 
 
