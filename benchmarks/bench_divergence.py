@@ -26,3 +26,20 @@ def bench_divergence(benchmark, bench_size, provider, beta):
     if not benchmark.disabled and size != "smoke":
         benchmark.extra_info["peak_extra_bytes"] = cases.measure_memory_in_fresh_process(provider, beta, N, H, V)
         benchmark.extra_info["gradient_bytes"] = 4 * (V * H + N * H)
+
+
+@pytest.mark.parametrize("dtype", ("float32", "bfloat16"))
+@pytest.mark.parametrize("memory", ("fast", "lean"))
+def bench_divergence_memory(benchmark, bench_size, memory, dtype):
+    """`fused_linear_divergence`'s two memory modes at the reverse KL, float32 and bf16 heads: "lean" trades 4 more
+    GEMMs for no [rows, V] buffers and, with bf16 heads, no float32 [V, H] accumulator beside dW."""
+    size = bench_size if bench_size in cases.SIZES else "smoke"
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    N, H, V = cases.SIZES[size]
+    run = cases.step("grpo_kernels", 1.0, cases.inputs(N, H, V, device, getattr(torch, dtype)), memory)
+    benchmark.extra_info.update(N=N, H=H, V=V, dtype=dtype, beta=1.0, memory=memory, device=str(device))
+    benchmark.pedantic(run, rounds=3 if size.startswith("gpu") else 1, warmup_rounds=0)
+    if not benchmark.disabled and size != "smoke":
+        peak = cases.measure_memory_in_fresh_process("grpo_kernels", 1.0, N, H, V, dtype, memory)
+        benchmark.extra_info["peak_extra_bytes"] = peak
+        benchmark.extra_info["gradient_bytes"] = getattr(torch, dtype).itemsize * (V * H + N * H)

@@ -1,5 +1,5 @@
 """The two-head distillation divergence's benchmark cases: inputs, one forward + backward per provider, and its peak
-extra memory measured in a fresh process (`python -m benchmarks.divergence_cases PROVIDER BETA N H V`).
+extra memory measured in a fresh process (`python -m benchmarks.divergence_cases PROVIDER BETA N H V DTYPE MEMORY`).
 
 Providers: `grpo_kernels` (`fused_linear_divergence`), `trl` (TRL 1.16's `ChunkedDivergenceFunction`, its torch tiles
 off CUDA), `liger` (`LigerFusedLinearJSD`; CUDA only: its JSD kernel is Triton, which on CPU runs only under the
@@ -50,8 +50,9 @@ def inputs(N: int, H: int, V: int, device: torch.device, dtype: torch.dtype = to
     }
 
 
-def step(provider: str, beta: float, data: dict):
-    """A callable running one forward + backward of `provider` on `data` (gradients reset first)."""
+def step(provider: str, beta: float, data: dict, memory: str = "fast"):
+    """A callable running one forward + backward of `provider` on `data` (gradients reset first); `memory` is
+    `fused_linear_divergence`'s mode."""
     s_h, s_w, t_h, t_w = (data[k] for k in ("student_hidden", "student_weight", "teacher_hidden", "teacher_weight"))
 
     def run() -> None:
@@ -63,7 +64,7 @@ def step(provider: str, beta: float, data: dict):
     def ours():
         from grpo_kernels import fused_linear_divergence
 
-        return fused_linear_divergence(s_h, s_w, t_h, t_w, beta=beta).loss
+        return fused_linear_divergence(s_h, s_w, t_h, t_w, beta=beta, memory=memory).loss
 
     def trl():
         from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
@@ -79,16 +80,19 @@ def step(provider: str, beta: float, data: dict):
     return run
 
 
-def measure_memory_in_fresh_process(provider: str, beta: float, N: int, H: int, V: int) -> int:
+def measure_memory_in_fresh_process(
+    provider: str, beta: float, N: int, H: int, V: int, dtype: str = "float32", memory: str = "fast"
+) -> int:
     """Peak extra bytes of one forward + backward, measured by a fresh Python process (CPU RSS is only fair there)."""
     import subprocess
 
-    argv = [sys.executable, "-m", "benchmarks.divergence_cases", provider, str(beta), str(N), str(H), str(V)]
+    argv = [sys.executable, "-m", "benchmarks.divergence_cases", provider, str(beta), str(N), str(H), str(V), dtype,
+            memory]  # fmt: skip
     return json.loads(subprocess.run(argv, check=True, capture_output=True, text=True).stdout)["peak_extra_bytes"]
 
 
 if __name__ == "__main__":
-    name, beta_arg, *dims = sys.argv[1:]
+    name, beta_arg, *dims, dtype_arg, memory_arg = sys.argv[1:]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    run = step(name, float(beta_arg), inputs(*map(int, dims), device))
+    run = step(name, float(beta_arg), inputs(*map(int, dims), device, getattr(torch, dtype_arg)), memory_arg)
     print(json.dumps({"peak_extra_bytes": peak_extra_bytes(run, device)}))

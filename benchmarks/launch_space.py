@@ -45,8 +45,8 @@ def _epilogues() -> dict[str, dict]:
 def reachable_cases() -> dict[str, Callable]:
     """Case name -> launch(dtype, V, B, T), as `static_report.cases()`: the forward with each subset of the statistics
     (with entropy), each combination of entropy and soft-capping in the forward (with every statistic and without) and
-    the backward, and the fused loss with each epilogue (with entropy) and each combination of entropy and
-    soft-capping (clip)."""
+    the backward, the fused loss with each epilogue (with entropy) and each combination of entropy and soft-capping
+    (clip), and the two-head divergence's chunk pass for each divergence, with and without the gradient."""
     from grpo_kernels.kernels.function import TOKEN_STATS
 
     out = {}
@@ -61,6 +61,10 @@ def reachable_cases() -> dict[str, Callable]:
         out[_name("token_logprobs_bwd", flags)] = static_report._token_logprobs_bwd(with_entropy, softcap=softcap)
         launch = static_report._grpo_loss_fwd("clip", with_entropy=with_entropy, softcap=softcap)
         out[_name("grpo_loss_fwd", ["clip", *flags])] = launch
+    for kind, beta in static_report.DIVERGENCES.items():
+        for with_grad in (False, True):  # soft-capping and targets are run-time flags: the same code
+            launch = static_report._divergence_chunk(beta, with_grad)
+            out[_name("divergence_chunk", [kind] + ["grad"] * with_grad)] = launch
     for epilogue, keywords in _epilogues().items():
         keywords = dict(keywords)
         launch = static_report._grpo_loss_fwd(keywords.pop("kind"), with_entropy=True, **keywords)
@@ -77,6 +81,7 @@ def matrix(archs: tuple[str, ...]) -> list[tuple[str, str, str, str]]:
     for arch, case in itertools.product(archs, reachable_cases()):
         epilogue = case.startswith("grpo_loss_fwd[") and not case.startswith("grpo_loss_fwd[clip,entropy")
         epilogue = epilogue and case not in ("grpo_loss_fwd[clip]", "grpo_loss_fwd[clip,softcap]")
+        epilogue = epilogue or case.startswith("divergence_chunk[")  # float32 buffers whatever the heads' dtype
         out += [(arch, case, dtype, "aligned") for dtype in (["bf16"] if epilogue else static_report.DTYPES)]
     return out + [item for item in static_report.matrix("ci") if item[0] in archs]
 

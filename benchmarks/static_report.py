@@ -70,6 +70,9 @@ BUDGETS = {
 }
 
 
+DIVERGENCES = {"forward_kl": 0.0, "reverse_kl": 1.0, "jsd": 0.5}  # the two-head divergence's kernels, by beta
+
+
 def budget_key(kernel: str, case: str) -> tuple[str, str]:
     """(pass, variant) of a kernel launched by a case: the key into BUDGETS."""
     direction = "bwd" if "_bwd" in kernel else "fwd"
@@ -136,6 +139,22 @@ def _grpo_loss_fwd(
     return launch
 
 
+def _divergence_chunk(beta: float, with_grad: bool = True) -> Callable:
+    """The two-head divergence's chunk pass: it reads the driver's float32 logits buffers whatever the heads' dtype."""
+
+    def launch(dtype, V, B, T):
+        from grpo_kernels.kernels.torch.divergence import Head
+        from grpo_kernels.kernels.triton import divergence as divergence_triton
+
+        logits = torch.empty((B * T, V), dtype=torch.float32, device="meta")  # [c, V], each head's
+        divergence_triton.divergence_chunk(
+            logits, torch.empty_like(logits), _inputs(dtype, V, B, T)["targets"].view(-1), beta=beta, temperature=1.0,
+            student=Head(), teacher=Head(final_logit_softcapping=30.0), with_grad=with_grad,
+        )  # fmt: skip
+
+    return launch
+
+
 def cases() -> dict[str, Callable]:
     """Case name -> launch(dtype, V, B, T); each policy epilogue and KL estimator of the fused kernel is one case."""
     from grpo_kernels.kernels.function import TOKEN_STATS
@@ -156,6 +175,7 @@ def cases() -> dict[str, Callable]:
         ),
         "grpo_loss_fwd[cispo,two_sided]": _grpo_loss_fwd("cispo", cispo_two_sided=True),
     }
+    out["divergence_chunk[jsd]"] = _divergence_chunk(DIVERGENCES["jsd"])  # the others: benchmarks/launch_space.py
     for kind in EPILOGUES:
         out[f"grpo_loss_fwd[{kind}]"] = _grpo_loss_fwd(kind)
     for kl in KL_KINDS:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from grpo_kernels.kernels import backend as backends
 from grpo_kernels.kernels.divergence import MEMORY_MODES, SUPPORT, DivergenceOptions, fused_linear_divergence_rows
 from grpo_kernels.kernels.torch.divergence import Head
 from grpo_kernels.tensor_checks import check_tensor, raise_first
@@ -154,14 +155,17 @@ def fused_linear_divergence(
         top_k: > 0 compares the heads over the teacher's k ids plus one tail bucket with the rest of the mass;
             `topk_ids` `[B, T, k]` / `[N, k]` gives the ids (distinct per token), else the teacher's top k are taken.
         chunk_size: rows per chunk (default: two float32 `[rows, V]` buffers of 64 MiB each). memory: "auto" or
-            "fast" (row chunks); "lean" is refused. backend: "auto" or "torch" ("triton", "cuda": refused, reason
-            given). process_group / vocab_start (vocabulary-parallel heads): refused.
+            "fast" (row chunks), or "lean" (tiles of rows × vocabulary columns, `chunk_size` rows at most: no
+            `[rows, V]` buffer and, for bf16/fp16 heads, no float32 `[V, H]` one, for 8 GEMMs instead of 4; torch
+            backend, no top_k). backend: "auto" (Triton on CUDA where it runs the call, else
+            torch), "torch" or "triton" (top_k and float64 refused on it, reason given; "cuda": refused).
+            process_group / vocab_start (vocabulary-parallel heads): refused.
         check_finite: a kept token whose student or teacher log-sum-exp is not finite is a ValueError naming it
             (one host sync).
 
     Return: `DivergenceOutput`.
     """
-    _check_route(backend, memory, process_group, vocab_start, student_hidden)
+    _check_route(backend, memory, process_group, vocab_start)
     for name, x in (("student_hidden", student_hidden), ("student_weight", student_weight),
                     ("teacher_hidden", teacher_hidden), ("teacher_weight", teacher_weight)):  # fmt: skip
         check_float(name, x)
@@ -181,7 +185,14 @@ def fused_linear_divergence(
     )
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size must be None or an int >= 1, got {chunk_size!r}")
-    opts = dataclasses.replace(opts, chunk_size=chunk_size or max(1, CHUNK_BYTES // (4 * V)))
+    memory = "fast" if memory == "auto" else memory
+    opts = dataclasses.replace(
+        opts,
+        chunk_size=chunk_size or max(1, CHUNK_BYTES // (4 * V)),
+        backend=_resolved(backend, top_k, student_weight.dtype, student_hidden.device, memory),
+        memory=memory,
+        tile=(chunk_size, None),
+    )
     s_rows = student_hidden.reshape(-1, student_hidden.shape[-1]).index_select(0, kept)  # [M, H_s]
     t_rows = teacher_hidden.reshape(-1, teacher_hidden.shape[-1]).index_select(0, kept)  # [M, H_t]
     total, details = fused_linear_divergence_rows(
@@ -226,20 +237,33 @@ class FusedLinearDivergence(nn.Module):
         return ", ".join(f"{name}={value!r}" for name, value in self.options.items())
 
 
-def _check_route(backend, memory, process_group, vocab_start, like) -> None:
+def _check_route(backend, memory, process_group, vocab_start) -> None:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend != "auto" and not SUPPORT[backend].runs:
         raise ValueError(f"backend={backend!r}: {SUPPORT[backend].why_not}")
     if memory not in ("auto", *MEMORY_MODES):
         raise ValueError(f"memory must be one of {('auto', *MEMORY_MODES)}, got {memory!r}")
-    if MEMORY_MODES.get(memory):
-        raise ValueError(MEMORY_MODES[memory])
     if process_group is not None or vocab_start is not None:
         raise ValueError(
             "process_group / vocab_start: vocabulary-parallel heads are not supported by the two-head divergence "
             "(each rank would need both heads' O(N) statistics merged, and the JSD a second pass); gather the heads"
         )
+
+
+def _resolved(backend: str, top_k: int, dtype: torch.dtype, device: torch.device, memory: str) -> str:
+    """The backend that runs the call: "auto" is Triton on CUDA where its record claims the call, else torch; a
+    backend that refuses the call, or cannot run on `device`, is a ValueError saying why."""
+    if backend == "auto":
+        claimed = device.type == "cuda" and not SUPPORT["triton"].refusal(top_k, dtype, memory)
+        backend = "triton" if claimed and backends.CAPABILITIES["triton"].usable(device)[0] else "torch"
+    why = SUPPORT[backend].refusal(top_k, dtype, memory)
+    if not why:
+        usable, why = backends.CAPABILITIES[backend].usable(device)
+        why = "" if usable else why
+    if why:
+        raise ValueError(f"backend={backend!r}: {why}")
+    return backend
 
 
 def check_float(name: str, x: object) -> None:

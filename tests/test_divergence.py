@@ -11,6 +11,7 @@ import torch
 
 from grpo_kernels import FusedLinearDivergence, fused_linear_divergence
 from grpo_kernels import reference_divergence as ref
+from grpo_kernels.kernels import divergence_lean
 from grpo_kernels.kernels.divergence import DivergenceOptions, fused_linear_divergence_rows
 from grpo_kernels.kernels.torch.divergence import Head
 from tests.conftest import DTYPES, assert_close
@@ -58,7 +59,7 @@ def _inputs(case: str, dtype: torch.dtype, seed: int = 0) -> tuple[dict, dict]:
 def _run(t: dict, opts: dict, beta: float, **extra):
     student = {k: t[k].detach().clone().requires_grad_() for k in ("student_hidden", "student_weight", "student_bias")}
     rest = {k: v for k, v in t.items() if k not in student}
-    out = fused_linear_divergence(**student, **rest, beta=beta, chunk_size=3, **opts, **extra)
+    out = fused_linear_divergence(**student, **rest, beta=beta, **{"chunk_size": 3, **opts, **extra})
     out.loss.backward()
     return out, {k: v.grad for k, v in student.items()}
 
@@ -73,18 +74,38 @@ def _oracle(t: dict, opts: dict, beta: float, **extra):
     return out, {k: v.grad for k, v in student.items()}
 
 
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("beta", BETAS)
-def test_matches_the_float64_oracle(beta, dtype, case, launches):
+# A few points for the Triton pass (its interpreter takes seconds a point) and for memory="lean" (torch, in tiles of 3
+# rows × 128 columns): every divergence on the transforms, each hard case once, each half dtype once.
+FEW_POINTS = [(beta, torch.float32, "transforms") for beta in BETAS] + [
+    (0.5, torch.float32, "neg_inf_both"),
+    (0.0, torch.float32, "one_hot_teacher"),
+    (1.0, torch.float32, "masked"),
+    (0.5, torch.bfloat16, "non_contiguous"),
+    (0.0, torch.float16, "packed"),
+]
+ORACLE_POINTS = (
+    [("torch", "fast", beta, dtype, case) for beta in BETAS for dtype in DTYPES for case in CASES]
+    + [("triton", "fast", *point) for point in FEW_POINTS]
+    + [("torch", "lean", *point) for point in FEW_POINTS]
+)
+
+
+@pytest.fixture
+def small_lean_tiles(monkeypatch):
+    """Lean tiles of 128 columns for 3 rows (V = 301: two whole tiles and a tail)."""
+    monkeypatch.setitem(divergence_lean.TILE_BYTES, "cpu", 2 * 4 * 3 * 128)
+
+
+@pytest.mark.parametrize(("backend", "memory", "beta", "dtype", "case"), ORACLE_POINTS, ids=str)
+def test_matches_the_float64_oracle(backend, memory, beta, dtype, case, launches, small_lean_tiles):
     t, opts = _inputs(case, dtype)
-    out, grads = _run(t, opts, beta)
+    out, grads = _run(t, opts, beta, backend=backend, memory=memory)
     want, want_grads = _oracle(t, opts, beta)
     if case == "one_hot_teacher" and beta == 1.0:  # KL(p_s || one-hot) is infinite
         assert torch.isposinf(out.loss) and torch.isposinf(want["loss"])
         return
     kept = int(t["mask"].sum()) if "mask" in t else B * T
-    assert launches["torch"] == math.ceil(kept / 3)  # one per chunk of 3 kept rows
+    assert launches == {backend: math.ceil(kept / 3)}  # one per chunk of 3 kept rows, on the backend asked for
     assert_close(out.loss, want["loss"], dtype, "loss")
     for name in ("divergence", "entropy", "logp"):
         assert_close(getattr(out, name), want[name], dtype, name)
@@ -93,12 +114,12 @@ def test_matches_the_float64_oracle(beta, dtype, case, launches):
         assert_close(grad, want_grads[name], dtype, f"d{name}")
 
 
-@pytest.mark.parametrize("beta", BETAS)
-def test_teacher_excluding_a_token_the_student_reaches(beta):
+@pytest.mark.parametrize(("backend", "beta"), [("torch", beta) for beta in BETAS] + [("triton", 1.0)])
+def test_teacher_excluding_a_token_the_student_reaches(backend, beta):
     """-inf in the teacher only: forward KL and the JSD stay finite; the reverse KL is +inf, as the oracle says."""
     t, _ = _inputs("plain", torch.float32)
     t["teacher_bias"][[2, 9]] = -math.inf
-    out = fused_linear_divergence(**t, beta=beta)
+    out = fused_linear_divergence(**t, beta=beta, backend=backend)
     want = ref.fused_linear_divergence(**t, beta=beta)
     if beta == 1.0:
         assert torch.isposinf(out.loss) and torch.isposinf(want["loss"])
@@ -120,14 +141,16 @@ def test_topk_plus_tail_matches_the_oracle(beta, given):
         assert_close(grad, want_grads[name], torch.float32, f"d{name}")
 
 
+@pytest.mark.parametrize("memory", ("fast", "lean"))
 @pytest.mark.parametrize("beta", BETAS)
-def test_vocabulary_blocks_and_row_chunks_that_do_not_divide(beta):
-    """The chunk pass itself, with blocks of 64 columns (V = 301) and 4-row chunks, against the oracle."""
+def test_vocabulary_blocks_and_row_chunks_that_do_not_divide(beta, memory):
+    """The chunk pass itself, with blocks (lean: tiles) of 64 columns (V = 301) and 4-row chunks, against the
+    oracle."""
     t, opts = _inputs("transforms", torch.float32)
     flat = {k: v.reshape(-1, v.shape[-1]) if v.dim() == 3 else v for k, v in t.items()}
     student = [flat[k].clone().requires_grad_() for k in ("student_hidden", "student_weight", "student_bias")]
     options = DivergenceOptions(beta=beta, temperature=0.7, student=Head(1.5, 4.0), teacher=Head(0.8, 6.0),
-                                chunk_size=4, block=64)  # fmt: skip
+                                chunk_size=4, block=64, memory=memory, tile=(4, 64))  # fmt: skip
     teacher = (flat["teacher_hidden"], flat["teacher_weight"], flat["teacher_bias"])
     total, _ = fused_linear_divergence_rows(tuple(student), teacher, None, None, options)
     loss = total / (B * T)
@@ -150,6 +173,38 @@ def test_teacher_gets_no_gradient_and_reduction_follows_num_items():
     assert int(out.num_valid) == int(t["mask"].sum())
 
 
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+def test_lean_with_every_row_in_one_tile(dtype):
+    """memory="lean" without chunk_size: one row tile, so each vocabulary tile's dW comes from one GEMM (written in
+    place for float32 weights)."""
+    t, opts = _inputs("transforms", dtype)
+    out, grads = _run(t, opts, 0.5, memory="lean", chunk_size=None)
+    want, want_grads = _oracle(t, opts, 0.5)
+    assert_close(out.loss, want["loss"], dtype, "loss")
+    for name, grad in grads.items():
+        assert grad.dtype == t[name].dtype
+        assert_close(grad, want_grads[name], dtype, f"d{name}")
+
+
+def test_triton_chunk_pass_on_strided_logits():
+    """The Triton chunk pass reads and writes logits through their strides (here column-major views) and agrees with
+    the torch pass, gradient included."""
+    from grpo_kernels.kernels.torch import divergence as torch_pass
+    from grpo_kernels.kernels.triton import divergence as triton_pass
+
+    g = torch.Generator().manual_seed(3)
+    zs, zt = (torch.randn(V, 4, generator=g).mul_(3).T for _ in range(2))  # [4, V], strides (1, 4)
+    targets = torch.randint(0, V, (4,), generator=g)
+    kw = dict(beta=0.5, temperature=0.7, student=Head(1.5, 4.0), teacher=Head(0.8, 6.0), with_grad=True)
+    want = torch_pass.divergence_chunk(zs.contiguous(), zt.contiguous(), targets, **kw)
+    grad = zs.contiguous()
+    torch_pass.divergence_chunk(grad, zt.contiguous(), targets, **kw)
+    got = triton_pass.divergence_chunk(zs, zt, targets, **kw)
+    for name, a, b in zip(triton_pass.OUTPUTS, got, want, strict=True):
+        assert_close(a, b, torch.float32, name)
+    assert_close(zs, grad, torch.float32, "gradient")
+
+
 def test_module_holds_the_options():
     t, opts = _inputs("transforms", torch.float32)
     module = FusedLinearDivergence(beta=0.5, **opts)
@@ -161,17 +216,19 @@ def test_module_holds_the_options():
         FusedLinearDivergence(mask=None)
 
 
-def test_every_token_dropped_gives_zero_and_zero_gradients():
+@pytest.mark.parametrize("memory", ("fast", "lean"))
+def test_every_token_dropped_gives_zero_and_zero_gradients(memory):
     t, _ = _inputs("plain", torch.float32)
     t["mask"] = torch.zeros(B, T, dtype=torch.bool)
-    out, grads = _run(t, {}, 1.0)
+    out, grads = _run(t, {}, 1.0, memory=memory)
     assert out.loss.item() == 0.0 and all(torch.count_nonzero(g) == 0 for g in grads.values())
 
 
 REFUSALS = [
-    (dict(backend="triton"), "backend='triton': the two-head divergence has no Triton kernels"),
-    (dict(backend="cuda"), "backend='cuda'"),
-    (dict(memory="lean"), "memory='lean'"),
+    (dict(backend="triton", top_k=3), r"backend='triton': top_k > 0 \(the top-k-plus-tail divergence\) has no Triton"),
+    (dict(backend="cuda"), "backend='cuda': the two-head divergence has no CUDA"),
+    (dict(memory="lean", top_k=3), "top_k > 0 with memory='lean'"),
+    (dict(memory="lean", backend="triton"), "backend='triton': memory='lean' .* runs on backend='torch' only"),
     (dict(process_group=object()), "vocabulary-parallel"),
     (dict(backend="jax"), "backend must be one of"),
 ]
@@ -192,11 +249,23 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize(("change", "message"), REFUSALS + BAD, ids=lambda x: str(x)[:40])
+def _named(x) -> str:
+    """A point's id: the changed arguments' names (an object's address differs between xdist workers)."""
+    return ",".join(x) if isinstance(x, dict) else x[:30]
+
+
+@pytest.mark.parametrize(("change", "message"), REFUSALS + BAD, ids=_named)
 def test_refusals_and_bad_arguments_name_the_argument(change, message, launches):
     t, _ = _inputs("plain", torch.float32)
     with pytest.raises((ValueError, TypeError), match=message):
         fused_linear_divergence(**(t | change))
+    assert not launches
+
+
+def test_triton_refuses_float64_heads_saying_why(launches):
+    t, _ = _inputs("plain", torch.float64)
+    with pytest.raises(ValueError, match="backend='triton': float64 heads: the Triton divergence computes in float32"):
+        fused_linear_divergence(**t, backend="triton")
     assert not launches
 
 

@@ -2,21 +2,25 @@
 rows hidden_t `[M, H_t]` with weight_t `[V, H_t]`; neither `[M, V]` logits tensor exists beyond one chunk of rows.
 
 Per chunk: the two logits GEMMs (into two `[rows, V]` buffers reused by every chunk), the backend's chunk pass on them
-(`kernels/torch/divergence.py`), and, in the forward, the student's two gradient GEMMs (dH for the chunk, dW and db
-accumulated): the divergence is the last op of the loss, so its dL/dlogits is known as soon as a chunk's logits are,
-and the backward only scales the gradients (4 GEMMs in all; TRL's Function recomputes both heads in its backward: 6).
-The teacher gets no gradient. GEMMs run in the compute dtype (float32 for bf16/fp16/fp32, float64 for float64): a
-half-precision head is upcast once per pass, as TRL projects in float32.
+(`kernels/torch/divergence.py`, `kernels/triton/divergence.py`), and, in the forward, the student's two gradient GEMMs
+(dH for the chunk, dW and db accumulated): the divergence is the last op of the loss, so its dL/dlogits is known as
+soon as a chunk's logits are, and the backward only scales the gradients (4 GEMMs in all; TRL's Function recomputes
+both heads in its backward: 6). The teacher gets no gradient. GEMMs run in the compute dtype (float32 for
+bf16/fp16/fp32, float64 for float64): a half-precision head is upcast once per pass, as TRL projects in float32.
 
 Rows may carry weights (`row_weights`: each row's divergence and gradient scaled), and a `ChunkTerm` may share the
 pass: another loss formed on the student's raw chunk logits before the divergence overwrites them, its dL/dlogits
 added to the divergence's before the gradient GEMMs (the GRPO loss of a step with a teacher term, `teacher_term.py`).
 
+`memory="lean"` runs `divergence_lean.py` instead (tiles of rows × vocabulary columns, the gradients in the backward).
 `SUPPORT` is the capability record of this pass, one entry per backend: what runs it, or why it is refused.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -24,37 +28,55 @@ import torch
 from torch import Tensor
 
 from grpo_kernels.kernels import backend as backends
+from grpo_kernels.kernels.divergence_lean import LeanDivergenceFunction
 from grpo_kernels.kernels.protocol import compute_dtype
-from grpo_kernels.kernels.torch.divergence import Head, divergence_chunk
+from grpo_kernels.kernels.torch.divergence import Head
 from grpo_kernels.kernels.torch.divergence_topk import topk_divergence_chunk
 
 
 @dataclass(frozen=True)
 class DivergenceSupport:
-    """A backend's record for the two-head divergence: whether it runs it, and why not."""
+    """A backend's record for the two-head divergence: whether it runs it and why not, the module of its chunk pass
+    (`divergence_chunk`, imported on first use), and why it refuses the top-k-plus-tail variant or float64 heads
+    ("" where it runs them)."""
 
     backend: str
     runs: bool
     why_not: str = ""
+    module: str = ""
+    top_k_why_not: str = ""
+    float64_why_not: str = ""
+    lean_why_not: str = ""
+
+    def refusal(self, top_k: int, dtype: torch.dtype, memory: str = "fast") -> str:
+        """Why this backend refuses a call with `top_k` on heads of `dtype` in `memory` mode, or "" when it runs it."""
+        if not self.runs:
+            return self.why_not
+        if top_k and self.top_k_why_not:
+            return self.top_k_why_not
+        if memory == "lean" and (self.lean_why_not or top_k):
+            return self.lean_why_not or LEAN_TOP_K
+        return self.float64_why_not if dtype == torch.float64 else ""
 
 
 SUPPORT = {
-    "torch": DivergenceSupport("torch", True),
+    "torch": DivergenceSupport("torch", True, module="grpo_kernels.kernels.torch.divergence"),
     "triton": DivergenceSupport(
         "triton",
-        False,
-        "the two-head divergence has no Triton kernels: use backend='torch' (its GEMMs and chunk ops "
-        "run on CUDA as well)",
+        True,
+        module="grpo_kernels.kernels.triton.divergence",
+        top_k_why_not="top_k > 0 (the top-k-plus-tail divergence) has no Triton kernel (its ids are a torch.topk "
+        "and its tail a scatter over each chunk): use backend='torch'",
+        float64_why_not="float64 heads: the Triton divergence computes in float32; use backend='torch'",
+        lean_why_not="memory='lean' (vocabulary tiles) runs on backend='torch' only: the Triton kernel works on whole "
+        "rows of a chunk",
     ),  # fmt: skip
     "cuda": DivergenceSupport(
-        "cuda", False, "the two-head divergence has no CUDA extension kernels: use backend='torch'"
+        "cuda", False, "the two-head divergence has no CUDA extension kernels: use backend='torch' or 'triton'"
     ),  # fmt: skip
 }
-MEMORY_MODES = {
-    "fast": "",
-    "lean": "memory='lean' (vocabulary tiles) is not implemented for the two-head divergence: "
-    "its row chunks already hold only two [rows, V] buffers; use memory='fast' or a smaller chunk_size",
-}
+MEMORY_MODES = ("fast", "lean")  # row chunks with two [rows, V] buffers; tiles (`divergence_lean.py`)
+LEAN_TOP_K = "top_k > 0 with memory='lean': the top-k-plus-tail divergence needs whole rows; use memory='fast'"
 
 
 @dataclass(frozen=True)
@@ -71,6 +93,18 @@ class DivergenceOptions:
     block: int = 32768
     top_k: int = 0
     backend: str = "torch"
+    memory: str = "fast"  # "fast": row chunks (this module); "lean": tiles (`divergence_lean.py`)
+    tile: tuple[int | None, int | None] = (None, None)  # lean: (rows, columns) per tile; None: from its budget
+
+
+@functools.cache
+def chunk_pass(backend: str) -> Callable:
+    """The `divergence_chunk` of `backend`'s record, its module imported on first use (after the backend's own
+    import check: a clear error for an unsupported triton)."""
+    before = backends.CAPABILITIES[backend].before_import
+    if before is not None:
+        before()
+    return importlib.import_module(SUPPORT[backend].module).divergence_chunk
 
 
 def _operands(weight: Tensor, bias: Tensor | None, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
@@ -160,7 +194,7 @@ class _FusedLinearDivergenceFunction(torch.autograd.Function):
                 *values, ids = topk_divergence_chunk(zs, zt, chunk_targets, opts.top_k, ids, **common)
                 outs["ids"].append(ids)
             else:
-                values = divergence_chunk(zs, zt, chunk_targets, **common)
+                values = chunk_pass(opts.backend)(zs, zt, chunk_targets, **common)
             for name, value in zip(("divergence", "entropy", "logp", "lse_s", "lse_t"), values, strict=True):
                 if value is not None:
                     outs[name].append(value)
@@ -202,9 +236,11 @@ def fused_linear_divergence_rows(
     {"divergence", "entropy", "logp" (with targets), "lse_s", "lse_t", "topk_ids" (with top_k)}, `[M]` each,
     unweighted and detached) for rows already chosen (every row is kept)."""
     grad_enabled = torch.is_grad_enabled()
-    total, *details = _FusedLinearDivergenceFunction.apply(
-        *student, *teacher, targets, topk_ids, opts, grad_enabled, row_weights, term
-    )
+    function = LeanDivergenceFunction if opts.memory == "lean" else _FusedLinearDivergenceFunction
+    extra = () if opts.memory == "lean" else (row_weights, term)
+    if opts.memory == "lean" and (row_weights is not None or term is not None):
+        raise ValueError("row weights and a shared chunk term run on the row-chunked pass (memory='fast') only")
+    total, *details = function.apply(*student, *teacher, targets, topk_ids, opts, grad_enabled, *extra)
     names = ("divergence", "entropy", "logp", "lse_s", "lse_t", "topk_ids")
     out = dict(zip(names, details, strict=True))
     if targets is None:

@@ -126,41 +126,73 @@ def divergence_chunk(
     (lse_s, low_s), (lse_t, low_t) = _row_statistics(zs, block), _row_statistics(zt, block)
     exact = not bool(torch.isneginf(torch.minimum(low_s, low_t)))  # no -inf: no 0·log 0 to mask
     logp = None if targets is None else zs.gather(1, targets[:, None])[:, 0] - lse_s[:, 0]
-    entropy, divergence, kl_student = zs.new_zeros(zs.shape[0]), zs.new_zeros(zs.shape[0]), None
-    log_mix = (math.log1p(-beta), math.log(beta)) if 0.0 < beta < 1.0 else None
+    sums = DivergenceSums.zeros(zs.shape[0], zs)
     for cols in _blocks(zs.shape[1], block):
         ls, lt = zs[:, cols].sub_(lse_s), zt[:, cols].sub_(lse_t)
-        ps = ls.exp()
-        entropy -= weighted_sum(ps, ls if exact else ls.clone(), exact)
+        ps, pt = sums.fold(ls, lt, beta, exact)
+        if with_grad and beta == 0.0:  # the forward KL's gradient needs no row sum: written in this sweep
+            derivative = zs_derivative(ls, lse_s, student, temperature)
+            _scale_(torch.sub(ps, pt, out=ls), derivative)
+    divergence, centre = sums.finish(beta)
+    if with_grad and beta > 0.0:
+        student_gradient_(zs, zt, beta, centre, lse_s, student, temperature, block, exact)
+    return divergence, sums.entropy, logp, lse_s[:, 0], lse_t[:, 0]
+
+
+def log_mixture(beta: float) -> tuple[float, float] | None:
+    """(log(1 − beta), log beta) of the JSD's mixture m = (1 − beta)·p_s + beta·p_t, None for the two KLs."""
+    return (math.log1p(-beta), math.log(beta)) if 0.0 < beta < 1.0 else None
+
+
+@dataclass
+class DivergenceSums:
+    """A row's running sums `[c]` over vocabulary blocks: the entropy, the divergence so far (the teacher's side for
+    the JSD) and the JSD's KL(p_s || m)."""
+
+    entropy: Tensor
+    divergence: Tensor
+    kl_student: Tensor
+
+    @classmethod
+    def zeros(cls, rows: int, like: Tensor) -> DivergenceSums:
+        return cls(*(like.new_zeros(rows) for _ in range(3)))
+
+    def fold(self, ls: Tensor, lt: Tensor, beta: float, exact: bool) -> tuple[Tensor, Tensor | None]:
+        """Add a block of log p_s, log p_t `[c, w]` (kept as they are); returns (p_s, p_t) of the forward KL, (p_s,
+        None) of the others."""
+        ps, pt = ls.exp(), None
+        self.entropy -= weighted_sum(ps, ls if exact else ls.clone(), exact)
         if beta == 0.0:
             pt = lt.exp()
-            divergence += weighted_sum(pt, lt - ls, exact)
-            if with_grad:
-                derivative = zs_derivative(ls, lse_s, student, temperature)
-                _scale_(torch.sub(ps, pt, out=ls), derivative)
+            self.divergence += weighted_sum(pt, lt - ls, exact)
         elif beta == 1.0:
-            divergence += weighted_sum(ps, ls - lt, exact)
+            self.divergence += weighted_sum(ps, ls - lt, exact)
         else:
-            log_m = torch.logaddexp(ls + log_mix[0], lt + log_mix[1])
-            divergence += beta * weighted_sum(lt.exp(), lt - log_m, exact)
-            part = weighted_sum(ps, ls - log_m, exact)
-            kl_student = part if kl_student is None else kl_student + part
-    if kl_student is not None:
-        divergence += (1 - beta) * kl_student
-    if with_grad and beta > 0.0:
-        centre = divergence if beta == 1.0 else kl_student
-        _student_gradient_(zs, zt, beta, log_mix, centre, lse_s, student, temperature, block, exact)
-    return divergence, entropy, logp, lse_s[:, 0], lse_t[:, 0]
+            log_1mb, log_b = log_mixture(beta)
+            log_m = torch.logaddexp(ls + log_1mb, lt + log_b)
+            self.divergence += beta * weighted_sum(lt.exp(), lt - log_m, exact)
+            self.kl_student += weighted_sum(ps, ls - log_m, exact)
+        return ps, pt
+
+    def finish(self, beta: float) -> tuple[Tensor, Tensor]:
+        """(the divergence `[c]`, the centre of the student's gradient: the divergence, or the JSD's KL(p_s || m))."""
+        if 0.0 < beta < 1.0:
+            return self.divergence + (1 - beta) * self.kl_student, self.kl_student
+        return self.divergence, self.divergence
 
 
-def _student_gradient_(zs, zt, beta, log_mix, centre, lse_s, student, temperature, block, exact) -> None:
-    """zs (log p_s) ← dD/dx_s for reverse KL (`centre` = D) or the JSD (`centre` = KL(p_s || m)), block by block."""
-    centre = centre[:, None]  # [c, 1]
+def student_gradient_(zs, zt, beta, centre, lse_s, student, temperature, block, exact) -> None:
+    """zs (log p_s, given zt = log p_t) ← dD/dx_s, block by block: (p_s − p_t) for the forward KL, p_s·(log p_s −
+    log p_t − D) for the reverse KL, (1 − beta)·p_s·(log p_s − log m − KL(p_s || m)) for the JSD (`centre` = D or
+    KL(p_s || m)), times dz/dx."""
+    centre, log_mix = centre[:, None], log_mixture(beta)  # [c, 1]
     for cols in _blocks(zs.shape[1], block):
         ls, lt = zs[:, cols], zt[:, cols]
         derivative = zs_derivative(ls, lse_s, student, temperature)
         ps = ls.exp()
-        if beta == 1.0:
+        if beta == 0.0:
+            torch.sub(ps, lt.exp(), out=ls)
+        elif beta == 1.0:
             weighted(ps, ls.sub_(lt).sub_(centre), exact)
         else:
             log_m = torch.logaddexp(ls + log_mix[0], lt + log_mix[1])
