@@ -79,6 +79,7 @@ def test_every_public_argument_reaches_the_plan(name):
 
     fields = {f.name for record in (LossTensors, Request) for f in dataclasses.fields(record)}
     passed = {"logits", "hidden", "weight", "bias", "targets", "mask", "options", "loss_options"}
+    passed |= {"teacher_hidden", "teacher_weight", "teacher_bias"}  # to the teacher term (`teacher_term.py`)
     parameters = set(inspect.signature(getattr(gk, name)).parameters)
     assert parameters <= fields | passed, parameters - fields - passed
 
