@@ -79,6 +79,7 @@ class Request:
     vocab_start: int | None = None
     sequence_group: Any = None
     return_sequence_losses: bool = False
+    return_logprobs: bool = False
     temperature: float = 1.0
     logit_scale: float = 1.0
     final_logit_softcapping: float | None = None
@@ -110,6 +111,7 @@ class Plan:
     options: LossOptions | None = None  # a loss call's
     inputs: LossInputs | None = None  # a loss call's checked tensors
     return_sequence_losses: bool = False
+    return_logprobs: bool = False
     stats: tuple[str, ...] = ()  # the statistics the caller asked for (the pass may compute more)
 
 
@@ -190,7 +192,10 @@ def build_plan(*, source: Source, arguments: dict[str, Any], options: LossOption
     )
     route = Route.LOGPROBS
     if loss:
-        route = choose_route(source, inputs, request, options, memory=memory_mode, backend=backend)
+        one_chunk = kept is not None and opts.chunk_size is not None and opts.chunk_size >= kept.index[0].shape[0]
+        route = choose_route(
+            source, inputs, request, options, memory=memory_mode, backend=backend, one_chunk=one_chunk
+        )
         route = Route.TWO_PHASE if route is Route.FUSED_EPILOGUE and replay is not None else route  # epilogue: V
     return Plan(
         route=route,
@@ -202,6 +207,7 @@ def build_plan(*, source: Source, arguments: dict[str, Any], options: LossOption
         options=options,
         inputs=inputs,
         return_sequence_losses=request.return_sequence_losses,
+        return_logprobs=request.return_logprobs,
         stats=checked.stats,
     )
 
@@ -224,16 +230,28 @@ def _kept_rows(mask: Tensor, count: int | None) -> KeptRows:
 
 
 def choose_route(
-    source: Source, inputs: LossInputs, request: Request, options: LossOptions, *, memory: str, backend: str
+    source: Source,
+    inputs: LossInputs,
+    request: Request,
+    options: LossOptions,
+    *,
+    memory: str,
+    backend: str,
+    one_chunk: bool = False,
 ) -> Route:
     """The one place a loss call's route is chosen. A token-level loss (`losses/epilogue.py`) whose weights take no
     gradient and whose statistics need no merging across ranks is formed inside the pass: in the fused lm_head's
     forward ("fast" memory, when a gradient is taken: without one its backward half would be waste), or in the
     forward kernel's epilogue where the backend has one that computes it (padded logits; on torch only when a
-    gradient is taken). Everything else, and every call asking for the per-sequence losses, runs two-phase."""
+    gradient is taken). A sampler correction formed from the pass's own log-probs (`LossInputs.ratio_reads_pass`)
+    is formed in the fused lm_head's forward too, per sequence only where `one_chunk` of rows holds every kept
+    token (the ratio needs the whole sequence first). Everything else, and every call asking for the per-sequence
+    losses, runs two-phase."""
     weights = (inputs.token_weights, inputs.sequence_weights)
+    own_ratio = inputs.ratio_reads_pass
     if (
-        request.return_sequence_losses
+        (own_ratio and (source.weight is None or (inputs.sampler_correction.per_sequence and not one_chunk)))
+        or request.return_sequence_losses
         or not epilogue.is_token_level(options)
         or any(w is not None and w.requires_grad for w in weights)
         or request.process_group is not None  # a vocabulary shard: statistics merged across ranks

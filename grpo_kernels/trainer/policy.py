@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from grpo_kernels.api import fused_linear_grpo_loss
 from grpo_kernels.engine.routes import replay_metrics
 from grpo_kernels.integrations.hf import completion_hidden_states, lm_head, logit_transform, policy_logprobs
+from grpo_kernels.losses.epilogue import is_token_level
 from grpo_kernels.losses.loss import compute_loss
 from grpo_kernels.losses.mismatch import apply_rollout_correction
 from grpo_kernels.losses.terms import build_terms
@@ -41,7 +42,7 @@ from grpo_kernels.packing import PackedSequences
 from grpo_kernels.trainer import sampling_replay
 
 if TYPE_CHECKING:
-    from grpo_kernels.trainer.sampler_correction import SamplerCorrection
+    from grpo_kernels.losses.sampler_ratio import SamplerCorrection
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -127,17 +128,26 @@ class PolicyModule(nn.Module):
         self.model = model
         self.padding_free = padding_free
 
-    def fused_loss(self, batch: UpdateBatch, options: LossOptions) -> tuple[Tensor, dict[str, Tensor]]:
-        """The fused loss on `batch`, its π_old given (`batch.old_logp`)."""
+    def fused_loss(
+        self, batch: UpdateBatch, options: LossOptions, correction: SamplerCorrection | None = None
+    ) -> tuple[Tensor, dict[str, Tensor], dict[str, Tensor]]:
+        """(loss, metrics, the pass's detached log-probs {"logp", and with replay "log_kept_mass", ...}, [B, T]
+        each) of the fused loss on `batch`: its π_old given (`batch.old_logp`), or None: the pass's own, detached.
+        `correction`: TRL's sampler correction formed inside the loss from π_old and `batch.sampling_logp`."""
         weight, bias = lm_head(self.model)
         scale, softcap = logit_transform(self.model)
         options = dataclasses.replace(options, logit_scale=scale, final_logit_softcapping=softcap)
         mask = batch.completion_mask
         bypass = options.rollout_correction is not None and options.rollout_correction.bypass_mode
         old_logp = None if bypass else batch.old_logp  # bypass: π_old is the sampler's
+        corrected = options.rollout_correction is not None or correction is not None
+        sampling_logp = batch.sampling_logp if corrected else None
+        keywords = dict(
+            bias=bias, sampler_correction=correction, return_logprobs=True, with_entropy=True, options=options
+        )
         if not self.padding_free:
             hidden = completion_hidden_states(self.model, batch.input_ids, batch.attention_mask, mask.shape[1])
-            out = fused_linear_grpo_loss(
+            out, logprobs = fused_linear_grpo_loss(
                 hidden,  # [B, T, H]
                 weight,
                 batch.targets,
@@ -145,19 +155,17 @@ class PolicyModule(nn.Module):
                 old_logp,
                 batch.ref_logp,
                 mask,
-                bias=bias,
                 is_ratio=batch.is_ratio,
-                sampling_logp=batch.sampling_logp,
+                sampling_logp=sampling_logp,
                 token_weights=batch.token_weights,
                 sequence_weights=batch.sequence_weights,
-                with_entropy=True,
-                options=options,
+                **keywords,
             )
-            return out.loss, out.metrics
+            return out.loss, out.metrics, logprobs
         packed = checked_pack(batch.input_ids, batch.attention_mask, mask)
         if options.loss_scale_factor is None:  # seq-mean-token-sum-norm's T: the padded width, not the packed max
-            options = dataclasses.replace(options, loss_scale_factor=float(mask.shape[1]))
-        out = fused_linear_grpo_loss(
+            keywords["options"] = dataclasses.replace(options, loss_scale_factor=float(mask.shape[1]))
+        out, logprobs = fused_linear_grpo_loss(
             completion_hidden_states(self.model, packed),  # [N, H]
             weight,
             packed.targets,
@@ -165,16 +173,14 @@ class PolicyModule(nn.Module):
             packed.pack(old_logp),
             packed.pack(batch.ref_logp),
             packed.pack(mask),
-            bias=bias,
             is_ratio=packed.pack(batch.is_ratio),
-            sampling_logp=packed.pack(batch.sampling_logp),
+            sampling_logp=packed.pack(sampling_logp),
             token_weights=packed.pack(batch.token_weights),
             sequence_weights=batch.sequence_weights,
             cu_seqlens=packed.completion_cu_seqlens,
-            with_entropy=True,
-            options=options,
+            **keywords,
         )
-        return out.loss, out.metrics
+        return out.loss, out.metrics, {name: packed.unpack(x) for name, x in logprobs.items()}  # [B, T] each
 
     def forward(
         self, batch: UpdateBatch, options: LossOptions, own_pass: OwnPass | None = None
@@ -185,7 +191,7 @@ class PolicyModule(nn.Module):
         log-probs, kept mass and sampler ratio)."""
         if own_pass is not None:
             return own_pass_loss(self, batch, options, own_pass)
-        return self.fused_loss(batch, options)
+        return self.fused_loss(batch, options)[:2]
 
     @torch.no_grad()
     def logprobs(self, *args, **kwargs) -> tuple[Tensor, Tensor] | dict[str, Tensor]:
@@ -238,6 +244,13 @@ def checked_pack(input_ids: Tensor, attention_mask: Tensor, completion_mask: Ten
 REPORTED = ("logp", "log_kept_mass", "is_ratio")  # what the pass reports back, detached
 
 
+def fuses_own_pass(options: LossOptions) -> bool:
+    """Whether the update pass as its own log-prob pass is the fused loss's (its 3-GEMM route, the sampler
+    correction's ratio formed in it): a token-level loss without a rollout correction (which reads π_old over the
+    whole batch); else `own_pass_loss` runs the log-probs, then the loss algebra."""
+    return is_token_level(options) and options.rollout_correction is None
+
+
 @dataclass(frozen=True)
 class OwnPass:
     """The update pass also gives the log-probs: its own π_old where `UpdateBatch.old_logp` is None, and the sampler
@@ -249,8 +262,15 @@ class OwnPass:
 def own_pass_loss(
     policy: PolicyModule, batch: UpdateBatch, options: LossOptions, own_pass: OwnPass
 ) -> tuple[Tensor, dict[str, Tensor], dict[str, Tensor]]:
-    """(loss, metrics, the pass's detached `REPORTED` tensors, [b, T] or [b]) of one (micro-)batch."""
+    """(loss, metrics, the pass's detached `REPORTED` tensors, [b, T] or [b]) of one (micro-)batch: the fused
+    loss's route where the loss is token level (`fuses_own_pass`), else the log-probs, then the loss algebra."""
     mask = batch.completion_mask
+    if fuses_own_pass(options):
+        correction = own_pass.correction if batch.old_logp is None else None
+        loss, metrics, out = policy.fused_loss(batch, options, correction)
+        is_ratio = batch.is_ratio if correction is None else correction.ratio(out["logp"], batch.sampling_logp, mask)
+        reported = {"logp": out["logp"], "log_kept_mass": out.get("log_kept_mass"), "is_ratio": is_ratio}
+        return loss, metrics, {name: x for name, x in reported.items() if x is not None}
     keywords = sampling_replay.pass_keywords(options, ("outside_support",))  # the fused loss's replay metrics too
     out = sampling_replay.named_logprobs(
         policy.pass_logprobs(batch.input_ids, batch.attention_mask, mask, options.temperature, **keywords)
