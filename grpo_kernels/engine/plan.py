@@ -193,9 +193,7 @@ def build_plan(*, source: Source, arguments: dict[str, Any], options: LossOption
     route = Route.LOGPROBS
     if loss:
         one_chunk = kept is not None and opts.chunk_size is not None and opts.chunk_size >= kept.index[0].shape[0]
-        route = choose_route(
-            source, inputs, request, options, memory=memory_mode, backend=backend, one_chunk=one_chunk
-        )
+        route = choose_route(source, inputs, request, options, memory=memory_mode, backend=backend, one_chunk=one_chunk)
         route = Route.TWO_PHASE if route is Route.FUSED_EPILOGUE and replay is not None else route  # epilogue: V
     return Plan(
         route=route,

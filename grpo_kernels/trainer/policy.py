@@ -66,29 +66,21 @@ class UpdateBatch:
     def targets(self) -> Tensor:
         return self.input_ids[:, -self.completion_mask.shape[1] :]  # [B, T]
 
-    def split(self, parts: int) -> list[UpdateBatch]:
-        """`parts` micro-batches of consecutive rows (sizes differ by at most one); each must hold a row."""
-        rows = self.input_ids.shape[0]
-        if not 1 <= parts <= rows:
-            raise ValueError(f"gradient_accumulation_steps must be in [1, {rows}] (rows per rank), got {parts}")
-        index = torch.tensor_split(torch.arange(rows), parts)
-        return [self.rows(i) for i in index]
-
     def rows(self, index: Tensor) -> UpdateBatch:
         """The micro-batch of rows `index` (a 1-D long tensor)."""
         return UpdateBatch(**{name: None if value is None else value[index] for name, value in vars(self).items()})
 
     def token_costs(self, padding_free: bool) -> list[int]:
-        """Tokens the policy's forward runs per row: its real tokens when padding-free, else the padded width."""
-        if padding_free:
-            return self.attention_mask.sum(1).tolist()
-        return [self.input_ids.shape[1]] * self.input_ids.shape[0]
+        """Tokens the policy's forward runs per row (`token_costs`)."""
+        return token_costs(self.attention_mask, padding_free)
 
-    def split_by_tokens(self, max_tokens: int, padding_free: bool, parts: int = 1) -> list[UpdateBatch]:
-        """Micro-batches of consecutive rows, each within `max_tokens` tokens (`token_costs`), at least `parts` of
-        them: greedy filling, then the heaviest micro-batch is halved (by tokens) until there are `parts`."""
-        groups = token_budget_groups(self.token_costs(padding_free), max_tokens, parts)
-        return [self.rows(torch.tensor(group, dtype=torch.long)) for group in groups]
+
+def token_costs(attention_mask: Tensor, padding_free: bool) -> list[int]:
+    """Tokens the policy's forward runs per row of `attention_mask` [B, P + T]: its real tokens when padding-free,
+    else the padded width."""
+    if padding_free:
+        return attention_mask.sum(1).tolist()
+    return [attention_mask.shape[1]] * attention_mask.shape[0]
 
 
 def token_budget_groups(costs: list[int], max_tokens: int, parts: int = 1) -> list[list[int]]:
