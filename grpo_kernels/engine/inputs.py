@@ -64,7 +64,9 @@ class LossInputs:
     sampling_logp: Tensor | None = None  # the sampler's log-probs, for the off-policy sequence mask
     sequence_group: Any = None  # the process group the sequences are split across (context parallel)
     correction_metrics: dict[str, Tensor] | None = None  # the rollout correction's, when formed from the inputs
-    sampler_correction: SamplerCorrection | None = None  # TRL's, formed from π_old (`ratio_reads_pass`)
+    sampler_correction: SamplerCorrection | None = None  # TRL's, formed from π_old
+    ratio_reads_pass: bool = False  # the sampler correction's π_old is the pass's own log-probs (old_logp None: π_θ
+    # at the update), so its IS weight is formed from them (`own_is_ratio`)
 
     @classmethod
     def of(
@@ -103,6 +105,7 @@ class LossInputs:
             mask=padded(layout, layout.mask, False),
             sequence_group=sequence_group,
             sampler_correction=given.sampler_correction,
+            ratio_reads_pass=given.sampler_correction is not None and given.old_logp is None,
             **view,
         )
         return inputs.corrected(options), checks
@@ -128,12 +131,6 @@ class LossInputs:
             options.rollout_correction, self.old_logp, self.sampling_logp, self.mask, logp
         )
         return dataclasses.replace(self, old_logp=old_logp, mask=mask, is_ratio=weights, correction_metrics=metrics)
-
-    @property
-    def ratio_reads_pass(self) -> bool:
-        """Whether the sampler correction's π_old is the pass's own log-probs (old_logp None: π_θ at the update),
-        so that its IS weight is formed from them (`own_is_ratio`)."""
-        return self.sampler_correction is not None and self.old_logp is None
 
     def own_is_ratio(self, logp: Tensor, at: tuple[Tensor, Tensor]) -> Tensor:
         """The sampler correction's IS weight, [B, T] or [B], with π_old := `logp` [c] (the pass's, detached) at the

@@ -12,13 +12,16 @@ returns) keep the padded `[B, T]` layout the rest of the trainer uses.
 step per generation), π_old is the update pass's own log-probs, detached, and the separate no-grad π_old pass does
 not run.
 
-The pass runs the fused lm_head's log-probs with gradients (`fused_linear_token_logprobs`: each chunk's logits again
-in the backward, 4 GEMMs), then the loss algebra of `losses/` on them (`build_terms`, `compute_loss`, the
-`two_phase` route's), so every loss type and option works as on the fused loss. The sampler correction's ratio
-π_old / π_sampler comes from the same log-probs before the loss; they, the kept mass and the ratio go back to the
-trainer (detached) for the sampler-sync guard and the `sampling/*` metrics, which it checks before the optimizer
-step. With a given `old_logp` (verl's bypass mode: the sampler's log-probs) the pass is the same, its log-probs
-only reported.
+A token-level loss without a rollout correction (`fuses_own_pass`) runs the fused loss itself with old_logp None
+(`fused_linear_grpo_loss`'s 3-GEMM route): each chunk's log-probs, detached, are π_old, and the sampler
+correction's ratio π_old / π_sampler is formed from them inside the loss (per sequence there too while one chunk
+of rows holds the micro-batch's kept tokens, else on the 4-GEMM route). Every other loss and option runs the fused
+lm_head's log-probs with gradients (`fused_linear_token_logprobs`: 4 GEMMs), then the loss algebra of `losses/` on
+them (`build_terms`, `compute_loss`, the `two_phase` route's), with the ratio and the rollout correction formed
+from the same log-probs first. Either way the log-probs, the kept mass and the ratio go back to the trainer
+(detached) for the sampler-sync guard and the `sampling/*` metrics, which it checks before the optimizer step, and
+they equal a π_old pass's over the same micro-batches bitwise. With a given `old_logp` (verl's bypass mode: the
+sampler's log-probs) the pass is the same, its log-probs only reported.
 """
 
 from __future__ import annotations
