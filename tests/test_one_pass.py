@@ -129,8 +129,8 @@ def test_the_reported_log_probs_are_the_first_updates():
 @pytest.mark.parametrize("mode", IS_MODES)
 def test_fused_loss_forms_the_correction_from_its_own_log_probs(mode):
     """fused_linear_grpo_loss with old_logp None and a sampler correction equals the call given π_old and the ratio
-    (a π_old pass's, same chunks) bitwise on the 3-GEMM route: per token in each chunk, per sequence where one chunk
-    holds every kept token; a sequence mode over several chunks takes the 4-GEMM route, equal to float error."""
+    (a π_old pass's, same chunks) bitwise, on the 3-GEMM route: per token in each chunk, per sequence in the one
+    chunk that holds every kept token, or after a no-grad pass over several chunks (`plan._needs_old_pass`)."""
     g = torch.Generator().manual_seed(0)
     hidden, weight = torch.randn(3, 7, 16, generator=g), 0.3 * torch.randn(50, 16, generator=g)
     targets, mask = torch.randint(0, 50, (3, 7), generator=g), torch.rand(3, 7, generator=g) > 0.2
@@ -153,16 +153,9 @@ def test_fused_loss_forms_the_correction_from_its_own_log_probs(mode):
             fused = backend.launches["fused_linear_token_loss"] > before
             results.append((fused, out.loss, h.grad, w.grad, logprobs["logp"], out.metrics))
         (fused_two, *want), (fused_one, *got) = results
-        assert fused_two and torch.equal(got[3], old_logp)  # the returned log-probs are the π_old pass's
-        if fused_one:
-            assert torch.equal(got[0], want[0]) and all(
-                torch.equal(a, b) for a, b in zip(got[1:3], want[1:3], strict=True)
-            )
-            assert got[4] == want[4]
-        else:
-            assert correction.per_sequence and chunk_size == 4  # several chunks: the ratio needs whole sequences
-            for a, b in zip(got[:3], want[:3], strict=True):
-                assert_close(a, b, torch.float32, mode)
+        assert fused_two and fused_one and torch.equal(got[3], old_logp)  # the returned log-probs: π_old's
+        assert torch.equal(got[0], want[0]) and all(torch.equal(a, b) for a, b in zip(got[1:3], want[1:3], strict=True))
+        assert got[4] == want[4]
 
 
 def test_fused_loss_sampler_correction_arguments():

@@ -139,6 +139,14 @@ class LossInputs:
         old = torch.zeros(self.mask.shape, dtype=logp.dtype, device=logp.device).index_put(at, logp.detach())
         return self.sampler_ratio(old)
 
+    def with_own_old_logp(self, logp: Tensor) -> LossInputs:
+        """These inputs with π_old := the pass's log-probs `logp` [R, C] (a no-grad pass's) and the sampler
+        correction's IS weight formed from them."""
+        old_logp = padded(self.layout, logp)
+        return dataclasses.replace(
+            self, old_logp=old_logp, is_ratio=self.sampler_ratio(old_logp), ratio_reads_pass=False
+        )
+
     def sampler_ratio(self, old_logp: Tensor) -> Tensor:
         """The sampler correction's IS weight, [B, T] or [B], of π_old `old_logp` [B, T] (padded view)."""
         return self.sampler_correction.ratio(old_logp, self.sampling_logp, self.mask)

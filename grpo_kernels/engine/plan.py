@@ -112,6 +112,7 @@ class Plan:
     inputs: LossInputs | None = None  # a loss call's checked tensors
     return_sequence_losses: bool = False
     return_logprobs: bool = False
+    old_pass: bool = False  # π_old from a no-grad pass over the kept rows first (`_needs_old_pass`)
     stats: tuple[str, ...] = ()  # the statistics the caller asked for (the pass may compute more)
 
 
@@ -190,11 +191,11 @@ def build_plan(*, source: Source, arguments: dict[str, Any], options: LossOption
         with_entropy=request.with_entropy or needs_entropy,
         row_check=row_check,
     )
-    route = Route.LOGPROBS
+    route, old_pass = Route.LOGPROBS, False
     if loss:
-        one_chunk = kept is not None and opts.chunk_size is not None and opts.chunk_size >= kept.index[0].shape[0]
-        route = choose_route(source, inputs, request, options, memory=memory_mode, backend=backend, one_chunk=one_chunk)
+        route = choose_route(source, inputs, request, options, memory=memory_mode, backend=backend)
         route = Route.TWO_PHASE if route is Route.FUSED_EPILOGUE and replay is not None else route  # epilogue: V
+        old_pass = route is Route.LINEAR_TOKEN_LOSS and _needs_old_pass(inputs, kept, opts)
     return Plan(
         route=route,
         source=source,
@@ -206,6 +207,7 @@ def build_plan(*, source: Source, arguments: dict[str, Any], options: LossOption
         inputs=inputs,
         return_sequence_losses=request.return_sequence_losses,
         return_logprobs=request.return_logprobs,
+        old_pass=old_pass,
         stats=checked.stats,
     )
 
@@ -228,27 +230,18 @@ def _kept_rows(mask: Tensor, count: int | None) -> KeptRows:
 
 
 def choose_route(
-    source: Source,
-    inputs: LossInputs,
-    request: Request,
-    options: LossOptions,
-    *,
-    memory: str,
-    backend: str,
-    one_chunk: bool = False,
+    source: Source, inputs: LossInputs, request: Request, options: LossOptions, *, memory: str, backend: str
 ) -> Route:
     """The one place a loss call's route is chosen. A token-level loss (`losses/epilogue.py`) whose weights take no
     gradient and whose statistics need no merging across ranks is formed inside the pass: in the fused lm_head's
     forward ("fast" memory, when a gradient is taken: without one its backward half would be waste), or in the
     forward kernel's epilogue where the backend has one that computes it (padded logits; on torch only when a
-    gradient is taken). A sampler correction formed from the pass's own log-probs (`LossInputs.ratio_reads_pass`)
-    is formed in the fused lm_head's forward too, per sequence only where `one_chunk` of rows holds every kept
-    token (the ratio needs the whole sequence first). Everything else, and every call asking for the per-sequence
-    losses, runs two-phase."""
+    gradient is taken); with a sampler correction of the pass's own log-probs (`LossInputs.ratio_reads_pass`), only
+    in the fused lm_head's forward. Everything else, and every call asking for the per-sequence losses, runs
+    two-phase."""
     weights = (inputs.token_weights, inputs.sequence_weights)
-    own_ratio = inputs.ratio_reads_pass
     if (
-        (own_ratio and (source.weight is None or (inputs.sampler_correction.per_sequence and not one_chunk)))
+        (inputs.ratio_reads_pass and source.weight is None)
         or request.return_sequence_losses
         or not epilogue.is_token_level(options)
         or any(w is not None and w.requires_grad for w in weights)
@@ -267,6 +260,16 @@ def choose_route(
     ):
         return Route.FUSED_EPILOGUE
     return Route.TWO_PHASE
+
+
+def _needs_old_pass(inputs: LossInputs, kept: KeptRows, opts: PassOptions) -> bool:
+    """Whether the fused lm_head's loss needs π_old before its first chunk: a per-sequence sampler correction of the
+    pass's own log-probs whose kept rows take more than one chunk (a sequence's ratio needs all its tokens). Then
+    a no-grad pass over the kept rows gives π_old first (1 GEMM), the log-probs a separate π_old pass would give
+    bitwise, and the 3-GEMM loss takes them; one chunk forms the ratio from its own log-probs."""
+    if not inputs.ratio_reads_pass or not inputs.sampler_correction.per_sequence:
+        return False
+    return opts.chunk_size < kept.index[0].shape[0]
 
 
 def _memory_mode(

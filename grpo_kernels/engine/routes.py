@@ -118,8 +118,12 @@ def fused_epilogue(plan: Plan) -> GRPOLossOutput:
 
 
 def linear_token_loss(plan: Plan):
-    """The fused lm_head with a token-level loss's gradients formed in its forward (3 GEMMs)."""
+    """The fused lm_head with a token-level loss's gradients formed in its forward (3 GEMMs); with `plan.old_pass`
+    a no-grad pass first gives π_old (1 GEMM)."""
     inputs, kept, options, layout = plan.inputs, plan.kept, plan.options, plan.layout
+    if plan.old_pass:
+        with torch.no_grad():
+            inputs = inputs.with_own_old_logp(vocab_pass(plan)["logp"])
     loss, logp, entropy, stats = fused_linear_token_loss(
         _take(kept, layout.rows),
         plan.source.weight,
