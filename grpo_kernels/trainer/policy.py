@@ -14,8 +14,8 @@ not run.
 
 A token-level loss without a rollout correction (`fuses_own_pass`) runs the fused loss itself with old_logp None
 (`fused_linear_grpo_loss`'s 3-GEMM route): each chunk's log-probs, detached, are π_old, and the sampler
-correction's ratio π_old / π_sampler is formed from them inside the loss (per sequence there too while one chunk
-of rows holds the micro-batch's kept tokens, else on the 4-GEMM route). Every other loss and option runs the fused
+correction's ratio π_old / π_sampler is formed from them inside the loss (a per-sequence ratio whose micro-batch
+takes several chunks of rows: from a no-grad pass of the head first, 1 GEMM, no decoder forward). Every other loss and option runs the fused
 lm_head's log-probs with gradients (`fused_linear_token_logprobs`: 4 GEMMs), then the loss algebra of `losses/` on
 them (`build_terms`, `compute_loss`, the `two_phase` route's), with the ratio and the rollout correction formed
 from the same log-probs first. Either way the log-probs, the kept mass and the ratio go back to the trainer
