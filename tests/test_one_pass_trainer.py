@@ -45,13 +45,13 @@ def forwards(model: torch.nn.Module | None) -> list[bool]:
     "overrides, source, policy_calls",
     [
         (dict(old_logprobs="auto", loss=dict(beta=0.0)), "update", [True]),
-        (dict(old_logprobs="auto"), "update", [True]),
+        (dict(), "update", [True]),
         (dict(old_logprobs="auto", gradient_accumulation_steps=2), "update", [True, True]),
-        (dict(), "pass", [False, True]),
+        (dict(old_logprobs="pass"), "pass", [False, True]),
         (dict(old_logprobs="auto", num_iterations=2), "pass", [False, True, True]),
         (dict(old_logprobs="sampler", num_iterations=2), "sampler", [True, True]),
     ],
-    ids=["one_pass_beta_0", "one_pass", "accumulation", "default_pass", "mu_2", "bypass_mu_2"],
+    ids=["one_pass_beta_0", "default_one_pass", "accumulation", "pass", "mu_2", "bypass_mu_2"],
 )
 def test_the_pi_old_pass_runs_only_where_needed(cpu_vllm, tmp_path, overrides, source, policy_calls):
     overrides = dict(overrides)
