@@ -257,9 +257,10 @@ def fused_linear_grpo_loss(
     π_old / π_sampler from old_logp and `sampling_logp` (then required; is_ratio and rollout_correction refused).
     With old_logp None, π_old is the pass's own log-probs, detached (π_θ at the update: no separate π_old pass),
     and the ratio is formed from them inside the loss: per token in each chunk of the 3-GEMM route; per sequence
-    there too when one chunk holds every kept token, else from a no-grad pass over the kept rows first (1 GEMM). `return_logprobs` appends the pass's
-    detached log-probs to the result, `{"logp", and with replay "log_kept_mass", "outside_support"}` in the
-    layout of `targets`: `(output, logprobs)`, or `(output, sequence_losses, logprobs)`.
+    there too when one chunk holds every kept token, else from a no-grad pass over the kept rows first (1 GEMM).
+    `return_logprobs` appends the pass's detached log-probs to the result, `{"logp", and with replay
+    "log_kept_mass", "outside_support"}` in the layout of `targets`: `(output, logprobs)`, or `(output,
+    sequence_losses, logprobs)`.
     """
     args = check_argument_types(locals())  # the call's arguments as one record, cu_seqlens a tensor
     options = resolve_options(options, loss_options)

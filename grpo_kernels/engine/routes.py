@@ -172,12 +172,11 @@ def chunk_loss(
     omega = at_kept(token_omega(inputs, options, dtype))  # [M]
     side = {name: at_kept(getattr(inputs, name)) for name in ("old_logp", "ref_logp", "advantages", "is_ratio")}
     closed_form = fits_kernel_epilogue(options, CAPABILITIES["torch"].epilogue_kl)
-    num_kept = inputs.mask.sum().clamp(min=1)
 
     def share_of(omega: Tensor, side: dict[str, Tensor | None], row_mask: Tensor | None) -> ChunkLoss:
         if closed_form:
             return grpo_loss_torch.closed_form_share(omega, side, row_mask, TokenEpilogue.from_options(options), dtype)
-        return token_loss.autograd_share(omega, side, row_mask, options, num_kept)
+        return token_loss.autograd_share(omega, side, row_mask, options, inputs.mask.sum().clamp(min=1))
 
     if not inputs.ratio_reads_pass:
         return share_of(omega, side, row_mask)

@@ -13,15 +13,15 @@ step per generation), π_old is the update pass's own log-probs, detached, and t
 not run.
 
 A token-level loss without a rollout correction (`fuses_own_pass`) runs the fused loss itself with old_logp None
-(`fused_linear_grpo_loss`'s 3-GEMM route): each chunk's log-probs, detached, are π_old, and the sampler
-correction's ratio π_old / π_sampler is formed from them inside the loss (a per-sequence ratio whose micro-batch
-takes several chunks of rows: from a no-grad pass of the head first, 1 GEMM, no decoder forward). Every other loss and option runs the fused
-lm_head's log-probs with gradients (`fused_linear_token_logprobs`: 4 GEMMs), then the loss algebra of `losses/` on
-them (`build_terms`, `compute_loss`, the `two_phase` route's), with the ratio and the rollout correction formed
-from the same log-probs first. Either way the log-probs, the kept mass and the ratio go back to the trainer
-(detached) for the sampler-sync guard and the `sampling/*` metrics, which it checks before the optimizer step, and
-they equal a π_old pass's over the same micro-batches bitwise. With a given `old_logp` (verl's bypass mode: the
-sampler's log-probs) the pass is the same, its log-probs only reported.
+(`fused_linear_grpo_loss`'s 3-GEMM route): each chunk's log-probs, detached, are π_old, and the sampler correction's
+ratio π_old / π_sampler is formed from them inside the loss (a per-sequence ratio whose micro-batch takes several
+chunks of rows: from a no-grad pass of the head first, 1 GEMM, no decoder forward). Every other loss and option runs
+the fused lm_head's log-probs with gradients (`fused_linear_token_logprobs`: 4 GEMMs), then the loss algebra of
+`losses/` on them (`build_terms`, `compute_loss`, the `two_phase` route's), with the ratio and the rollout
+correction formed from the same log-probs first. Either way the log-probs, the kept mass and the ratio go back to
+the trainer (detached) for the sampler-sync guard and the `sampling/*` metrics, which it checks before the optimizer
+step, and they equal a π_old pass's over the same micro-batches bitwise. With a given `old_logp` (verl's bypass
+mode: the sampler's log-probs) the pass is the same, its log-probs only reported.
 """
 
 from __future__ import annotations
