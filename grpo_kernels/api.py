@@ -12,10 +12,16 @@ from grpo_kernels.engine.replay import SamplingMask
 from grpo_kernels.engine.routes import run
 from grpo_kernels.engine.validate import check_argument_types
 from grpo_kernels.losses.loss import GRPOLossOutput
+from grpo_kernels.losses.sampler_ratio import SamplerCorrection
 from grpo_kernels.options import LossOptions, resolve_options
 from grpo_kernels.teacher_term import check_teacher, run_with_teacher
 
-LossResult = GRPOLossOutput | tuple[GRPOLossOutput, Tensor]
+LossResult = (
+    GRPOLossOutput
+    | tuple[GRPOLossOutput, Tensor]  # return_sequence_losses
+    | tuple[GRPOLossOutput, dict[str, Tensor]]  # return_logprobs
+    | tuple[GRPOLossOutput, Tensor, dict[str, Tensor]]  # both
+)
 
 
 def token_logprobs(
@@ -226,7 +232,9 @@ def fused_linear_grpo_loss(
     sequence_weights: Tensor | None = None,
     cu_seqlens: Tensor | None = None,
     sampling_mask: SamplingMask | Tensor | None = None,
+    sampler_correction: SamplerCorrection | None = None,
     return_sequence_losses: bool = False,
+    return_logprobs: bool = False,
     with_entropy: bool = False,
     backend: str = "auto",
     check_finite: bool = True,
@@ -253,6 +261,15 @@ def fused_linear_grpo_loss(
     of the lm_head) as in `fused_linear_token_logprobs`, `sequence_group` as in `grpo_loss`; either runs the
     4-GEMM route. `head_precision` as in `fused_linear_token_logprobs`. Sampling replay (`top_k`, `top_p`, `min_p`,
     `sampling_mask`) as in `grpo_loss`, on the "fast" route (3 or 4 GEMMs; "auto" picks it, "lean" is refused).
+
+    `sampler_correction` (a `SamplerCorrection`: TRL's `vllm_importance_sampling_*` modes) forms `is_ratio` as
+    π_old / π_sampler from old_logp and `sampling_logp` (then required; is_ratio and rollout_correction refused).
+    With old_logp None, π_old is the pass's own log-probs, detached (π_θ at the update: no separate π_old pass),
+    and the ratio is formed from them inside the loss: per token in each chunk of the 3-GEMM route; per sequence
+    there too when one chunk holds every kept token, else from a no-grad pass over the kept rows first (1 GEMM).
+    `return_logprobs` appends the pass's detached log-probs to the result, `{"logp", and with replay
+    "log_kept_mass", "outside_support"}` in the layout of `targets`: `(output, logprobs)`, or `(output,
+    sequence_losses, logprobs)`.
 
     Teacher term (on-policy distillation in the same step; `teacher_term.py`, docs/distillation.md): with the loss
     option `teacher_kl_coef` > 0, `teacher_hidden` `[B, T, H_t]` / `[N, H_t]` and the teacher's lm_head

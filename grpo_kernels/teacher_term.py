@@ -96,6 +96,7 @@ def check_teacher(plan: Plan, teacher: Teacher) -> None:
         "process_group": plan.shard is not None,
         "sequence_group": plan.inputs.sequence_group is not None,
         "return_sequence_losses": plan.return_sequence_losses,
+        "sampler_correction and old_logp None (π_old the pass's own)": plan.inputs.ratio_reads_pass,
         "a CUDA graph capture with check_finite=False": plan.kept.row_mask is not None,
     }
     for what, present in refused.items():
@@ -129,17 +130,20 @@ def run_with_teacher(plan: Plan, teacher: Teacher) -> GRPOLossOutput:
     weights = options.teacher_kl_coef * omega_at(plan, dtype)  # [M]
     divergence = divergence_of(plan)
     if plan.route is Route.LINEAR_TOKEN_LOSS and plan.pass_options.replay is None:
-        output, details = _one_pass(plan, student, teacher_rows, weights, divergence)
+        output, details, logprobs = _one_pass(plan, student, teacher_rows, weights, divergence)
     else:
-        output = run(plan)
+        result = run(plan)
+        output, *logprobs = result if isinstance(result, tuple) else (result,)  # (output, logprobs): return_logprobs
         total, details = fused_linear_divergence_rows(student, teacher_rows, None, None, divergence, weights)
         output = GRPOLossOutput(output.loss + total, output.metrics)
+        logprobs = logprobs[0] if logprobs else {}
     if plan.pass_options.row_check is not None:
         flat = kept.index[0] * layout.rows.shape[1] + kept.index[1]  # [M] in the user's flattened tokens
         check_rows(details["lse_t"], "teacher", flat, torch.Size(layout.leading))
     count = max(details["divergence"].numel(), 1)
     metrics = output.metrics | {"teacher/divergence": details["divergence"].detach().sum() / count}
-    return GRPOLossOutput(output.loss, metrics)
+    output = GRPOLossOutput(output.loss, metrics)
+    return (output, logprobs) if plan.return_logprobs else output
 
 
 def omega_at(plan: Plan, dtype: torch.dtype) -> Tensor:
@@ -150,8 +154,9 @@ def omega_at(plan: Plan, dtype: torch.dtype) -> Tensor:
     return token_omega(plan.inputs, plan.options, dtype)[at]
 
 
-def _one_pass(plan: Plan, student, teacher_rows, weights: Tensor, divergence) -> tuple[GRPOLossOutput, dict]:
-    """The GRPO loss and the weighted divergence from one chunked pass over both heads (`GRPOChunk`)."""
+def _one_pass(plan: Plan, student, teacher_rows, weights: Tensor, divergence) -> tuple[GRPOLossOutput, dict, dict]:
+    """The GRPO loss and the weighted divergence from one chunked pass over both heads (`GRPOChunk`), the pass's
+    details, and its detached log-probs {"logp"} in the caller's layout."""
     inputs, kept, options, layout, opts = plan.inputs, plan.kept, plan.options, plan.layout, plan.pass_options
     dtype = compute_dtype(plan.source.weight.dtype)
     targets = layout.targets[kept.index]  # [M]
@@ -165,4 +170,5 @@ def _one_pass(plan: Plan, student, teacher_rows, weights: Tensor, divergence) ->
         logp, total = logp.masked_fill(layout.invalid, float("nan")), poisoned(total, layout.invalid)
     total = not_finite_to_nan(total, term.gradient_sum.to(total.dtype))
     terms = inputs.terms(logp, scatter(term.joined("entropy", like)), options)
-    return GRPOLossOutput(total, loss_metrics(terms, options)), details
+    logprobs = {"logp": (logp[0] if layout.flat else logp).detach()}
+    return GRPOLossOutput(total, loss_metrics(terms, options)), details, logprobs

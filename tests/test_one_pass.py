@@ -10,12 +10,14 @@ import dataclasses
 import pytest
 import torch
 
+import grpo_kernels as gk
+from grpo_kernels.kernels import backend
 from grpo_kernels.options import LOSS_TYPES, LossOptions
 from grpo_kernels.trainer.policy import OwnPass, PolicyModule, UpdateBatch
 from grpo_kernels.trainer.sampler_correction import IS_MODES, SamplerCorrection
 from grpo_kernels.trainer.sampler_sync import sampling_metrics
-from grpo_kernels.trainer.sampling_replay import named_logprobs, pass_keywords
-from grpo_kernels.trainer.update import inner_updates
+from grpo_kernels.trainer.sampling_replay import named_logprobs, old_policy_logprobs, pass_keywords
+from grpo_kernels.trainer.update import inner_updates, micro_batch_rows
 from tests.conftest import assert_close
 from tests.test_packed_training import T, model, update_batch
 
@@ -52,9 +54,8 @@ def update(batch, options, correction, padding_free, one_pass, **split):
         )
         logp, is_ratio, kept = reported["logp"], reported.get("is_ratio"), reported.get("log_kept_mass")
     else:
-        inputs = (batch.input_ids, batch.attention_mask, mask, options.temperature)
-        out = named_logprobs(policy.logprobs(*inputs, **pass_keywords(options)))
-        logp, kept = out["logp"], out.get("log_kept_mass")
+        rows = micro_batch_rows(batch, split.get("gradient_accumulation_steps", 1), None, policy)
+        logp, _, kept = old_policy_logprobs(policy, batch, options, rows)  # the update's micro-batches
         is_ratio = correction.ratio(logp, sampled, mask)
         two_pass = dataclasses.replace(batch, old_logp=logp, is_ratio=is_ratio, sampling_logp=None)
         stats = inner_updates(policy, optimizer, two_pass, **kwargs)
@@ -69,7 +70,7 @@ CASES = (
         for padding_free in (False, True)
         for replay in (False, True)
         for accumulation in (1, 2)
-        if (padding_free, replay, accumulation) != (False, False, 2)
+        if (padding_free, replay, accumulation) not in ((False, False, 2), (False, True, 1))
     ]
     + [("gspo_token", True, True, 2)]
 )
@@ -93,18 +94,12 @@ def test_one_pass_equals_two_pass(loss_type, padding_free, replay, accumulation)
         for one_pass in (False, True)
     ]
     (want_stats, want_logp, want_sampling, want_grads), (got_stats, got_logp, got_sampling, got_grads) = results
-    assert got_stats.keys() == want_stats.keys() and got_sampling.keys() == want_sampling.keys()
-    for key, want in want_stats.items():
-        assert_close(torch.tensor(got_stats[key]), torch.tensor(want), torch.float32, key)
-    assert_close(got_logp, want_logp, torch.float32, "π_old")
-    scale = want_logp.abs().max().item()  # the gaps are differences of log-probs of this size: their float error
-    for key, want in want_sampling.items():
-        assert got_sampling[key] == pytest.approx(want, rel=1e-5, abs=1e-5 * scale), key
+    assert got_stats == want_stats and got_sampling == want_sampling  # bitwise: the same floats
+    assert torch.equal(got_logp, want_logp)
     if replay:
         assert "sampling/kept_mass" in got_sampling and "sampling/log_kept_mass" in got_stats
     assert max(g.abs().max() for g in want_grads.values()) > 0
-    for name, grad in want_grads.items():
-        assert_close(got_grads[name], grad, torch.float32, f"grad {name}")
+    assert all(torch.equal(got_grads[name], grad) for name, grad in want_grads.items())
 
 
 def test_the_reported_log_probs_are_the_first_updates():
@@ -129,3 +124,48 @@ def test_the_reported_log_probs_are_the_first_updates():
     )
     assert len(calls) == 1 and set(calls[0]) == {"logp"}
     assert_close(calls[0]["logp"], before["logp"], torch.float32, "the first pass's logp")
+
+
+@pytest.mark.parametrize("mode", IS_MODES)
+def test_fused_loss_forms_the_correction_from_its_own_log_probs(mode):
+    """fused_linear_grpo_loss with old_logp None and a sampler correction equals the call given π_old and the ratio
+    (a π_old pass's, same chunks) bitwise, on the 3-GEMM route: per token in each chunk, per sequence in the one
+    chunk that holds every kept token, or after a no-grad pass over several chunks (`plan._needs_old_pass`)."""
+    g = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(3, 7, 16, generator=g), 0.3 * torch.randn(50, 16, generator=g)
+    targets, mask = torch.randint(0, 50, (3, 7), generator=g), torch.rand(3, 7, generator=g) > 0.2
+    advantages, correction = torch.randn(3, generator=g), SamplerCorrection(mode, 0.9, 1.05)
+    for chunk_size in (None, 4):
+        common = dict(mask=mask, chunk_size=chunk_size, return_logprobs=True, backend="torch")
+        old_logp = gk.fused_linear_token_logprobs(hidden, weight, targets, mask=mask, chunk_size=chunk_size)
+        sampling_logp = (old_logp + 0.05 * torch.randn(3, 7, generator=g)).masked_fill(~mask, 0.0)
+        results = []
+        for own in (False, True):
+            h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+            given = (
+                dict(sampler_correction=correction, sampling_logp=sampling_logp)
+                if own
+                else dict(old_logp=old_logp, is_ratio=correction.ratio(old_logp, sampling_logp, mask))
+            )
+            before = backend.launches["fused_linear_token_loss"]
+            out, logprobs = gk.fused_linear_grpo_loss(h, w, targets, advantages, **given, **common)
+            out.loss.backward()
+            fused = backend.launches["fused_linear_token_loss"] > before
+            results.append((fused, out.loss, h.grad, w.grad, logprobs["logp"], out.metrics))
+        (fused_two, *want), (fused_one, *got) = results
+        assert fused_two and fused_one and torch.equal(got[3], old_logp)  # the returned log-probs: π_old's
+        assert torch.equal(got[0], want[0]) and all(torch.equal(a, b) for a, b in zip(got[1:3], want[1:3], strict=True))
+        assert got[4] == want[4]
+
+
+def test_fused_loss_sampler_correction_arguments():
+    hidden, weight, targets = torch.randn(2, 3, 4), torch.randn(5, 4), torch.zeros(2, 3, dtype=torch.long)
+    correction, logp = SamplerCorrection("token_mask", None, 2.0), torch.zeros(2, 3)
+    with pytest.raises(ValueError, match="sampler_correction needs sampling_logp"):
+        gk.fused_linear_grpo_loss(hidden, weight, targets, torch.ones(2), sampler_correction=correction)
+    with pytest.raises(ValueError, match="pass is_ratio=None"):
+        gk.fused_linear_grpo_loss(
+            hidden, weight, targets, torch.ones(2), sampler_correction=correction, sampling_logp=logp, is_ratio=logp
+        )
+    with pytest.raises(TypeError, match="sampler_correction must be a SamplerCorrection"):
+        gk.fused_linear_grpo_loss(hidden, weight, targets, torch.ones(2), sampler_correction="token_mask")

@@ -19,6 +19,7 @@ from grpo_kernels.engine import finite
 from grpo_kernels.engine.layout import Layout
 from grpo_kernels.engine.sync import ValueCheck
 from grpo_kernels.losses.mismatch import apply_rollout_correction
+from grpo_kernels.losses.sampler_ratio import SamplerCorrection
 from grpo_kernels.losses.terms import TokenTerms, build_terms
 from grpo_kernels.options import LossOptions
 
@@ -44,6 +45,7 @@ class LossTensors(TokenTensors):
     sampling_logp: Tensor | None = None
     token_weights: Tensor | None = None
     sequence_weights: Tensor | None = None
+    sampler_correction: SamplerCorrection | None = None  # is_ratio formed from π_old and sampling_logp
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,9 @@ class LossInputs:
     sampling_logp: Tensor | None = None  # the sampler's log-probs, for the off-policy sequence mask
     sequence_group: Any = None  # the process group the sequences are split across (context parallel)
     correction_metrics: dict[str, Tensor] | None = None  # the rollout correction's, when formed from the inputs
+    sampler_correction: SamplerCorrection | None = None  # TRL's, formed from π_old
+    ratio_reads_pass: bool = False  # the sampler correction's π_old is the pass's own log-probs (old_logp None: π_θ
+    # at the update), so its IS weight is formed from them (`own_is_ratio`)
 
     @classmethod
     def of(
@@ -95,13 +100,23 @@ class LossInputs:
             user_mask = layout.mask[0] if layout.flat else layout.mask  # [B, T] / [N]
             checks = finite.input_checks(given_ones, user_mask, keep, packed=layout.padded_index is not None)
         view = {name: x if per_sequence(x) or x is None else padded(layout, x) for name, x in named.items()}
-        inputs = cls(layout=layout, mask=padded(layout, layout.mask, False), sequence_group=sequence_group, **view)
+        inputs = cls(
+            layout=layout,
+            mask=padded(layout, layout.mask, False),
+            sequence_group=sequence_group,
+            sampler_correction=given.sampler_correction,
+            ratio_reads_pass=given.sampler_correction is not None and given.old_logp is None,
+            **view,
+        )
         return inputs.corrected(options), checks
 
     def corrected(self, options: LossOptions) -> LossInputs:
         """These inputs under `options.rollout_correction` (`losses.mismatch`): under bypass π_old is the sampler's;
         a correction of the inputs alone (decoupled, no IPO or squared-log term) is formed here, before the pass, so
-        that every route, fused ones included, takes its IS weight and rejected mask as given inputs."""
+        that every route, fused ones included, takes its IS weight and rejected mask as given inputs. The sampler
+        correction of a given π_old is formed here too."""
+        if self.sampler_correction is not None and self.old_logp is not None:
+            return dataclasses.replace(self, is_ratio=self.sampler_ratio(self.old_logp))
         correction = options.rollout_correction
         if correction is None:
             return self
@@ -117,12 +132,33 @@ class LossInputs:
         )
         return dataclasses.replace(self, old_logp=old_logp, mask=mask, is_ratio=weights, correction_metrics=metrics)
 
+    def own_is_ratio(self, logp: Tensor, at: tuple[Tensor, Tensor]) -> Tensor:
+        """The sampler correction's IS weight, [B, T] or [B], with π_old := `logp` [c] (the pass's, detached) at the
+        padded-view positions `at` and 0 elsewhere: a token mode's weight at `at`, a sequence mode's for the
+        sequences `at` holds whole."""
+        old = torch.zeros(self.mask.shape, dtype=logp.dtype, device=logp.device).index_put(at, logp.detach())
+        return self.sampler_ratio(old)
+
+    def with_own_old_logp(self, logp: Tensor) -> LossInputs:
+        """These inputs with π_old := the pass's log-probs `logp` [R, C] (a no-grad pass's) and the sampler
+        correction's IS weight formed from them."""
+        old_logp = padded(self.layout, logp)
+        return dataclasses.replace(
+            self, old_logp=old_logp, is_ratio=self.sampler_ratio(old_logp), ratio_reads_pass=False
+        )
+
+    def sampler_ratio(self, old_logp: Tensor) -> Tensor:
+        """The sampler correction's IS weight, [B, T] or [B], of π_old `old_logp` [B, T] (padded view)."""
+        return self.sampler_correction.ratio(old_logp, self.sampling_logp, self.mask)
+
     def terms(self, logp: Tensor, entropy: Tensor | None, options: LossOptions) -> TokenTerms:
         """TokenTerms of the loss algebra from the pass's logp / entropy [R, C], in the padded view: the one way
         every route builds them (a correction that reads the policy's log-probs is formed here)."""
         logp = padded(self.layout, logp)
         correction = options.rollout_correction
         inputs = self.with_correction(options, logp) if correction and correction.reads_policy_logp else self
+        if self.ratio_reads_pass:  # π_old is this pass's logp (0 at padding, as a π_old pass gives it)
+            inputs = dataclasses.replace(inputs, is_ratio=self.sampler_ratio(logp.detach()))
         return build_terms(
             logp,
             entropy=None if entropy is None else padded(self.layout, entropy),

@@ -79,6 +79,7 @@ class Request:
     vocab_start: int | None = None
     sequence_group: Any = None
     return_sequence_losses: bool = False
+    return_logprobs: bool = False
     temperature: float = 1.0
     logit_scale: float = 1.0
     final_logit_softcapping: float | None = None
@@ -110,6 +111,8 @@ class Plan:
     options: LossOptions | None = None  # a loss call's
     inputs: LossInputs | None = None  # a loss call's checked tensors
     return_sequence_losses: bool = False
+    return_logprobs: bool = False
+    old_pass: bool = False  # π_old from a no-grad pass over the kept rows first (`_needs_old_pass`)
     stats: tuple[str, ...] = ()  # the statistics the caller asked for (the pass may compute more)
 
 
@@ -188,10 +191,11 @@ def build_plan(*, source: Source, arguments: dict[str, Any], options: LossOption
         with_entropy=request.with_entropy or needs_entropy,
         row_check=row_check,
     )
-    route = Route.LOGPROBS
+    route, old_pass = Route.LOGPROBS, False
     if loss:
         route = choose_route(source, inputs, request, options, memory=memory_mode, backend=backend)
         route = Route.TWO_PHASE if route is Route.FUSED_EPILOGUE and replay is not None else route  # epilogue: V
+        old_pass = route is Route.LINEAR_TOKEN_LOSS and _needs_old_pass(inputs, kept, opts)
     return Plan(
         route=route,
         source=source,
@@ -202,6 +206,8 @@ def build_plan(*, source: Source, arguments: dict[str, Any], options: LossOption
         options=options,
         inputs=inputs,
         return_sequence_losses=request.return_sequence_losses,
+        return_logprobs=request.return_logprobs,
+        old_pass=old_pass,
         stats=checked.stats,
     )
 
@@ -230,10 +236,13 @@ def choose_route(
     gradient and whose statistics need no merging across ranks is formed inside the pass: in the fused lm_head's
     forward ("fast" memory, when a gradient is taken: without one its backward half would be waste), or in the
     forward kernel's epilogue where the backend has one that computes it (padded logits; on torch only when a
-    gradient is taken). Everything else, and every call asking for the per-sequence losses, runs two-phase."""
+    gradient is taken); with a sampler correction of the pass's own log-probs (`LossInputs.ratio_reads_pass`), only
+    in the fused lm_head's forward. Everything else, and every call asking for the per-sequence losses, runs
+    two-phase."""
     weights = (inputs.token_weights, inputs.sequence_weights)
     if (
-        request.return_sequence_losses
+        (inputs.ratio_reads_pass and source.weight is None)
+        or request.return_sequence_losses
         or not epilogue.is_token_level(options)
         or any(w is not None and w.requires_grad for w in weights)
         or request.process_group is not None  # a vocabulary shard: statistics merged across ranks
@@ -251,6 +260,16 @@ def choose_route(
     ):
         return Route.FUSED_EPILOGUE
     return Route.TWO_PHASE
+
+
+def _needs_old_pass(inputs: LossInputs, kept: KeptRows, opts: PassOptions) -> bool:
+    """Whether the fused lm_head's loss needs π_old before its first chunk: a per-sequence sampler correction of the
+    pass's own log-probs whose kept rows take more than one chunk (a sequence's ratio needs all its tokens). Then
+    a no-grad pass over the kept rows gives π_old first (1 GEMM), the log-probs a separate π_old pass would give
+    bitwise, and the 3-GEMM loss takes them; one chunk forms the ratio from its own log-probs."""
+    if not inputs.ratio_reads_pass or not inputs.sampler_correction.per_sequence:
+        return False
+    return opts.chunk_size < kept.index[0].shape[0]
 
 
 def _memory_mode(

@@ -75,12 +75,25 @@ def logprobs(plan: Plan):
 
 
 def two_phase(plan: Plan):
-    """The pass, then `compute_loss` on its log-probs; `(output, sequence_losses)` when asked."""
+    """The pass, then `compute_loss` on its log-probs; with `(output, sequence_losses)` and / or the pass's
+    log-probs when asked (`loss_result`)."""
     out = vocab_pass(plan)
     terms = plan.inputs.terms(out["logp"], out.get("entropy"), plan.options)
     output, sequence_losses = compute_loss(terms, plan.options)
     output.metrics.update(replay_metrics(out, plan.layout.mask))
-    return (output, sequence_losses) if plan.return_sequence_losses else output
+    return loss_result(plan, output, sequence_losses, out)
+
+
+def loss_result(plan: Plan, output: GRPOLossOutput, sequence_losses: Tensor | None, stats: dict[str, Tensor]):
+    """A loss call's result: `output`, then `sequence_losses` and the pass's detached log-probs where asked
+    ({"logp", each replay statistic}, in the caller's layout: [B, T] / [N])."""
+    result = (output,)
+    if plan.return_sequence_losses:
+        result += (sequence_losses,)
+    if plan.return_logprobs:
+        names = ("logp", *(name for name in REPLAY_STATS if name in stats))
+        result += ({name: (stats[name][0] if plan.layout.flat else stats[name]).detach() for name in names},)
+    return result if len(result) > 1 else output
 
 
 def fused_epilogue(plan: Plan) -> GRPOLossOutput:
@@ -104,9 +117,13 @@ def fused_epilogue(plan: Plan) -> GRPOLossOutput:
     return GRPOLossOutput(loss, loss_metrics(terms, options))
 
 
-def linear_token_loss(plan: Plan) -> GRPOLossOutput:
-    """The fused lm_head with a token-level loss's gradients formed in its forward (3 GEMMs)."""
+def linear_token_loss(plan: Plan):
+    """The fused lm_head with a token-level loss's gradients formed in its forward (3 GEMMs); with `plan.old_pass`
+    a no-grad pass first gives π_old (1 GEMM)."""
     inputs, kept, options, layout = plan.inputs, plan.kept, plan.options, plan.layout
+    if plan.old_pass:
+        with torch.no_grad():
+            inputs = inputs.with_own_old_logp(vocab_pass(plan)["logp"])
     loss, logp, entropy, stats = fused_linear_token_loss(
         _take(kept, layout.rows),
         plan.source.weight,
@@ -121,7 +138,8 @@ def linear_token_loss(plan: Plan) -> GRPOLossOutput:
     loss = loss if layout.invalid is None else function.poisoned(loss, layout.invalid)
     stats = {name: _scatter(kept, x, layout.mask) for name, x in stats.items()}
     _check_kept_mass(plan, stats, layout.mask)
-    return GRPOLossOutput(loss, loss_metrics(terms, options) | replay_metrics(stats, layout.mask))
+    output = GRPOLossOutput(loss, loss_metrics(terms, options) | replay_metrics(stats, layout.mask))
+    return loss_result(plan, output, None, stats | {"logp": logp})
 
 
 def replay_metrics(stats: dict[str, Tensor], mask: Tensor) -> dict[str, Tensor]:
@@ -145,16 +163,32 @@ def chunk_loss(
     """A token-level loss as `(rows, logp, entropy) -> (that chunk's share of the loss, dL/dlogp, dL/dentropy)` for
     the fused lm_head, in `dtype`; the rows `row_mask` drops (None: none) are padding to it. In closed form (the
     torch epilogue's `closed_form_share`) where it computes the loss whole, else by autograd through the algebra
-    (`losses.token_loss.autograd_share`)."""
+    (`losses.token_loss.autograd_share`). A sampler correction of the pass's own log-probs
+    (`LossInputs.ratio_reads_pass`) is formed from each chunk's log-probs before its share."""
     r, c = kept
     index = inputs.layout.padded_index
     at = (r, c) if index is None else (index[0][c], index[1][c])  # the kept rows in the padded view
-    at_kept = lambda x: None if x is None else (x[at] if x.dim() == 2 else x[at[0]])  # noqa: E731  [M]
+    at_kept = lambda x, at=at: None if x is None else (x[at] if x.dim() == 2 else x[at[0]])  # noqa: E731  [M]
     omega = at_kept(token_omega(inputs, options, dtype))  # [M]
     side = {name: at_kept(getattr(inputs, name)) for name in ("old_logp", "ref_logp", "advantages", "is_ratio")}
-    if fits_kernel_epilogue(options, CAPABILITIES["torch"].epilogue_kl):
-        return grpo_loss_torch.closed_form_share(omega, side, row_mask, TokenEpilogue.from_options(options), dtype)
-    return token_loss.autograd_share(omega, side, row_mask, options, inputs.mask.sum().clamp(min=1))
+    closed_form = fits_kernel_epilogue(options, CAPABILITIES["torch"].epilogue_kl)
+
+    def share_of(omega: Tensor, side: dict[str, Tensor | None], row_mask: Tensor | None) -> ChunkLoss:
+        if closed_form:
+            return grpo_loss_torch.closed_form_share(omega, side, row_mask, TokenEpilogue.from_options(options), dtype)
+        return token_loss.autograd_share(omega, side, row_mask, options, inputs.mask.sum().clamp(min=1))
+
+    if not inputs.ratio_reads_pass:
+        return share_of(omega, side, row_mask)
+
+    def own_ratio_share(rows: slice, logp: Tensor, entropy: Tensor | None):
+        chunk_at = (at[0][rows], at[1][rows])
+        chunk_side = {name: None if x is None else x[rows] for name, x in side.items()}
+        chunk_side["is_ratio"] = at_kept(inputs.own_is_ratio(logp, chunk_at), chunk_at)  # [c]
+        chunk_mask = None if row_mask is None else row_mask[rows]
+        return share_of(omega[rows], chunk_side, chunk_mask)(slice(0, logp.shape[0]), logp, entropy)
+
+    return own_ratio_share
 
 
 def _take(kept: KeptRows, x: Tensor) -> Tensor:

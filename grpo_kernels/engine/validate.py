@@ -26,6 +26,7 @@ from grpo_kernels.kernels.backend import CAPABILITIES
 from grpo_kernels.kernels.function import TOKEN_STATS
 from grpo_kernels.kernels.head_precision import check_head_precision
 from grpo_kernels.kernels.replay import REPLAY_STATS
+from grpo_kernels.losses.sampler_ratio import SamplerCorrection
 from grpo_kernels.option_checks import OPTION_RULES, check_option
 from grpo_kernels.options import LossOptions
 from grpo_kernels.shown import shown
@@ -61,13 +62,14 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str, bool]] = {
         (_tensor, "a torch.Tensor or None", True),
     ),
     **dict.fromkeys(
-        ("with_entropy", "inplace", "check_finite", "return_sequence_losses"),
+        ("with_entropy", "inplace", "check_finite", "return_sequence_losses", "return_logprobs"),
         (lambda x: isinstance(x, bool), "a bool", False),
     ),
     **dict.fromkeys(("backend", "memory"), (lambda x: isinstance(x, str), "a str", False)),
     "vocab_start": (_int, "an int or None", True),
     "stats": (_names, "a sequence of names", False),
     **dict.fromkeys(("process_group", "sequence_group"), (_group, "a torch.distributed.ProcessGroup or None", True)),
+    "sampler_correction": (lambda x: isinstance(x, SamplerCorrection), "a SamplerCorrection or None", True),
 }
 
 
@@ -261,6 +263,19 @@ def check_side_inputs(given, *, token: tuple, sequence: tuple, device, options: 
         raise ValueError(f"ref_logp is required when beta != 0 (beta={options.beta})")
     if options.rollout_correction is not None:
         check_correction_inputs(given, options.rollout_correction)
+    if given.sampler_correction is not None:
+        check_sampler_correction_inputs(given, options)
+
+
+def check_sampler_correction_inputs(given, options: LossOptions) -> None:
+    """`sampler_correction` forms the IS weight from π_old (old_logp, or the pass's own log-probs) and the sampler's
+    log-probs: it needs sampling_logp, and takes no is_ratio and no rollout_correction beside it."""
+    if given.sampling_logp is None:
+        raise ValueError("sampler_correction needs sampling_logp (the sampler's log-probs), got None")
+    if given.is_ratio is not None:
+        raise ValueError("sampler_correction forms the IS weight: pass is_ratio=None, got a tensor")
+    if options.rollout_correction is not None:
+        raise ValueError("sampler_correction and rollout_correction are two sampler corrections: pass one of them")
 
 
 def check_correction_inputs(given, correction) -> None:

@@ -46,6 +46,8 @@ def pass_reasons(config: TrainConfig, components: PresetComponents, dropout: tup
         reasons.append("AMIR-GRPO's preference term runs its own update forward")
     if components.info is not None:
         reasons.append("Info-GRPO's entropy term runs its own update forward")
+    if config.teacher is not None:
+        reasons.append("the teacher term's fused pass takes π_old as an input (docs/distillation.md)")
     if sampling_replay.truncates(config.loss) and config.loss.replay_entropy == "full":
         reasons.append("replay_entropy 'full' needs the whole vocabulary's entropy, a pass of its own")
     return reasons

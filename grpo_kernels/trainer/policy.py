@@ -12,13 +12,16 @@ returns) keep the padded `[B, T]` layout the rest of the trainer uses.
 step per generation), π_old is the update pass's own log-probs, detached, and the separate no-grad π_old pass does
 not run.
 
-The pass runs the fused lm_head's log-probs with gradients (`fused_linear_token_logprobs`: each chunk's logits again
-in the backward, 4 GEMMs), then the loss algebra of `losses/` on them (`build_terms`, `compute_loss`, the
-`two_phase` route's), so every loss type and option works as on the fused loss. The sampler correction's ratio
-π_old / π_sampler comes from the same log-probs before the loss; they, the kept mass and the ratio go back to the
-trainer (detached) for the sampler-sync guard and the `sampling/*` metrics, which it checks before the optimizer
-step. With a given `old_logp` (verl's bypass mode: the sampler's log-probs) the pass is the same, its log-probs
-only reported.
+A token-level loss without a rollout correction (`fuses_own_pass`) runs the fused loss itself with old_logp None
+(`fused_linear_grpo_loss`'s 3-GEMM route): each chunk's log-probs, detached, are π_old, and the sampler correction's
+ratio π_old / π_sampler is formed from them inside the loss (a per-sequence ratio whose micro-batch takes several
+chunks of rows: from a no-grad pass of the head first, 1 GEMM, no decoder forward). Every other loss and option runs
+the fused lm_head's log-probs with gradients (`fused_linear_token_logprobs`: 4 GEMMs), then the loss algebra of
+`losses/` on them (`build_terms`, `compute_loss`, the `two_phase` route's), with the ratio and the rollout
+correction formed from the same log-probs first. Either way the log-probs, the kept mass and the ratio go back to
+the trainer (detached) for the sampler-sync guard and the `sampling/*` metrics, which it checks before the optimizer
+step, and they equal a π_old pass's over the same micro-batches bitwise. With a given `old_logp` (verl's bypass
+mode: the sampler's log-probs) the pass is the same, its log-probs only reported.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from torch import Tensor, nn
 from grpo_kernels.api import fused_linear_grpo_loss
 from grpo_kernels.engine.routes import replay_metrics
 from grpo_kernels.integrations.hf import completion_hidden_states, lm_head, logit_transform, policy_logprobs
+from grpo_kernels.losses.epilogue import is_token_level
 from grpo_kernels.losses.loss import compute_loss
 from grpo_kernels.losses.mismatch import apply_rollout_correction
 from grpo_kernels.losses.terms import build_terms
@@ -41,7 +45,7 @@ from grpo_kernels.packing import PackedSequences
 from grpo_kernels.trainer import sampling_replay
 
 if TYPE_CHECKING:
-    from grpo_kernels.trainer.sampler_correction import SamplerCorrection
+    from grpo_kernels.losses.sampler_ratio import SamplerCorrection
     from grpo_kernels.trainer.teacher import Teacher
 
 
@@ -66,29 +70,21 @@ class UpdateBatch:
     def targets(self) -> Tensor:
         return self.input_ids[:, -self.completion_mask.shape[1] :]  # [B, T]
 
-    def split(self, parts: int) -> list[UpdateBatch]:
-        """`parts` micro-batches of consecutive rows (sizes differ by at most one); each must hold a row."""
-        rows = self.input_ids.shape[0]
-        if not 1 <= parts <= rows:
-            raise ValueError(f"gradient_accumulation_steps must be in [1, {rows}] (rows per rank), got {parts}")
-        index = torch.tensor_split(torch.arange(rows), parts)
-        return [self.rows(i) for i in index]
-
     def rows(self, index: Tensor) -> UpdateBatch:
         """The micro-batch of rows `index` (a 1-D long tensor)."""
         return UpdateBatch(**{name: None if value is None else value[index] for name, value in vars(self).items()})
 
     def token_costs(self, padding_free: bool) -> list[int]:
-        """Tokens the policy's forward runs per row: its real tokens when padding-free, else the padded width."""
-        if padding_free:
-            return self.attention_mask.sum(1).tolist()
-        return [self.input_ids.shape[1]] * self.input_ids.shape[0]
+        """Tokens the policy's forward runs per row (`token_costs`)."""
+        return token_costs(self.attention_mask, padding_free)
 
-    def split_by_tokens(self, max_tokens: int, padding_free: bool, parts: int = 1) -> list[UpdateBatch]:
-        """Micro-batches of consecutive rows, each within `max_tokens` tokens (`token_costs`), at least `parts` of
-        them: greedy filling, then the heaviest micro-batch is halved (by tokens) until there are `parts`."""
-        groups = token_budget_groups(self.token_costs(padding_free), max_tokens, parts)
-        return [self.rows(torch.tensor(group, dtype=torch.long)) for group in groups]
+
+def token_costs(attention_mask: Tensor, padding_free: bool) -> list[int]:
+    """Tokens the policy's forward runs per row of `attention_mask` [B, P + T]: its real tokens when padding-free,
+    else the padded width."""
+    if padding_free:
+        return attention_mask.sum(1).tolist()
+    return [attention_mask.shape[1]] * attention_mask.shape[0]
 
 
 def token_budget_groups(costs: list[int], max_tokens: int, parts: int = 1) -> list[list[int]]:
@@ -129,8 +125,12 @@ class PolicyModule(nn.Module):
         self.padding_free = padding_free
         self.teacher: Teacher | None = None  # on-policy distillation's (`trainer/teacher.py`): not a submodule
 
-    def fused_loss(self, batch: UpdateBatch, options: LossOptions) -> tuple[Tensor, dict[str, Tensor]]:
-        """The fused loss on `batch`, its π_old given (`batch.old_logp`)."""
+    def fused_loss(
+        self, batch: UpdateBatch, options: LossOptions, correction: SamplerCorrection | None = None
+    ) -> tuple[Tensor, dict[str, Tensor], dict[str, Tensor]]:
+        """(loss, metrics, the pass's detached log-probs {"logp", and with replay "log_kept_mass", ...}, [B, T]
+        each) of the fused loss on `batch`: its π_old given (`batch.old_logp`), or None: the pass's own, detached.
+        `correction`: TRL's sampler correction formed inside the loss from π_old and `batch.sampling_logp`."""
         weight, bias = lm_head(self.model)
         scale, softcap = logit_transform(self.model)
         options = dataclasses.replace(options, logit_scale=scale, final_logit_softcapping=softcap)
@@ -142,9 +142,19 @@ class PolicyModule(nn.Module):
         if self.teacher is not None and options.teacher_kl_coef != 0.0:
             options = self.teacher.options(options)
             teacher = self.teacher.inputs(batch.input_ids, batch.attention_mask, mask.shape[1], packed)
+        corrected = options.rollout_correction is not None or correction is not None
+        sampling_logp = batch.sampling_logp if corrected else None
+        keywords = dict(
+            bias=bias,
+            sampler_correction=correction,
+            return_logprobs=True,
+            with_entropy=True,
+            options=options,
+            **teacher,
+        )
         if not self.padding_free:
             hidden = completion_hidden_states(self.model, batch.input_ids, batch.attention_mask, mask.shape[1])
-            out = fused_linear_grpo_loss(
+            out, logprobs = fused_linear_grpo_loss(
                 hidden,  # [B, T, H]
                 weight,
                 batch.targets,
@@ -152,19 +162,16 @@ class PolicyModule(nn.Module):
                 old_logp,
                 batch.ref_logp,
                 mask,
-                bias=bias,
                 is_ratio=batch.is_ratio,
-                sampling_logp=batch.sampling_logp,
+                sampling_logp=sampling_logp,
                 token_weights=batch.token_weights,
                 sequence_weights=batch.sequence_weights,
-                with_entropy=True,
-                options=options,
-                **teacher,
+                **keywords,
             )
-            return out.loss, out.metrics
+            return out.loss, out.metrics, logprobs
         if options.loss_scale_factor is None:  # seq-mean-token-sum-norm's T: the padded width, not the packed max
-            options = dataclasses.replace(options, loss_scale_factor=float(mask.shape[1]))
-        out = fused_linear_grpo_loss(
+            keywords["options"] = dataclasses.replace(options, loss_scale_factor=float(mask.shape[1]))
+        out, logprobs = fused_linear_grpo_loss(
             completion_hidden_states(self.model, packed),  # [N, H]
             weight,
             packed.targets,
@@ -172,17 +179,14 @@ class PolicyModule(nn.Module):
             packed.pack(old_logp),
             packed.pack(batch.ref_logp),
             packed.pack(mask),
-            bias=bias,
             is_ratio=packed.pack(batch.is_ratio),
-            sampling_logp=packed.pack(batch.sampling_logp),
+            sampling_logp=packed.pack(sampling_logp),
             token_weights=packed.pack(batch.token_weights),
             sequence_weights=batch.sequence_weights,
             cu_seqlens=packed.completion_cu_seqlens,
-            with_entropy=True,
-            options=options,
-            **teacher,
+            **keywords,
         )
-        return out.loss, out.metrics
+        return out.loss, out.metrics, {name: packed.unpack(x) for name, x in logprobs.items()}  # [B, T] each
 
     def forward(
         self, batch: UpdateBatch, options: LossOptions, own_pass: OwnPass | None = None
@@ -193,7 +197,7 @@ class PolicyModule(nn.Module):
         log-probs, kept mass and sampler ratio)."""
         if own_pass is not None:
             return own_pass_loss(self, batch, options, own_pass)
-        return self.fused_loss(batch, options)
+        return self.fused_loss(batch, options)[:2]
 
     @torch.no_grad()
     def logprobs(self, *args, **kwargs) -> tuple[Tensor, Tensor] | dict[str, Tensor]:
@@ -246,6 +250,13 @@ def checked_pack(input_ids: Tensor, attention_mask: Tensor, completion_mask: Ten
 REPORTED = ("logp", "log_kept_mass", "is_ratio")  # what the pass reports back, detached
 
 
+def fuses_own_pass(options: LossOptions) -> bool:
+    """Whether the update pass as its own log-prob pass is the fused loss's (its 3-GEMM route, the sampler
+    correction's ratio formed in it): a token-level loss without a rollout correction (which reads π_old over the
+    whole batch); else `own_pass_loss` runs the log-probs, then the loss algebra."""
+    return is_token_level(options) and options.rollout_correction is None
+
+
 @dataclass(frozen=True)
 class OwnPass:
     """The update pass also gives the log-probs: its own π_old where `UpdateBatch.old_logp` is None, and the sampler
@@ -257,8 +268,15 @@ class OwnPass:
 def own_pass_loss(
     policy: PolicyModule, batch: UpdateBatch, options: LossOptions, own_pass: OwnPass
 ) -> tuple[Tensor, dict[str, Tensor], dict[str, Tensor]]:
-    """(loss, metrics, the pass's detached `REPORTED` tensors, [b, T] or [b]) of one (micro-)batch."""
+    """(loss, metrics, the pass's detached `REPORTED` tensors, [b, T] or [b]) of one (micro-)batch: the fused
+    loss's route where the loss is token level (`fuses_own_pass`), else the log-probs, then the loss algebra."""
     mask = batch.completion_mask
+    if fuses_own_pass(options):
+        correction = own_pass.correction if batch.old_logp is None else None
+        loss, metrics, out = policy.fused_loss(batch, options, correction)
+        is_ratio = batch.is_ratio if correction is None else correction.ratio(out["logp"], batch.sampling_logp, mask)
+        reported = {"logp": out["logp"], "log_kept_mass": out.get("log_kept_mass"), "is_ratio": is_ratio}
+        return loss, metrics, {name: x for name, x in reported.items() if x is not None}
     keywords = sampling_replay.pass_keywords(options, ("outside_support",))  # the fused loss's replay metrics too
     out = sampling_replay.named_logprobs(
         policy.pass_logprobs(batch.input_ids, batch.attention_mask, mask, options.temperature, **keywords)

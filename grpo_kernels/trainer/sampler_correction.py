@@ -1,55 +1,14 @@
-"""The sampler correction of TRL's `vllm_importance_sampling_*` options: π_old / π_sampler per token or per
-sequence, truncated or masked, multiplying the policy term (`is_ratio`)."""
+"""The trainer's sampler correction (TrainConfig's `vllm_importance_sampling_*` options); the ratio itself is
+`losses.sampler_ratio`'s."""
 
 from __future__ import annotations
 
-import dataclasses
-import math
-
-import torch
 from torch import Tensor
 
-from grpo_kernels.shown import shown
+from grpo_kernels.losses.sampler_ratio import IS_MODES, SamplerCorrection, importance_sampling_ratio
 from grpo_kernels.trainer.rollout import RolloutBatch
 
-IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
-
-
-def importance_sampling_ratio(
-    old_logp: Tensor,
-    sampling_logp: Tensor,
-    mask: Tensor,
-    mode: str = "sequence_mask",
-    clip_min: float | None = None,
-    clip_max: float | None = 3.0,
-) -> Tensor:
-    """π_old / π_sampler, TRL's `vllm_importance_sampling_*` correction: [B, T] for token modes, [B] for sequence
-    modes (the product over the sequence's tokens). `*_truncate` clamps to [clip_min, clip_max]; `*_mask` sets
-    ratios outside it to 0. It multiplies the policy term (`is_ratio`): the sampler (vLLM) and the trainer compute
-    slightly different distributions, and the update must be for samples of π_old."""
-    if mode not in IS_MODES:
-        raise ValueError(f"vllm_importance_sampling_mode must be one of {IS_MODES}, got {shown(mode)}")
-    log_diff = (old_logp - sampling_logp) * mask  # [B, T]
-    if mode.startswith("sequence"):
-        log_diff = log_diff.sum(dim=1)  # [B]
-    ratio = torch.exp(log_diff)  # [B, T] or [B]
-    if mode.endswith("truncate"):
-        return ratio.clamp(min=clip_min, max=clip_max)
-    low = -math.inf if clip_min is None else clip_min
-    high = math.inf if clip_max is None else clip_max
-    return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplerCorrection:
-    """TrainConfig's `vllm_importance_sampling_*` correction: `ratio` is π_old / π_sampler, [B, T] or [B]."""
-
-    mode: str
-    clip_min: float | None
-    clip_max: float | None
-
-    def ratio(self, old_logp: Tensor, sampling_logp: Tensor, mask: Tensor) -> Tensor:
-        return importance_sampling_ratio(old_logp, sampling_logp, mask, self.mode, self.clip_min, self.clip_max)
+__all__ = ["IS_MODES", "SamplerCorrection", "correction_of", "importance_sampling_ratio", "sampler_correction"]
 
 
 def correction_of(config) -> SamplerCorrection | None:

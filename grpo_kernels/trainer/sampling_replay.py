@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from grpo_kernels.options import LossOptions
@@ -38,12 +39,22 @@ def named_logprobs(out: tuple[Tensor, Tensor] | dict[str, Tensor]) -> dict[str, 
     return out if isinstance(out, dict) else dict(zip(("logp", "entropy"), out, strict=True))
 
 
-def old_policy_logprobs(policy, batch, options: LossOptions) -> tuple[Tensor, Tensor, Tensor | None]:
+def old_policy_logprobs(
+    policy, batch, options: LossOptions, micro_batches: list[Tensor] | None = None
+) -> tuple[Tensor, Tensor, Tensor | None]:
     """(log π_old, entropy, log kept mass or None) of the rollout `batch`'s completions, each [B, T]: over the
     sampler's support when sampling is truncated (the log kept mass log S ≤ 0 from the same pass), else over the
-    whole vocabulary (no kept mass). `policy`: the `PolicyModule`."""
-    inputs = (batch.input_ids, batch.attention_mask, batch.completion_mask, options.temperature)
-    out = named_logprobs(policy.logprobs(*inputs, **pass_keywords(options)))  # [B, T] each
+    whole vocabulary (no kept mass). `policy`: the `PolicyModule`. `micro_batches`: the update's rows
+    (`update.micro_batch_rows`), one pass each, so that π_old is bitwise the update pass's log-probs at π_θ (None:
+    one pass)."""
+    mask = batch.completion_mask
+    parts = [torch.arange(mask.shape[0])] if micro_batches is None else micro_batches
+    inputs = (batch.input_ids, batch.attention_mask, mask)
+    outs = [
+        named_logprobs(policy.logprobs(*(x[rows] for x in inputs), options.temperature, **pass_keywords(options)))
+        for rows in parts
+    ]  # [b, T] each
+    out = {name: torch.cat([o[name] for o in outs]) for name in outs[0]}  # [B, T] each, rows in order
     return out["logp"], out["entropy"], out.get("log_kept_mass")
 
 

@@ -63,7 +63,7 @@ from grpo_kernels.trainer.signals import StopAtStepBoundary
 from grpo_kernels.trainer.size_limits import check_sizes
 from grpo_kernels.trainer.tasks import PromptStream, build_task
 from grpo_kernels.trainer.teacher import load_teacher
-from grpo_kernels.trainer.update import NonFiniteUpdate, inner_updates
+from grpo_kernels.trainer.update import NonFiniteUpdate, inner_updates, micro_batch_rows
 
 
 class GRPOTrainer:
@@ -279,7 +279,8 @@ class GRPOTrainer:
         sampling: dict[str, float] = {}
         corrected = self.options.rollout_correction is not None  # the loss corrects: TRL's is_ratio is off
         if self.old_logp_source == "pass":
-            old_logp, entropy, log_kept_mass = old_policy_logprobs(policy, batch, self.options)
+            rows = micro_batch_rows(batch, config.gradient_accumulation_steps, config.max_tokens_per_microbatch, policy)
+            old_logp, entropy, log_kept_mass = old_policy_logprobs(policy, batch, self.options, rows)
             is_ratio = None if corrected else sampler_correction(old_logp, batch, config)  # π_old / π_sampler
             sampling = self.sampler_sync(old_logp, batch, is_ratio, log_kept_mass)  # the guard may stop here
         elif self.old_logp_source == "sampler":  # verl's bypass mode

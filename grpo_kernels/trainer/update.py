@@ -17,7 +17,7 @@ from grpo_kernels.losses.mismatch import normaliser_mask
 from grpo_kernels.losses.policy import POLICY_LOSSES
 from grpo_kernels.options import LossOptions
 from grpo_kernels.trainer.parallel import no_gradient_sync, unwrap
-from grpo_kernels.trainer.policy import OwnPass, UpdateBatch, token_budget_groups
+from grpo_kernels.trainer.policy import OwnPass, UpdateBatch, token_budget_groups, token_costs
 
 
 class NonFiniteUpdate(ValueError):
@@ -112,17 +112,33 @@ def step_normalisers(
 def split_batch(
     batch: UpdateBatch, gradient_accumulation_steps: int, max_tokens_per_microbatch: int | None, policy: nn.Module
 ) -> list[UpdateBatch]:
-    """The micro-batches of one update: `gradient_accumulation_steps` of them by rows, or, with a token budget,
-    consecutive rows filled up to `max_tokens_per_microbatch` tokens of the policy's forward (real tokens when it is
-    padding-free, else the padded width), at least `gradient_accumulation_steps` of them. Every rank makes as many
-    as the rank that needs the most (FSDP2 gathers the parameters once per micro-batch, on every rank together)."""
+    """The micro-batches of one update (`micro_batch_rows`)."""
+    groups = micro_batch_rows(batch, gradient_accumulation_steps, max_tokens_per_microbatch, policy)
+    return [batch.rows(index) for index in groups]
+
+
+def micro_batch_rows(
+    batch, gradient_accumulation_steps: int, max_tokens_per_microbatch: int | None, policy: nn.Module
+) -> list[Tensor]:
+    """The rows (1-D long tensors of consecutive rows, in order) of each micro-batch of one update of `batch` (an
+    `UpdateBatch` or a `RolloutBatch`): `gradient_accumulation_steps` of them (sizes differ by at most one), or,
+    with a token budget, consecutive rows filled up to `max_tokens_per_microbatch` tokens of the policy's forward
+    (real tokens when it is padding-free, else the padded width), at least `gradient_accumulation_steps` of them.
+    Every rank makes as many as the rank that needs the most (FSDP2 gathers the parameters once per micro-batch, on
+    every rank together). The π_old pass runs the same micro-batches, so its log-probs are the update pass's."""
+    rows = batch.attention_mask.shape[0]
     if max_tokens_per_microbatch is None:
-        return batch.split(gradient_accumulation_steps)
+        if not 1 <= gradient_accumulation_steps <= rows:
+            raise ValueError(
+                f"gradient_accumulation_steps must be in [1, {rows}] (rows per rank), got {gradient_accumulation_steps}"
+            )
+        return list(torch.tensor_split(torch.arange(rows), gradient_accumulation_steps))
     padding_free = getattr(unwrap(policy), "padding_free", False)
-    costs = batch.token_costs(padding_free)
+    costs = token_costs(batch.attention_mask, padding_free)
     parts = len(token_budget_groups(costs, max_tokens_per_microbatch, gradient_accumulation_steps))
     if dist.is_available() and dist.is_initialized():
         count = torch.tensor(parts, device=batch.input_ids.device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
         parts = int(count)
-    return batch.split_by_tokens(max_tokens_per_microbatch, padding_free, parts)
+    groups = token_budget_groups(costs, max_tokens_per_microbatch, parts)
+    return [torch.tensor(group, dtype=torch.long) for group in groups]

@@ -116,7 +116,3 @@ def check_config(config: TrainConfig) -> None:
         raise ValueError("teacher and teacher_kl_coef go together: --teacher names the model whose divergence "
                          f"--teacher-kl-coef > 0 weighs, got teacher={shown(config.teacher)}, "
                          f"teacher_kl_coef={config.loss.teacher_kl_coef}")  # fmt: skip
-    if config.teacher is not None and config.old_logprobs != "pass":
-        raise ValueError(
-            f"teacher needs old_logprobs='pass' (the fused loss's update pass), got {config.old_logprobs!r}"
-        )

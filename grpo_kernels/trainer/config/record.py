@@ -90,10 +90,9 @@ class TrainConfig:
     vllm_importance_sampling_mode: str = "sequence_mask"  # how the correction's ratio is truncated or masked
     vllm_importance_sampling_clip_max: float | None = 3.0  # the correction's upper cap (none: no cap)
     vllm_importance_sampling_clip_min: float | None = None  # the correction's lower cap (none: no cap)
-    old_logprobs: str = "pass"  # π_old: pass (a separate no-grad pass, the default until the documented runs are
-    # regenerated on the one-pass path), auto (the update pass's own log-probs, detached, where π_old is π_θ at the
-    # update: μ = 1 and nothing reads π_old before it; else the pass), sampler (verl's bypass mode: the sampler's
-    # log-probs, no pass, also at μ > 1)
+    old_logprobs: str = "auto"  # π_old: auto (the update pass's own log-probs, detached, where π_old is π_θ at the
+    # update: μ = 1 and nothing reads π_old before it; else the pass), pass (a separate no-grad pass: the same numbers
+    # bitwise, one decoder forward more), sampler (verl's bypass mode: the sampler's log-probs, no pass, also at μ > 1)
     sampler_sync: str = "stop"  # the sampler-sync guard when the sampler's log-probs of its tokens are too far from the
     # policy's: stop the run before the optimizer step, warn (a line, training goes on) or off
     sampler_sync_tolerance: float | None = None  # the guard's limit on the mean gap, in nats per token; none: by
