@@ -133,7 +133,7 @@ def run_with_teacher(plan: Plan, teacher: Teacher) -> GRPOLossOutput:
         output, details, logprobs = _one_pass(plan, student, teacher_rows, weights, divergence)
     else:
         result = run(plan)
-        output, *logprobs = result if isinstance(result, tuple) else (result,)  # (output, logprobs): return_logprobs
+        output, *logprobs = result if plan.return_logprobs else (result,)  # (output, logprobs)
         total, details = fused_linear_divergence_rows(student, teacher_rows, None, None, divergence, weights)
         output = GRPOLossOutput(output.loss + total, output.metrics)
         logprobs = logprobs[0] if logprobs else {}

@@ -46,6 +46,12 @@ def pass_reasons(config: TrainConfig, components: PresetComponents, dropout: tup
         reasons.append("AMIR-GRPO's preference term runs its own update forward")
     if components.info is not None:
         reasons.append("Info-GRPO's entropy term runs its own update forward")
+    correction = config.loss.rollout_correction
+    if correction is not None and correction.rules and not correction.bypass_mode:
+        reasons.append(
+            "the decoupled rollout correction's rejection leaves its tokens out of the loss's token count, which is "
+            "set from π_old before the update (verl's batch_num_tokens)"
+        )
     if config.teacher is not None:
         reasons.append("the teacher term's fused pass takes π_old as an input (docs/distillation.md)")
     if sampling_replay.truncates(config.loss) and config.loss.replay_entropy == "full":
