@@ -40,16 +40,35 @@ NO_SMOKE = {
 
 
 def cited() -> list[tuple[str, str, list[str]]]:
-    """(file:line, module, its arguments) of every cited command, in order, without repeats."""
+    """(file:line, module, its arguments) of every cited command, in order, without repeats: two citations that
+    differ only in what the smoke size overrides run the same smoke command, once."""
     found, seen = [], set()
     for path in FILES:
         for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
             for match in CITED.finditer(line):
                 module, args = match.group(1), shlex.split(match.group(2))
-                if (module, tuple(args)) not in seen:
-                    seen.add((module, tuple(args)))
+                key = (module, tuple(not_overridden(args, SMOKE.get(module, []))))
+                if key not in seen:
+                    seen.add(key)
                     found.append((f"{path.relative_to(ROOT).as_posix()}:{number}", module, args))
     return found
+
+
+def not_overridden(args: list[str], smoke: list[str]) -> list[str]:
+    """`args` without the options `smoke` sets again (an option's value goes with it; `--name=value` too)."""
+    following = [*smoke[1:], "--"][: len(smoke)]  # the token after each one
+    valued = {a for a, b in zip(smoke, following, strict=True) if a.startswith("--") and not b.startswith("--")}
+    flags = {a for a in smoke if a.startswith("--")} - valued
+    kept, skip = [], False
+    for arg in args:
+        name = arg.split("=", 1)[0]
+        if skip:
+            skip = False
+        elif name in valued:
+            skip = "=" not in arg
+        elif name not in flags:
+            kept.append(arg)
+    return kept
 
 
 COMMANDS = cited()
