@@ -81,6 +81,7 @@ def measure(args: argparse.Namespace, output_dir: str) -> list[dict]:
         vllm_gpu_memory_utilization=math.ceil((resident + 2**30) / total * 100) / 100,  # 1 GiB of KV cache
         torch_threads=args.threads,
         eval_every=0,
+        eval_size=1,  # the last step's evaluation (greedy generation), which a measurement does not need
         checkpoint_every=0,
         final_checkpoint=False,
         progress=False,

@@ -26,10 +26,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from grpo_kernels.losses.mismatch_metrics import SAMPLER_GAP, sampler_gap
 from grpo_kernels.trainer.parallel import ParallelState
 
 LOGP_DIFFERENCE = "sampling/sampling_logp_difference"
 IS_RATIO = "sampling/importance_sampling_ratio"
+CORRECTION_PREFIX = "rollout_corr/"  # the rollout correction's metrics (`losses.mismatch`)
 KEPT_MASS = "sampling/kept_mass"  # with truncated sampling: the mass π_old puts on the sampler's support
 SAMPLER_SYNC = ("stop", "warn", "off")  # what the guard does when the gap is over its limit
 LOGP_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-3, torch.bfloat16: 5e-2, torch.float16: 5e-2}  # nats
@@ -54,9 +56,8 @@ def sampling_metrics(
     """TRL's `sampling/...` metrics of one rank's batch (old_logp, sampling_logp, mask [B, T]; is_ratio [B, T], [B]
     or None), with one host sync. With truncated sampling, `log_kept_mass` [B, T] (log S of π_old, sampling
     replay) adds `sampling/kept_mass`, the mean of S over the kept tokens."""
-    delta = (old_logp.detach() - sampling_logp).abs()  # [B, T]
-    kept = delta[mask & ~torch.isnan(delta)]  # [n]
-    stats = {f"{LOGP_DIFFERENCE}/mean": _mean(kept), f"{LOGP_DIFFERENCE}/max": _extreme(kept, torch.max)}
+    gap_mean, gap_max = sampler_gap(old_logp.detach(), sampling_logp, mask)  # the rollout correction's too
+    stats = {f"{LOGP_DIFFERENCE}/mean": gap_mean, f"{LOGP_DIFFERENCE}/max": gap_max}
     if log_kept_mass is not None:
         stats[KEPT_MASS] = _mean(log_kept_mass[mask].exp())
     if is_ratio is not None:
@@ -66,6 +67,26 @@ def sampling_metrics(
         stats[f"{IS_RATIO}/max"] = _extreme(ratio, torch.max)
     values = torch.stack([v.float() for v in stats.values()]).tolist()
     return dict(zip(stats, values, strict=True))
+
+
+def kept_mass_metrics(log_kept_mass: Tensor | None, mask: Tensor) -> dict[str, float]:
+    """`sampling/kept_mass` alone (with truncated sampling; else nothing), where the gap comes from the rollout
+    correction (`correction_gap`)."""
+    if log_kept_mass is None:
+        return {}
+    return {KEPT_MASS: float(_mean(log_kept_mass[mask].exp()))}
+
+
+def correction_gap(micro_batches: list[tuple[dict[str, float], float]]) -> dict[str, float]:
+    """The guard's reading where the rollout correction is on: its `rollout_corr/sampling_logp_difference_*`
+    metrics, the same computation (`losses.mismatch_metrics.sampler_gap`) read from the update pass's loss, not
+    computed again. `micro_batches`: each micro-batch's metrics and token share (`update.inner_updates`); the mean
+    is the token-weighted one, the max the largest."""
+    name = f"{CORRECTION_PREFIX}{SAMPLER_GAP}"
+    return {
+        f"{LOGP_DIFFERENCE}/mean": sum(metrics[f"{name}_mean"] * share for metrics, share in micro_batches),
+        f"{LOGP_DIFFERENCE}/max": max(metrics[f"{name}_max"] for metrics, _ in micro_batches),
+    }
 
 
 def _mean(x: Tensor) -> Tensor:

@@ -53,6 +53,8 @@ from grpo_kernels.trainer.sampler_correction import correction_of, sampler_corre
 from grpo_kernels.trainer.sampler_sync import (
     StaleSampler,
     check_sampler_sync,
+    correction_gap,
+    kept_mass_metrics,
     logp_tolerance,
     over_ranks,
     sampling_metrics,
@@ -272,8 +274,11 @@ class GRPOTrainer:
         corrected = self.options.rollout_correction is not None  # the loss corrects: TRL's is_ratio is off
         if self.old_logp_source == "pass":
             old_logp, entropy, log_kept_mass = old_policy_logprobs(policy, batch, self.options)
-            is_ratio = None if corrected else sampler_correction(old_logp, batch, config)  # π_old / π_sampler
-            sampling = self.sampler_sync(old_logp, batch, is_ratio, log_kept_mass)  # the guard may stop here
+            if corrected:  # the guard reads the correction's gap from the update (`corrected_guard`)
+                sampling = over_ranks(kept_mass_metrics(log_kept_mass, batch.completion_mask), self.parallel)
+            else:
+                is_ratio = sampler_correction(old_logp, batch, config)  # π_old / π_sampler
+                sampling = self.sampler_sync(old_logp, batch, is_ratio, log_kept_mass)  # the guard may stop here
         elif self.old_logp_source == "sampler":  # verl's bypass mode
             old_logp = batch.sampling_logp
         times["time/old_logp_pass"] = time.perf_counter() - tic
@@ -305,7 +310,13 @@ class GRPOTrainer:
 
         def first_pass(reported: dict[str, Tensor]) -> None:
             logp, ratio, kept_mass = reported["logp"], reported.get("is_ratio"), reported.get("log_kept_mass")
-            sampling.update(self.sampler_sync(logp, batch, ratio, kept_mass))
+            if corrected:
+                sampling.update(over_ranks(kept_mass_metrics(kept_mass, batch.completion_mask), self.parallel))
+            else:
+                sampling.update(self.sampler_sync(logp, batch, ratio, kept_mass))
+
+        def corrected_guard(micro_batches: list[tuple[dict[str, float], float]]) -> None:
+            sampling.update(self.check_sync(correction_gap(micro_batches)))  # one computation: the correction's
 
         stats = inner_updates(
             self.policy,
@@ -318,6 +329,7 @@ class GRPOTrainer:
             max_tokens_per_microbatch=config.max_tokens_per_microbatch,
             own_pass=own_pass,
             before_first_step=None if own_pass is None else first_pass,
+            first_metrics=corrected_guard if corrected else None,
         )
         stats.update(self.components.learn(weights))
         times["time/update"] = time.perf_counter() - tic
@@ -343,8 +355,11 @@ class GRPOTrainer:
     ) -> dict[str, float]:
         """TRL's `sampling/*` metrics of π_old (`old_logp`, [B, T]) against the sampler, over the ranks, and the
         sampler-sync guard on them (`config.sampler_sync`: stop, warn or off)."""
-        mask = batch.completion_mask
-        metrics = sampling_metrics(old_logp, batch.sampling_logp, mask, is_ratio, log_kept_mass)
+        metrics = sampling_metrics(old_logp, batch.sampling_logp, batch.completion_mask, is_ratio, log_kept_mass)
+        return self.check_sync(metrics)
+
+    def check_sync(self, metrics: dict[str, float]) -> dict[str, float]:
+        """`metrics` (this rank's `sampling/*`) over the ranks, and the guard on their gap."""
         metrics = over_ranks(metrics, self.parallel)
         if self.config.sampler_sync == "off":
             return metrics
