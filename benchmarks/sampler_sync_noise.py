@@ -7,8 +7,9 @@ random, seeded weights (default 12 layers, hidden 768, 12 heads: head size 64), 
 `--push skip-layer` lets the first push (the engine's start-up weights → the policy) through whole and drops one
 decoder layer (the middle one) from every later push, so that layer stays at the initial weights while the policy's
 drifts: the gap grows with the training. The guard is off, so every step runs. Per step it prints the gap
-|log π_old − log π_sampler| over the kept tokens: its mean (the guard's reading), its percentiles and max, the trend
-rule's reading, and the token count.
+|log π_old − log π_sampler| over the kept tokens: its mean (the guard's reading), its percentiles and max,
+and the token count, and what the default guard (`--sampler-sync stop`) would do there: stop by the limit, by the
+trend rule, or nothing ("-").
 
     python -m benchmarks.sampler_sync_noise --dtype bfloat16 --push full --steps 6
     python -m benchmarks.sampler_sync_noise --dtype bfloat16 --push skip-layer --steps 6
@@ -26,6 +27,8 @@ import tempfile
 from pathlib import Path
 
 import torch
+
+from grpo_kernels.trainer.sampler_sync import logp_tolerance, rising_gap
 
 GAP = "sampling/sampling_logp_difference/mean"
 QUANTILES = (0.5, 0.9, 0.99)
@@ -123,12 +126,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as output_dir:
         readings = measure(args, output_dir)
-    setting = {k: v for k, v in vars(args).items() if k != "out"}
+    dtype = getattr(torch, args.dtype)
+    limit = logp_tolerance(dtype, dtype)
+    means = [r["mean"] for r in readings]
+    for i, reading in enumerate(readings):  # what the default guard would do at this step
+        reading["guard"] = "limit" if means[i] > limit else "trend" if rising_gap(means[: i + 1], limit) else "-"
+    setting = {k: v for k, v in vars(args).items() if k != "out"} | {"limit": limit}
     print(json.dumps(setting))
-    print("step     mean      p50      p90      p99      max  tokens")
+    print("step     mean      p50      p90      p99      max  tokens  guard")
     for r in readings:
         cells = " ".join(f"{r[k]:8.2e}" for k in ("mean", "p50", "p90", "p99", "max"))
-        print(f"{r['step']:4d} {cells} {r['tokens']:7d}")
+        print(f"{r['step']:4d} {cells} {r['tokens']:7d}  {r['guard']}")
     if args.out is not None:
         args.out.write_text(json.dumps({"setting": setting, "steps": readings}, indent=2) + "\n")
     return 0

@@ -22,6 +22,9 @@ numbers and the command. The limit sits well above the noise and well below the 
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -34,7 +37,10 @@ IS_RATIO = "sampling/importance_sampling_ratio"
 CORRECTION_PREFIX = "rollout_corr/"  # the rollout correction's metrics (`losses.mismatch`)
 KEPT_MASS = "sampling/kept_mass"  # with truncated sampling: the mass π_old puts on the sampler's support
 SAMPLER_SYNC = ("stop", "warn", "off")  # what the guard does when the gap is over its limit
-LOGP_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-3, torch.bfloat16: 5e-2, torch.float16: 5e-2}  # nats
+LOGP_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-3, torch.bfloat16: 3e-2, torch.float16: 3e-2}  # nats
+TREND_RISES = 2  # the trend rule: the mean gap rose at each of this many steps in a row, ...
+TREND_FACTOR = 1.5  # ... each time by this factor or more, ...
+TREND_FLOOR = 1 / 3  # ... to above this share of the limit (a sampler drifting away before it crosses the limit)
 
 
 class StaleSampler(ValueError):
@@ -116,19 +122,41 @@ def over_ranks(metrics: dict[str, float], parallel: ParallelState) -> dict[str, 
     return out
 
 
-def check_sampler_sync(metrics: dict[str, float], tolerance: float, step: int, dropout: tuple[str, ...] = ()) -> None:
-    """`StaleSampler` when the mean gap of `metrics` (`over_ranks`' output) is over `tolerance` at `step`. `dropout`
-    (`dropout_settings`): the policy's dropout, which the message names as the other possible cause."""
+def rising_gap(means: Sequence[float], tolerance: float) -> bool:
+    """The trend rule on the mean gaps of the steps so far (`means`, the latest last): each of the last `TREND_RISES`
+    rose by `TREND_FACTOR` or more, to above `TREND_FLOOR` × `tolerance`. Float error does not keep rising from step
+    to step; a sampler that misses part of every push (a layer left at old weights) drifts further at each one."""
+    recent = list(means)[-(TREND_RISES + 1) :]
+    if len(recent) <= TREND_RISES or recent[-1] <= TREND_FLOOR * tolerance:
+        return False
+    return all(later > earlier and later >= TREND_FACTOR * earlier for earlier, later in itertools.pairwise(recent))
+
+
+def check_sampler_sync(
+    metrics: dict[str, float],
+    tolerance: float,
+    step: int,
+    dropout: tuple[str, ...] = (),
+    earlier: Sequence[float] = (),
+) -> None:
+    """`StaleSampler` when the mean gap of `metrics` (`over_ranks`' output) is over `tolerance` at `step`, or rising
+    (`rising_gap`) after the mean gaps of the `earlier` steps. `dropout` (`dropout_settings`): the policy's dropout,
+    which the message names as the other possible cause."""
     mean, largest = metrics[f"{LOGP_DIFFERENCE}/mean"], metrics[f"{LOGP_DIFFERENCE}/max"]
-    if mean > tolerance:
+    rising = rising_gap([*earlier, mean], tolerance)
+    if mean > tolerance or rising:
         other = ""
         if dropout:
             other = (
                 f"; or the policy's dropout ({', '.join(dropout)}) was on in generation or a log-prob pass (the model "
                 "in train mode), which draws a different network each time"
             )
+        why = f"the limit is {tolerance:g}, above the two engines' float error"
+        if mean <= tolerance:
+            steps = " → ".join(f"{gap:.3g}" for gap in [*earlier, mean][-(TREND_RISES + 1) :])
+            why = f"under the limit {tolerance:g} but rising at each of the last {TREND_RISES} steps: {steps}"
         raise StaleSampler(
             f"step {step}: the sampler's log-probs of its own tokens differ from the policy's by {mean:.3g} nats per "
-            f"token on average (max {largest:.3g}; the limit is {tolerance:g}, above the two engines' float error): "
-            f"the sampler does not have the policy's weights, a weight push did not reach it{other}"
+            f"token on average (max {largest:.3g}; {why}): the sampler does not have the policy's weights, a weight "
+            f"push did not reach it{other}"
         )

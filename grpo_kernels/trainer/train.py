@@ -51,6 +51,8 @@ from grpo_kernels.trainer.rollout import HFRollout, Rollout, RolloutBatch
 from grpo_kernels.trainer.run_names import with_output_dir
 from grpo_kernels.trainer.sampler_correction import correction_of, sampler_correction
 from grpo_kernels.trainer.sampler_sync import (
+    LOGP_DIFFERENCE,
+    TREND_RISES,
     StaleSampler,
     check_sampler_sync,
     correction_gap,
@@ -140,6 +142,7 @@ class GRPOTrainer:
             trained, getattr(rollout, "dtype", trained)
         )  # the guard's limit
         self.dropout = dropout_settings(self.model)  # the guard's other suspect
+        self.sync_gaps: list[float] = []  # the guard's mean gaps of the latest steps (its trend rule)
         self.old_logp_source = old_logp_source(config, self.components, self.dropout)  # "update", "pass" or "sampler"
         self.components.bind_policy(self.model, tokenizer, self.ref_model)  # DRA's embeddings, PVPO's pre-rollouts
         self.crash = CrashCheckpoint(self.optimizer)  # the checkpoint an exception in a step leaves
@@ -361,10 +364,11 @@ class GRPOTrainer:
     def check_sync(self, metrics: dict[str, float]) -> dict[str, float]:
         """`metrics` (this rank's `sampling/*`) over the ranks, and the guard on their gap."""
         metrics = over_ranks(metrics, self.parallel)
+        earlier, self.sync_gaps = self.sync_gaps, [*self.sync_gaps, metrics[f"{LOGP_DIFFERENCE}/mean"]][-TREND_RISES:]
         if self.config.sampler_sync == "off":
             return metrics
         try:
-            check_sampler_sync(metrics, self.sampler_tolerance, self.step, self.dropout)
+            check_sampler_sync(metrics, self.sampler_tolerance, self.step, self.dropout, earlier)
         except StaleSampler as error:
             if self.config.sampler_sync == "stop":
                 raise
