@@ -8,7 +8,7 @@ random, seeded weights (default 12 layers, hidden 768, 12 heads: head size 64), 
 decoder layer (the middle one) from every later push, so that layer stays at the initial weights while the policy's
 drifts: the gap grows with the training. The guard is off, so every step runs. Per step it prints the gap
 |log π_old − log π_sampler| over the kept tokens: its mean (the guard's reading), its percentiles and max,
-and the token count, and what the default guard (`--sampler-sync stop`) would do there: stop by the limit, by the
+the token count and the policy's mean entropy, and what the default guard (`--sampler-sync stop`) would do there: stop by the limit, by the
 trend rule, or nothing ("-").
 
     python -m benchmarks.sampler_sync_noise --dtype bfloat16 --push full --steps 6
@@ -81,7 +81,7 @@ def measure(args: argparse.Namespace, output_dir: str) -> list[dict]:
         seed=args.seed,
         sampler_sync="off",  # every step runs; the readings are recorded below
         vllm_enable_sleep_mode=False,
-        vllm_gpu_memory_utilization=math.ceil((resident + 2**30) / total * 100) / 100,  # 1 GiB of KV cache
+        vllm_gpu_memory_utilization=math.ceil((resident + 3 * 2**30) / total * 100) / 100,  # the models, KV cache
         torch_threads=args.threads,
         eval_every=0,
         eval_size=1,  # the last step's evaluation (greedy generation), which a measurement does not need
@@ -105,7 +105,7 @@ def measure(args: argparse.Namespace, output_dir: str) -> list[dict]:
     history = trainer.train()
     for step, (reading, record) in enumerate(zip(readings, history, strict=True), 1):
         assert math.isclose(reading["mean"], record[GAP], rel_tol=1e-4, abs_tol=1e-9), (reading, record[GAP])
-        reading["step"] = step
+        reading["step"], reading["entropy"] = step, record["entropy"]
     return readings
 
 
@@ -133,10 +133,10 @@ def main(argv: list[str] | None = None) -> int:
         reading["guard"] = "limit" if means[i] > limit else "trend" if rising_gap(means[: i + 1], limit) else "-"
     setting = {k: v for k, v in vars(args).items() if k != "out"} | {"limit": limit}
     print(json.dumps(setting))
-    print("step     mean      p50      p90      p99      max  tokens  guard")
+    print("step     mean      p50      p90      p99      max  tokens  entropy  guard")
     for r in readings:
         cells = " ".join(f"{r[k]:8.2e}" for k in ("mean", "p50", "p90", "p99", "max"))
-        print(f"{r['step']:4d} {cells} {r['tokens']:7d}  {r['guard']}")
+        print(f"{r['step']:4d} {cells} {r['tokens']:7d}  {r['entropy']:7.3f}  {r['guard']}")
     if args.out is not None:
         args.out.write_text(json.dumps({"setting": setting, "steps": readings}, indent=2) + "\n")
     return 0
