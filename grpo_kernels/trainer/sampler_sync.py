@@ -39,8 +39,8 @@ KEPT_MASS = "sampling/kept_mass"  # with truncated sampling: the mass π_old put
 SAMPLER_SYNC = ("stop", "warn", "off")  # what the guard does when the gap is over its limit
 LOGP_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-3, torch.bfloat16: 3e-2, torch.float16: 3e-2}  # nats
 TREND_RISES = 2  # the trend rule: the mean gap rose at each of this many steps in a row, ...
-TREND_FACTOR = 1.5  # ... each time by this factor or more, ...
-TREND_FLOOR = 1 / 3  # ... to above this share of the limit (a sampler drifting away before it crosses the limit)
+TREND_FACTOR = 2.0  # ... to this many times its reading before the first of them or more, ...
+TREND_FLOOR = 1 / 3  # ... and above this share of the limit (a sampler drifting away before it crosses the limit)
 
 
 class StaleSampler(ValueError):
@@ -123,13 +123,14 @@ def over_ranks(metrics: dict[str, float], parallel: ParallelState) -> dict[str, 
 
 
 def rising_gap(means: Sequence[float], tolerance: float) -> bool:
-    """The trend rule on the mean gaps of the steps so far (`means`, the latest last): each of the last `TREND_RISES`
-    rose by `TREND_FACTOR` or more, to above `TREND_FLOOR` × `tolerance`. Float error does not keep rising from step
-    to step; a sampler that misses part of every push (a layer left at old weights) drifts further at each one."""
+    """The trend rule on the mean gaps of the steps so far (`means`, the latest last): the gap rose at each of the
+    last `TREND_RISES` steps, to `TREND_FACTOR` times its reading before them or more and above `TREND_FLOOR` ×
+    `tolerance`. Float error does not keep rising from step to step; a sampler that misses part of every push (a
+    layer left at old weights) drifts further from the policy at each one."""
     recent = list(means)[-(TREND_RISES + 1) :]
-    if len(recent) <= TREND_RISES or recent[-1] <= TREND_FLOOR * tolerance:
+    if len(recent) <= TREND_RISES or recent[-1] <= TREND_FLOOR * tolerance or recent[-1] < TREND_FACTOR * recent[0]:
         return False
-    return all(later > earlier and later >= TREND_FACTOR * earlier for earlier, later in itertools.pairwise(recent))
+    return all(later > earlier for earlier, later in itertools.pairwise(recent))
 
 
 def check_sampler_sync(
