@@ -40,46 +40,17 @@ class FixedSampler:
 
 
 def build(provider: str, size: trl_step.StepSize, model_dir, output_dir):
-    """Stock `trl.GRPOTrainer` on the vLLM path (the sampler above, no engine to sync), switched to the drop-in by
-    `patch` for `drop_in`, as a vLLM run builds it."""
-    from datasets import Dataset
-    from transformers import AutoTokenizer
-    from trl import GRPOConfig, GRPOTrainer
-
+    """Stock `trl.GRPOTrainer` (`trl_step.build_trainer`, β = 0) on the vLLM path, the sampler above standing in
+    (no engine to sync), switched to the drop-in by `patch` for `drop_in`, as a vLLM run builds it."""
     from grpo_kernels.integrations import trl as drop_in
 
-    def zero_reward(completions, **_):
-        return [0.0] * len(completions)
-
-    args = GRPOConfig(
-        output_dir=str(output_dir),
-        per_device_train_batch_size=size.B,
-        num_generations=size.B,
-        max_completion_length=size.T,
-        bf16=False,
-        use_cpu=not torch.cuda.is_available(),
-        report_to="none",
-        save_strategy="no",
-        model_init_kwargs=dict(dtype=torch.float32),
-        loss_type="dapo",
-        beta=0.0,
-        epsilon_high=0.28,
-    )
-    trainer = GRPOTrainer(
-        model=str(model_dir),
-        reward_funcs=zero_reward,
-        args=args,
-        train_dataset=Dataset.from_dict({"prompt": ["ab"] * size.B}),
-        processing_class=AutoTokenizer.from_pretrained(model_dir),
-    )
+    trainer = trl_step.build_trainer("trl", size, model_dir, output_dir, loss={**trl_step.LOSS, "beta": 0.0})
     trainer.rollout_func = FixedSampler(size)
     trainer.use_vllm = trainer.args.use_vllm = True
     trainer.vllm_importance_sampling_correction = provider != "stock_no_correction"
     if provider == "drop_in":
         drop_in.patch(trainer)
     trainer._last_loaded_step = trainer.state.global_step  # no engine to push weights to
-    trainer._prepare_inputs = lambda inputs: inputs  # the phase below generates and scores itself
-    trainer.current_gradient_accumulation_steps = 1  # set by Trainer's training loop, which does not run here
     trainer.model.train()
     return trainer
 
