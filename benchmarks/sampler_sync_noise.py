@@ -7,9 +7,9 @@ random, seeded weights (default 12 layers, hidden 768, 12 heads: head size 64), 
 `--push skip-layer` lets the first push (the engine's start-up weights → the policy) through whole and drops one
 decoder layer (the middle one) from every later push, so that layer stays at the initial weights while the policy's
 drifts: the gap grows with the training. The guard is off, so every step runs. Per step it prints the gap
-|log π_old − log π_sampler| over the kept tokens: its mean (the guard's reading), its percentiles and max,
-the token count and the policy's mean entropy, and what the default guard (`--sampler-sync stop`) would do there: stop by the limit, by the
-trend rule, or nothing ("-").
+|log π_old − log π_sampler| over the kept tokens: its mean (the guard's reading), its percentiles and max, the token
+count and the policy's mean entropy, and what the default guard (`--sampler-sync stop`) would do there: stop by the
+limit, by the trend rule, or nothing ("-").
 
     python -m benchmarks.sampler_sync_noise --dtype bfloat16 --push full --steps 6
     python -m benchmarks.sampler_sync_noise --dtype bfloat16 --push skip-layer --steps 6
