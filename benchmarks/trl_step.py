@@ -104,8 +104,9 @@ def save_model(size: StepSize, folder: Path) -> Path:
     return folder
 
 
-def build_trainer(provider: str, size: StepSize, model_dir: Path, output_dir: Path):
-    """A trainer of `provider` on the saved model, ready for `training_step` on a prepared batch."""
+def build_trainer(provider: str, size: StepSize, model_dir: Path, output_dir: Path, loss: dict | None = None):
+    """A trainer of `provider` on the saved model, ready for `training_step` on a prepared batch; `loss`: the
+    GRPOConfig loss fields (default `LOSS`)."""
     from datasets import Dataset
     from transformers import AutoTokenizer
     from trl import GRPOConfig
@@ -129,7 +130,7 @@ def build_trainer(provider: str, size: StepSize, model_dir: Path, output_dir: Pa
         report_to="none",
         save_strategy="no",
         model_init_kwargs=dict(dtype=torch.float32),
-        **LOSS,
+        **(LOSS if loss is None else loss),
     )
     trainer = GRPOTrainer(
         model=str(model_dir),

@@ -40,7 +40,7 @@ class GRPOConfig(trl.GRPOConfig):
     )
     sampler_sync_tolerance: float | None = dataclasses.field(
         default=None,
-        metadata={"help": "The guard's limit in nats per token (None: 1e-3 in fp32, 5e-2 in bf16 / fp16)."},
+        metadata={"help": "The guard's limit in nats per token (None: 1e-3 in fp32, 3e-2 in bf16 / fp16)."},
     )
     rollout_correction: str | None = dataclasses.field(
         default=None,

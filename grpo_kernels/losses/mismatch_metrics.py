@@ -1,6 +1,7 @@
 """The sampler-mismatch metrics, 0-dim tensors (no host read): verl 0.9.1's `compute_offpolicy_metrics`, its IS-weight
-and rejection statistics (`rollout_corr_helper`), and NeMo RL's four mismatch errors (`loss_functions.py`), each
-under its framework's name. `losses/mismatch.py` calls them."""
+and rejection statistics (`rollout_corr_helper`), NeMo RL's four mismatch errors (`loss_functions.py`), and TRL's
+sampling_logp_difference (the sampler-sync guard's reading, `trainer/sampler_sync.py`), each under its framework's
+name. `losses/mismatch.py` calls them."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from torch import Tensor
 from grpo_kernels.rollout_correction import SAFETY_BOUND, RolloutCorrection
 
 EPS = 1e-8  # verl's and NeMo's guard in a masked mean
+SAMPLER_GAP = "sampling_logp_difference"  # TRL's name of the sampler-sync guard's reading (`sampler_gap`)
 
 
 def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
@@ -109,11 +111,24 @@ def rule_metrics(name: str, statistic: Tensor, keep: Tensor, mask: Tensor) -> di
     }
 
 
+def sampler_gap(train_logp: Tensor, sampling_logp: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """The sampler-sync guard's reading, TRL's `sampling_logp_difference`: the mean and the max of
+    |log π_train − log π_sampler| over the tokens of `mask` [B, T], a token the sampler could not score (NaN) left
+    out; 0 and 0 where no token is kept. 0-dim tensors, no host read."""
+    gap = (train_logp - sampling_logp).abs()  # [B, T]
+    kept = mask.bool() & ~torch.isnan(gap)  # [B, T]
+    mean = masked_sum(gap, kept) / kept.sum().clamp(min=1).to(gap.dtype)
+    largest = gap.masked_fill(~kept, 0.0).amax() if gap.numel() else gap.new_zeros(())
+    return mean, largest
+
+
 def offpolicy_metrics(train_logp: Tensor, sampling_logp: Tensor, mask: Tensor) -> dict[str, Tensor]:
     """verl's `compute_offpolicy_metrics` (kl, k3_kl, training / rollout perplexity, log_ppl_diff and its extremes,
-    ppl_ratio, chi2_token, chi2_seq) and NeMo RL's token_mult_prob_error, gen_kl_error, policy_kl_error and
-    js_divergence_error, of π_train against the sampler on the tokens of `mask` [B, T]."""
+    ppl_ratio, chi2_token, chi2_seq), NeMo RL's token_mult_prob_error, gen_kl_error, policy_kl_error and
+    js_divergence_error, and TRL's sampling_logp_difference mean and max (`sampler_gap`, what the sampler-sync guard
+    reads), of π_train against the sampler on the tokens of `mask` [B, T]."""
     log_ratio = train_logp - sampling_logp  # [B, T]
+    gap_mean, gap_max = sampler_gap(train_logp, sampling_logp, mask)
     train_mean = masked_mean(train_logp, mask, -1)  # [B]
     sampling_mean = masked_mean(sampling_logp, mask, -1)  # [B]
     log_ppl_diff = sampling_mean - train_mean  # [B]
@@ -139,4 +154,6 @@ def offpolicy_metrics(train_logp: Tensor, sampling_logp: Tensor, mask: Tensor) -
         "gen_kl_error": masked_mean(log_ratio.exp() - 1.0 - log_ratio, mask),
         "policy_kl_error": masked_mean((-log_ratio).exp() - 1.0 + log_ratio, mask),
         "js_divergence_error": masked_mean(0.5 * to_mixture(train_logp) + 0.5 * to_mixture(sampling_logp), mask),
+        f"{SAMPLER_GAP}_mean": gap_mean,
+        f"{SAMPLER_GAP}_max": gap_max,
     }

@@ -22,17 +22,25 @@ numbers and the command. The limit sits well above the noise and well below the 
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from grpo_kernels.losses.mismatch_metrics import SAMPLER_GAP, sampler_gap
 from grpo_kernels.trainer.parallel import ParallelState
 
 LOGP_DIFFERENCE = "sampling/sampling_logp_difference"
 IS_RATIO = "sampling/importance_sampling_ratio"
+CORRECTION_PREFIX = "rollout_corr/"  # the rollout correction's metrics (`losses.mismatch`)
 KEPT_MASS = "sampling/kept_mass"  # with truncated sampling: the mass π_old puts on the sampler's support
 SAMPLER_SYNC = ("stop", "warn", "off")  # what the guard does when the gap is over its limit
-LOGP_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-3, torch.bfloat16: 5e-2, torch.float16: 5e-2}  # nats
+LOGP_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-3, torch.bfloat16: 3e-2, torch.float16: 3e-2}  # nats
+TREND_RISES = 2  # the trend rule: the mean gap rose at each of this many steps in a row, ...
+TREND_FACTOR = 2.0  # ... to this many times its reading before the first of them or more, ...
+TREND_FLOOR = 1 / 3  # ... and above this share of the limit (a sampler drifting away before it crosses the limit)
 
 
 class StaleSampler(ValueError):
@@ -54,9 +62,8 @@ def sampling_metrics(
     """TRL's `sampling/...` metrics of one rank's batch (old_logp, sampling_logp, mask [B, T]; is_ratio [B, T], [B]
     or None), with one host sync. With truncated sampling, `log_kept_mass` [B, T] (log S of π_old, sampling
     replay) adds `sampling/kept_mass`, the mean of S over the kept tokens."""
-    delta = (old_logp.detach() - sampling_logp).abs()  # [B, T]
-    kept = delta[mask & ~torch.isnan(delta)]  # [n]
-    stats = {f"{LOGP_DIFFERENCE}/mean": _mean(kept), f"{LOGP_DIFFERENCE}/max": _extreme(kept, torch.max)}
+    gap_mean, gap_max = sampler_gap(old_logp.detach(), sampling_logp, mask)  # the rollout correction's too
+    stats = {f"{LOGP_DIFFERENCE}/mean": gap_mean, f"{LOGP_DIFFERENCE}/max": gap_max}
     if log_kept_mass is not None:
         stats[KEPT_MASS] = _mean(log_kept_mass[mask].exp())
     if is_ratio is not None:
@@ -66,6 +73,26 @@ def sampling_metrics(
         stats[f"{IS_RATIO}/max"] = _extreme(ratio, torch.max)
     values = torch.stack([v.float() for v in stats.values()]).tolist()
     return dict(zip(stats, values, strict=True))
+
+
+def kept_mass_metrics(log_kept_mass: Tensor | None, mask: Tensor) -> dict[str, float]:
+    """`sampling/kept_mass` alone (with truncated sampling; else nothing), where the gap comes from the rollout
+    correction (`correction_gap`)."""
+    if log_kept_mass is None:
+        return {}
+    return {KEPT_MASS: float(_mean(log_kept_mass[mask].exp()))}
+
+
+def correction_gap(micro_batches: list[tuple[dict[str, float], float]]) -> dict[str, float]:
+    """The guard's reading where the rollout correction is on: its `rollout_corr/sampling_logp_difference_*`
+    metrics, the same computation (`losses.mismatch_metrics.sampler_gap`) read from the update pass's loss, not
+    computed again. `micro_batches`: each micro-batch's metrics and token share (`update.inner_updates`); the mean
+    is the token-weighted one, the max the largest."""
+    name = f"{CORRECTION_PREFIX}{SAMPLER_GAP}"
+    return {
+        f"{LOGP_DIFFERENCE}/mean": sum(metrics[f"{name}_mean"] * share for metrics, share in micro_batches),
+        f"{LOGP_DIFFERENCE}/max": max(metrics[f"{name}_max"] for metrics, _ in micro_batches),
+    }
 
 
 def _mean(x: Tensor) -> Tensor:
@@ -95,19 +122,42 @@ def over_ranks(metrics: dict[str, float], parallel: ParallelState) -> dict[str, 
     return out
 
 
-def check_sampler_sync(metrics: dict[str, float], tolerance: float, step: int, dropout: tuple[str, ...] = ()) -> None:
-    """`StaleSampler` when the mean gap of `metrics` (`over_ranks`' output) is over `tolerance` at `step`. `dropout`
-    (`dropout_settings`): the policy's dropout, which the message names as the other possible cause."""
+def rising_gap(means: Sequence[float], tolerance: float) -> bool:
+    """The trend rule on the mean gaps of the steps so far (`means`, the latest last): the gap rose at each of the
+    last `TREND_RISES` steps, to `TREND_FACTOR` times its reading before them or more and above `TREND_FLOOR` ×
+    `tolerance`. Float error does not keep rising from step to step; a sampler that misses part of every push (a
+    layer left at old weights) drifts further from the policy at each one."""
+    recent = list(means)[-(TREND_RISES + 1) :]
+    if len(recent) <= TREND_RISES or recent[-1] <= TREND_FLOOR * tolerance or recent[-1] < TREND_FACTOR * recent[0]:
+        return False
+    return all(later > earlier for earlier, later in itertools.pairwise(recent))
+
+
+def check_sampler_sync(
+    metrics: dict[str, float],
+    tolerance: float,
+    step: int,
+    dropout: tuple[str, ...] = (),
+    earlier: Sequence[float] = (),
+) -> None:
+    """`StaleSampler` when the mean gap of `metrics` (`over_ranks`' output) is over `tolerance` at `step`, or rising
+    (`rising_gap`) after the mean gaps of the `earlier` steps. `dropout` (`dropout_settings`): the policy's dropout,
+    which the message names as the other possible cause."""
     mean, largest = metrics[f"{LOGP_DIFFERENCE}/mean"], metrics[f"{LOGP_DIFFERENCE}/max"]
-    if mean > tolerance:
+    rising = rising_gap([*earlier, mean], tolerance)
+    if mean > tolerance or rising:
         other = ""
         if dropout:
             other = (
                 f"; or the policy's dropout ({', '.join(dropout)}) was on in generation or a log-prob pass (the model "
                 "in train mode), which draws a different network each time"
             )
+        why = f"the limit is {tolerance:g}, above the two engines' float error"
+        if mean <= tolerance:
+            steps = " → ".join(f"{gap:.3g}" for gap in [*earlier, mean][-(TREND_RISES + 1) :])
+            why = f"under the limit {tolerance:g} but rising at each of the last {TREND_RISES} steps: {steps}"
         raise StaleSampler(
             f"step {step}: the sampler's log-probs of its own tokens differ from the policy's by {mean:.3g} nats per "
-            f"token on average (max {largest:.3g}; the limit is {tolerance:g}, above the two engines' float error): "
-            f"the sampler does not have the policy's weights, a weight push did not reach it{other}"
+            f"token on average (max {largest:.3g}; {why}): the sampler does not have the policy's weights, a weight "
+            f"push did not reach it{other}"
         )

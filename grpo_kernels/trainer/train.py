@@ -51,8 +51,12 @@ from grpo_kernels.trainer.rollout import HFRollout, Rollout, RolloutBatch
 from grpo_kernels.trainer.run_names import with_output_dir
 from grpo_kernels.trainer.sampler_correction import correction_of, sampler_correction
 from grpo_kernels.trainer.sampler_sync import (
+    LOGP_DIFFERENCE,
+    TREND_RISES,
     StaleSampler,
     check_sampler_sync,
+    correction_gap,
+    kept_mass_metrics,
     logp_tolerance,
     over_ranks,
     sampling_metrics,
@@ -146,6 +150,7 @@ class GRPOTrainer:
             trained, getattr(rollout, "dtype", trained)
         )  # the guard's limit
         self.dropout = dropout_settings(self.model)  # the guard's other suspect
+        self.sync_gaps: list[float] = []  # the guard's mean gaps of the latest steps (its trend rule)
         self.old_logp_source = old_logp_source(config, self.components, self.dropout)  # "update", "pass" or "sampler"
         self.components.bind_policy(self.model, tokenizer, self.ref_model)  # DRA's embeddings, PVPO's pre-rollouts
         self.crash = CrashCheckpoint(self.optimizer)  # the checkpoint an exception in a step leaves
@@ -281,8 +286,11 @@ class GRPOTrainer:
         if self.old_logp_source == "pass":
             rows = micro_batch_rows(batch, config.gradient_accumulation_steps, config.max_tokens_per_microbatch, policy)
             old_logp, entropy, log_kept_mass = old_policy_logprobs(policy, batch, self.options, rows)
-            is_ratio = None if corrected else sampler_correction(old_logp, batch, config)  # π_old / π_sampler
-            sampling = self.sampler_sync(old_logp, batch, is_ratio, log_kept_mass)  # the guard may stop here
+            if corrected:  # the guard reads the correction's gap from the update (`corrected_guard`)
+                sampling = over_ranks(kept_mass_metrics(log_kept_mass, batch.completion_mask), self.parallel)
+            else:
+                is_ratio = sampler_correction(old_logp, batch, config)  # π_old / π_sampler
+                sampling = self.sampler_sync(old_logp, batch, is_ratio, log_kept_mass)  # the guard may stop here
         elif self.old_logp_source == "sampler":  # verl's bypass mode
             old_logp = batch.sampling_logp
         times["time/old_logp_pass"] = time.perf_counter() - tic
@@ -314,7 +322,13 @@ class GRPOTrainer:
 
         def first_pass(reported: dict[str, Tensor]) -> None:
             logp, ratio, kept_mass = reported["logp"], reported.get("is_ratio"), reported.get("log_kept_mass")
-            sampling.update(self.sampler_sync(logp, batch, ratio, kept_mass))
+            if corrected:
+                sampling.update(over_ranks(kept_mass_metrics(kept_mass, batch.completion_mask), self.parallel))
+            else:
+                sampling.update(self.sampler_sync(logp, batch, ratio, kept_mass))
+
+        def corrected_guard(micro_batches: list[tuple[dict[str, float], float]]) -> None:
+            sampling.update(self.check_sync(correction_gap(micro_batches)))  # one computation: the correction's
 
         stats = inner_updates(
             self.policy,
@@ -327,6 +341,7 @@ class GRPOTrainer:
             max_tokens_per_microbatch=config.max_tokens_per_microbatch,
             own_pass=own_pass,
             before_first_step=None if own_pass is None else first_pass,
+            first_metrics=corrected_guard if corrected else None,
         )
         stats.update(self.components.learn(weights))
         times["time/update"] = time.perf_counter() - tic
@@ -352,13 +367,17 @@ class GRPOTrainer:
     ) -> dict[str, float]:
         """TRL's `sampling/*` metrics of π_old (`old_logp`, [B, T]) against the sampler, over the ranks, and the
         sampler-sync guard on them (`config.sampler_sync`: stop, warn or off)."""
-        mask = batch.completion_mask
-        metrics = sampling_metrics(old_logp, batch.sampling_logp, mask, is_ratio, log_kept_mass)
+        metrics = sampling_metrics(old_logp, batch.sampling_logp, batch.completion_mask, is_ratio, log_kept_mass)
+        return self.check_sync(metrics)
+
+    def check_sync(self, metrics: dict[str, float]) -> dict[str, float]:
+        """`metrics` (this rank's `sampling/*`) over the ranks, and the guard on their gap."""
         metrics = over_ranks(metrics, self.parallel)
+        earlier, self.sync_gaps = self.sync_gaps, [*self.sync_gaps, metrics[f"{LOGP_DIFFERENCE}/mean"]][-TREND_RISES:]
         if self.config.sampler_sync == "off":
             return metrics
         try:
-            check_sampler_sync(metrics, self.sampler_tolerance, self.step, self.dropout)
+            check_sampler_sync(metrics, self.sampler_tolerance, self.step, self.dropout, earlier)
         except StaleSampler as error:
             if self.config.sampler_sync == "stop":
                 raise

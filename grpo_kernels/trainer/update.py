@@ -41,6 +41,7 @@ def inner_updates(
     max_tokens_per_microbatch: int | None = None,
     own_pass: OwnPass | None = None,
     before_first_step: Callable[[dict[str, Tensor]], None] | None = None,
+    first_metrics: Callable[[list[tuple[dict[str, float], float]]], None] | None = None,
 ) -> dict[str, float]:
     """μ = `num_iterations` optimizer steps on this rank's rollout batch with the fused lm_head + GRPO loss, each
     accumulated over micro-batches (`micro_batches`); the metrics are averaged over them.
@@ -52,8 +53,9 @@ def inner_updates(
     An update whose grad_norm is not finite is not taken: `NonFiniteUpdate` names the first non-finite metric.
     With `own_pass` each micro-batch's forward is also its log-prob pass (`policy.own_pass_loss`); what the first
     update's passes report, rows joined in order, goes to `before_first_step` after their backward and before the first
-    optimizer step (the sampler-sync guard, which may stop the step there). Everything after `batch` is passed by
-    keyword: the counts and the norm are numbers a positional swap would take.
+    optimizer step (the sampler-sync guard, which may stop the step there); `first_metrics` gets the first update's
+    metrics of each micro-batch with its token share there too (the guard reading the rollout correction's gap).
+    Everything after `batch` is passed by keyword: the counts and the norm are numbers a positional swap would take.
     """
     policy.train()
     micro_batches = split_batch(batch, gradient_accumulation_steps, max_tokens_per_microbatch, policy)
@@ -63,16 +65,21 @@ def inner_updates(
     for iteration in range(num_iterations):
         optimizer.zero_grad(set_to_none=True)
         reported: list[dict[str, Tensor]] = []
+        micro_metrics: list[tuple[dict[str, float], float]] = []  # each micro-batch's metrics and token share
         for i, (micro, scale, share) in enumerate(zip(micro_batches, scales, shares, strict=True)):
             with no_gradient_sync(policy, sync=i == len(micro_batches) - 1):
                 loss, metrics, *passed = policy(micro, options, *extra)
                 (loss * scale).backward()
             totals["loss"] += loss.item() * scale
-            for name, value in metrics.items():
-                totals[name] += float(value) * share
+            values = {name: float(value) for name, value in metrics.items()}
+            for name, value in values.items():
+                totals[name] += value * share
             reported.extend(passed)
+            micro_metrics.append((values, share))
         if iteration == 0 and before_first_step is not None:
             before_first_step({name: torch.cat([r[name] for r in reported]) for name in reported[0]})
+        if iteration == 0 and first_metrics is not None:
+            first_metrics(micro_metrics)
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), max_grad_norm)
         norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
         if not math.isfinite(norm):  # the norm of the reduced gradients: every rank refuses together

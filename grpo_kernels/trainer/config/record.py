@@ -96,7 +96,7 @@ class TrainConfig:
     sampler_sync: str = "stop"  # the sampler-sync guard when the sampler's log-probs of its tokens are too far from the
     # policy's: stop the run before the optimizer step, warn (a line, training goes on) or off
     sampler_sync_tolerance: float | None = None  # the guard's limit on the mean gap, in nats per token; none: by
-    # precision (1e-3 fp32, 5e-2 bf16 / fp16)
+    # precision (1e-3 fp32, 3e-2 bf16 / fp16), and a gap rising at 2 steps in a row stops it below that (trend rule)
     # ---- algorithm
     paper_settings: bool = False  # with --preset: the paper's G, lr, temperature, μ and generation budget (capped
     # at the task's); without it the preset's algorithm runs with the trainer's settings, tuned for the demo task
