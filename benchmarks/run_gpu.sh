@@ -53,7 +53,8 @@
 #                against verl's rollout_corr_helper (B 256, T 4,096, host syncs counted); OUTDIR/bench/mismatch.json
 #   divergence   pytest benchmarks/bench_divergence.py --bench-size gpu: fused_linear_divergence against TRL's
 #                ChunkedDivergenceFunction and Liger's LigerFusedLinearJSD (fp32, N 2,048, H 896, V 151,936, beta 1
-#                and 0.5), peak memory from a fresh process per case; OUTDIR/bench/divergence.json
+#                and 0.5), peak memory from a fresh process per case; and bench_teacher_term.py: the GRPO step with
+#                the teacher term against the plain step (fp32, N 2,048, H 896, V 151,936); OUTDIR/bench/divergence.json
 #   one_pass     pytest benchmarks/bench_one_pass.py --bench-size gpu: the trainer's training phase with the update
 #                as its own pi_old pass against a separate pi_old pass (a 2-layer Qwen2, H 896, V 151,936, 32 rows of
 #                640 tokens); OUTDIR/bench/one_pass.json
@@ -258,11 +259,12 @@ commands() {  # GPU and CPU (dry run) command of step $1; an empty CPU one: not 
                 --out "$OUTDIR/parity")
             CPU=("$PY" -m benchmarks.gpu_parity --size smoke --backends torch --out "$OUTDIR/parity") ;;
         bench_*|mismatch|divergence|one_pass)  # pytest-benchmark files; the suites (bench_*) take -k and gpu-short
-            local file="benchmarks/$1.py" size=gpu
-            if [[ "$1" != bench_* ]]; then file="benchmarks/bench_$1.py" k=()
+            local files=("benchmarks/$1.py") size=gpu
+            if [[ "$1" != bench_* ]]; then files=("benchmarks/bench_$1.py") k=()
             elif [ "$PLAN" = second ]; then size=gpu-short
             fi
-            local suite=(-m pytest "$file" -rs -q -p no:cacheprovider -p benchmarks.gpu_run "${k[@]}")
+            [ "$1" != divergence ] || files+=(benchmarks/bench_teacher_term.py)  # the GRPO step with a teacher term
+            local suite=(-m pytest "${files[@]}" -rs -q -p no:cacheprovider -p benchmarks.gpu_run "${k[@]}")
             GPU=("$PY" "${suite[@]}" --bench-size "$size" --benchmark-json "$OUTDIR/bench/$1.json")
             CPU=("$PY" "${suite[@]}" --bench-size smoke --benchmark-disable) ;;
         interleaved)

@@ -60,9 +60,13 @@ def test_dry_run(tmp_path):
         "-m benchmarks.packing_step --size gpu",
         "-m benchmarks.sampling_replay --size gpu",
         *(
-            f"benchmarks/bench_{step}.py -rs -q -p no:cacheprovider -p benchmarks.gpu_run --bench-size gpu "
+            f"{files} -rs -q -p no:cacheprovider -p benchmarks.gpu_run --bench-size gpu "
             f"--benchmark-json {tmp_path}/bench/{step}.json"
-            for step in ("mismatch", "divergence", "one_pass")
+            for step, files in (
+                ("mismatch", "benchmarks/bench_mismatch.py"),
+                ("divergence", "benchmarks/bench_divergence.py benchmarks/bench_teacher_term.py"),
+                ("one_pass", "benchmarks/bench_one_pass.py"),
+            )
         ),
         "-m benchmarks.vllm_sampling_mask",
         "-m benchmarks.vllm_train",
