@@ -63,6 +63,13 @@ def pytest_addoption(parser):
     )
 
 
+def pytest_configure(config):
+    """Under xdist (`-n`), tests marked `xdist_group` run on one worker (`--dist loadgroup`, the rest balanced as
+    by `load`): a module fixture that compiles for minutes is then built once, not once per worker."""
+    if getattr(config.option, "dist", "no") == "load":
+        config.option.dist = "loadgroup"
+
+
 def pytest_collection_modifyitems(config, items):
     if config.getoption("--documented-runs"):
         return

@@ -54,6 +54,9 @@ def _params(check: str) -> list:
     return out
 
 
+STATIC = pytest.mark.xdist_group("static_report")  # the tests reading `report` share one worker, and so one report
+
+
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> dict:
     try:
@@ -81,17 +84,20 @@ def _describe(row: dict) -> str:
     return f"{row['kernel']} ({row['num_warps']} warps, constexprs {row['constexprs']})"
 
 
+@STATIC
 def test_every_kernel_is_launched_by_a_case(report):
     assert report["uncovered_kernels"] == [], (
         f"no case of benchmarks/static_report.py launches {report['uncovered_kernels']}: add one to cases()"
     )
 
 
+@STATIC
 def test_every_case_is_compiled(report):
     compiled = {(r["arch"], r["case"], r["dtype"], r["vocab"]) for r in report["kernels"]}
     assert set(ITEMS) <= compiled, f"not compiled: {sorted(set(ITEMS) - compiled)}"
 
 
+@STATIC
 @pytest.mark.parametrize("item", _params("spills"))
 def test_no_spills(report, item):
     for row in _kernels(report, item):
@@ -101,12 +107,14 @@ def test_no_spills(report, item):
         )
 
 
+@STATIC
 @pytest.mark.parametrize("item", _params("registers"))
 def test_registers(report, item):
     for row in _kernels(report, item):
         assert row["registers"] <= static_report.MAX_REGISTERS, f"{_describe(row)}: {row['registers']} registers"
 
 
+@STATIC
 @pytest.mark.parametrize("item", _params("vector_loads"))
 def test_logits_loads_are_128_bit(report, item):
     for row in _kernels(report, item):
@@ -117,6 +125,7 @@ def test_logits_loads_are_128_bit(report, item):
             )
 
 
+@STATIC
 @pytest.mark.parametrize("item", _params("budget"))
 def test_main_loop_instructions_per_kb(report, item):
     for row in _kernels(report, item):
