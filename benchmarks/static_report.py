@@ -138,7 +138,7 @@ def _grpo_loss_fwd(
 
 def cases() -> dict[str, Callable]:
     """Case name -> launch(dtype, V, B, T); each policy epilogue and KL estimator of the fused kernel is one case."""
-    from grpo_kernels.kernels.function import TOKEN_STATS
+    from grpo_kernels.kernels.protocol import TOKEN_STATS
     from grpo_kernels.kernels.triton.grpo_loss import EPILOGUES, KL_KINDS
 
     out = {

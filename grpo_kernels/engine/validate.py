@@ -23,8 +23,8 @@ from grpo_kernels.engine.finite import FINITE_AT_KEPT, nonfinite
 from grpo_kernels.engine.memory import lean_backends
 from grpo_kernels.engine.sync import ValueCheck
 from grpo_kernels.kernels.backend import CAPABILITIES
-from grpo_kernels.kernels.function import TOKEN_STATS
 from grpo_kernels.kernels.head_precision import check_head_precision
+from grpo_kernels.kernels.protocol import TOKEN_STATS
 from grpo_kernels.kernels.replay import REPLAY_STATS
 from grpo_kernels.option_checks import OPTION_RULES, check_option
 from grpo_kernels.options import LossOptions

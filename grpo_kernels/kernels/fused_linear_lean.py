@@ -20,8 +20,8 @@ from torch import Tensor
 
 from grpo_kernels.kernels import backend as backends
 from grpo_kernels.kernels import head_precision
-from grpo_kernels.kernels.function import checked_rows
 from grpo_kernels.kernels.fused_linear import accumulate, gemm_mode, named_outputs
+from grpo_kernels.kernels.logits_driver import checked_rows
 from grpo_kernels.kernels.pass_options import PassOptions
 from grpo_kernels.kernels.protocol import compute_dtype
 
