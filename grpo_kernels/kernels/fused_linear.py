@@ -207,12 +207,12 @@ class _FusedLinearFunction(torch.autograd.Function):
             loss += share
             one = lambda x: None if x is None else x[None]  # noqa: E731  [1, c]
             grads = RowGrads(
-                rows_targets,
-                mask,
-                lse,
-                entropy if grad_entropy is not None else None,
-                one(grad_logp),
-                one(grad_entropy),
+                targets=rows_targets,
+                mask=mask,
+                lse=lse,
+                entropy=entropy if grad_entropy is not None else None,
+                grad_logp=one(grad_logp),
+                grad_entropy=one(grad_entropy),
             )
             sink.add(r, chunks.grad(kernels, z, r, grads, state), hidden[r], weight)
             if checked:
@@ -250,12 +250,12 @@ class _FusedLinearFunction(torch.autograd.Function):
             z, mask = chunks.logits(r), chunks.masks(r)  # [1, c, V], overwritten by its gradient
             pick = lambda x, r=r: None if x is None else x[None, r]  # noqa: E731  [1, c]
             grads = RowGrads(
-                chunks.place.targets[None, r],
-                mask,
-                lse[None, r],
-                pick(entropy if grad_entropy is not None else None),
-                pick(grad_logp),
-                pick(grad_entropy),
+                targets=chunks.place.targets[None, r],
+                mask=mask,
+                lse=lse[None, r],
+                entropy=pick(entropy if grad_entropy is not None else None),
+                grad_logp=pick(grad_logp),
+                grad_entropy=pick(grad_entropy),
             )
             sink.add(r, chunks.grad(kernels, z, r, grads), hidden[r], weight)
         grad_hidden, grad_weight, grad_bias = sink.result(weight, bias)

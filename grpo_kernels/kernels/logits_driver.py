@@ -67,7 +67,8 @@ class _LogitsFunction(torch.autograd.Function):
         out = in_place_or_new(ctx, logits)
         kernels, place = backends.launch(spec.opts.backend), ctx.place
         if spec.opts.replay is None:
-            _whole_backward(kernels, logits, out, place, lse, entropy, grad_logp, grad_entropy, spec.opts)
+            grads = {"lse": lse, "entropy": entropy, "grad_logp": grad_logp, "grad_entropy": grad_entropy}
+            _whole_backward(kernels, logits, out, place, spec.opts, **grads)
         else:
             rows = replay.ReplayedRows(logits, place, spec.opts)
             rows.backward(
@@ -91,7 +92,8 @@ def _forward(logits: Tensor, targets: Tensor, mask: Tensor, spec: LogitsPass, si
         logp, lse, entropy, losses, saved = epilogue.grpo_loss_fwd(
             logits, targets, mask, *side, spec.epilogue, opts.temperature, opts.with_entropy, **opts.transform
         )
-        loss, stats = _checked_loss(losses, logp, lse, saved, mask, side, opts.row_check), {}
+        loss = _checked_loss(losses, logp=logp, lse=lse, dlogp=saved, mask=mask, side=side, row_check=opts.row_check)
+        stats = {}
     elif opts.replay is None:
         kernels = backends.launch(opts.backend)
         logp, lse, entropy, stats = kernels.token_logprobs_fwd(
@@ -112,7 +114,7 @@ def _forward(logits: Tensor, targets: Tensor, mask: Tensor, spec: LogitsPass, si
     return logits, place, loss, logp, lse, entropy, [stats[name] for name in opts.stats], saved
 
 
-def _whole_backward(kernels, logits, out, place: Placement, lse, entropy, grad_logp, grad_entropy, opts) -> None:
+def _whole_backward(kernels, logits, out, place: Placement, opts, *, lse, entropy, grad_logp, grad_entropy) -> None:
     """The backend's backward over the whole logits into `out`; on a shard the one-hot of the rows whose target
     another shard owns taken back out (`parallel.Placement.remove_foreign`)."""
     x0 = None if place.shard is None else logits[..., 0].clone()  # column 0 before an in-place backward writes it
@@ -132,7 +134,7 @@ def _whole_backward(kernels, logits, out, place: Placement, lse, entropy, grad_l
         place.remove_foreign(out, x0, grad_logp, opts)
 
 
-def _checked_loss(losses, logp, lse, dlogp, mask, side, row_check: RowCheck | None) -> Tensor:
+def _checked_loss(losses, *, logp, lse, dlogp, mask, side, row_check: RowCheck | None) -> Tensor:
     """The epilogue's summed loss; NaN when a kept row has a non-finite input or dL/dlogits (as the PyTorch algebra
     gives), never a finite loss over NaN gradients (a kernel's min/max may drop NaN)."""
     if row_check is not None:  # the inputs and the rows were checked: only dL/dlogp can still overflow

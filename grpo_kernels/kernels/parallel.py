@@ -99,7 +99,10 @@ class Placement:
         """The whole vocabulary's (lse, logp, entropy, {statistic}) from this shard's: `merge_stats`, or with replay
         `merge_replay` (`stats` the shard's "lse_full" and "outside")."""
         if opts.replay is None:
-            return *merge_stats(lse, logp, entropy, self.owned, self.mask, self.shard.group), {}
+            merged = merge_stats(
+                lse_r=lse, logp_r=logp, entropy_r=entropy, owned=self.owned, mask=self.mask, group=self.shard.group
+            )
+            return *merged, {}
         found = {"lse": lse, "logp": logp, **stats} | ({} if entropy is None else {"entropy": entropy})
         return merge_replay(found, self.owned, self.mask, opts, self.shard.group, self.reduce(0))
 
@@ -155,7 +158,7 @@ def vocab_shard(process_group: Any, local_size: int, vocab_start: int | None, st
 
 
 def merge_stats(
-    lse_r: Tensor, logp_r: Tensor, entropy_r: Tensor | None, owned: Tensor, mask: Tensor, group: Any
+    *, lse_r: Tensor, logp_r: Tensor, entropy_r: Tensor | None, owned: Tensor, mask: Tensor, group: Any
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """The whole vocabulary's (lse, logp, entropy) of each row from each shard's (lse_r, logp_r of its column
     target, entropy_r), all of one shape; two all-reduces (module doc). Rows where `mask` is False give 0."""
@@ -185,7 +188,9 @@ def merge_replay(found: dict[str, Tensor], owned: Tensor, mask: Tensor, opts, gr
     """A replayed pass's per-shard statistics [n] ("logp", "lse" of the shard's kept columns, "entropy",
     "lse_full" of all its columns, "outside" on the owner) merged: (lse, logp, entropy or None, {each replay
     statistic of `opts.stats`}); `rows` the pass's `replay.RowReduce` (its whole vocabulary)."""
-    lse, logp, entropy = merge_stats(found["lse"], found["logp"], found.get("entropy"), owned, mask, group)
+    lse, logp, entropy = merge_stats(
+        lse_r=found["lse"], logp_r=found["logp"], entropy_r=found.get("entropy"), owned=owned, mask=mask, group=group
+    )
     stats = {}
     if "log_kept_mass" in opts.stats:
         kept = (lse - merged_lse(found["lse_full"].float(), group)).clamp_(max=0.0).masked_fill_(~mask, 0.0)

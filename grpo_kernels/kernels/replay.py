@@ -328,7 +328,7 @@ def window_forward(kernels, window: Window, targets: Tensor, mask: Tensor, with_
     return logp, lse, None if entropy is None else entropy[0], found
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RowGrads:
     """What the backward of a window's rows reads, [C] each (a fused lm_head chunk's: [1, C]): the targets (inside
     [0, V)), the kept rows, the lse of the support, and the entropy and upstream gradients (None where not taken)."""
@@ -343,8 +343,7 @@ class RowGrads:
     def at(self, rows: slice | int) -> RowGrads:
         """The record of `rows` of these rows (an index: of the rows along the first dimension)."""
         pick = lambda x: None if x is None else x[rows]  # noqa: E731
-        fields = (self.targets, self.mask, self.lse, self.entropy, self.grad_logp, self.grad_entropy)
-        return RowGrads(*(pick(x) for x in fields))
+        return RowGrads(**{field: pick(getattr(self, field)) for field in self.__dataclass_fields__})
 
 
 def window_grad_(kernels, window: Window, x: Tensor, grads: RowGrads, opts: PassOptions, scratch: Scratch,
@@ -453,7 +452,7 @@ class ReplayedChunks:
             state = (self._window(z[0], r, theta, False), full_lse)
         window, full_lse = state
         full = full_lse is not None
-        support = RowGrads(grads.targets, grads.mask, grads.lse, grad_logp=grads.grad_logp)
+        support = RowGrads(targets=grads.targets, mask=grads.mask, lse=grads.lse, grad_logp=grads.grad_logp)
         grad = window_grad_(kernels, window, z[0], support if full else grads, self.opts, self.scratch, foreign)
         if full and grads.grad_entropy is not None:
             kernels.token_logprobs_bwd(
@@ -573,7 +572,14 @@ class ReplayedRows:
         each row's saved θ (or the kept ids); `lse`, `entropy`, the upstream gradients [B, T] (None: not taken)."""
         flat = lambda x: None if x is None else x.reshape(-1)  # noqa: E731
         g = flat(grad_logp)
-        grads = RowGrads(self.targets, self.mask, flat(lse), flat(entropy), g, flat(grad_entropy))
+        grads = RowGrads(
+            targets=self.targets,
+            mask=self.mask,
+            lse=flat(lse),
+            entropy=flat(entropy),
+            grad_logp=g,
+            grad_entropy=flat(grad_entropy),
+        )
         B, T, V = out.shape
         for rows, x in self._windows():
             window = self._window(x, rows, None if theta.numel() == 0 else theta[rows, None], forward=False)
