@@ -375,28 +375,28 @@ def window_grad_(kernels, window: Window, x: Tensor, grads: RowGrads, opts: Pass
     return chain_rule_(grad, x, grads.mask, opts.temperature, opts.logit_scale, cap, buffer)
 
 
-class ReplayedChunks:
-    """Sampling replay on the fused lm_head's chunks of at most `rows` rows: each chunk's logits masked to the
-    support (in their own buffer where `masks_in_place`, else in the compute-dtype scratch), the support merged over
-    a vocabulary shard's group (`place`, a `parallel.Placement`). The forward keeps each row's θ and, with the whole
-    distribution's entropy (`Replay.full_entropy`, one process), that ordinary pass's lse; the backward (`saved`
-    those) masks each chunk again from them."""
+class _Replayed:
+    """What both replayed passes share: the rows' targets and owner flags (a shard's, from the pass's
+    `parallel.Placement`), how a row's values combine over the shards (`RowReduce`) and the compute-dtype scratch;
+    a window of rows masked to the support."""
 
-    def __init__(self, opts: PassOptions, place, rows: int, weight: Tensor, saved=(None, None)):
-        self.opts, self.place, (V, _) = opts, place, weight.shape
-        self.scratch = Scratch(rows, V, weight.dtype, weight.device)
-        self.reduce = RowReduce(V) if place.shard is None else RowReduce(place.shard.vocab, place.shard.group)
-        self.thetas, self.full_lses = saved
-        self._kept: tuple[list[Tensor], list[Tensor]] = ([], [])
+    def __init__(self, opts: PassOptions, place, vocab: int, rows: int, like: Tensor):
+        """`vocab` the local columns, `rows` the scratch's, `like` a tensor of the pass's dtype and device."""
+        self.opts, self.shard = opts, place.shard
+        self.targets, self.mask = place.targets.reshape(-1), place.mask
+        self.owned = None if place.owned is None else place.owned.reshape(-1)
+        self.reduce = RowReduce(vocab) if self.shard is None else RowReduce(self.shard.vocab, self.shard.group)
+        self.scratch = Scratch(rows, vocab, like.dtype, like.device)
 
-    def _window(self, z: Tensor, r: slice, theta: Tensor | None, forward: bool) -> Window:
-        ids = row_ids(self.opts.replay, r)
-        if ids is not None and self.place.shard is not None:  # the shard's columns; ids elsewhere dropped
-            ids = ids - self.place.shard.start
-        owned = None if self.place.owned is None else self.place.owned[r]
+    def _window(self, x: Tensor, rows: slice, theta: Tensor | None, forward: bool, in_place: bool = False) -> Window:
+        """The logits x [C, V] of `rows` masked to the support ∪ {target} (θ [C, 1] from the forward, or None)."""
+        ids = row_ids(self.opts.replay, rows)
+        if ids is not None and self.shard is not None:  # the shard's columns; ids elsewhere dropped
+            ids = ids - self.shard.start
+        owned = None if self.owned is None else self.owned[rows]
         return masked_window(
-            z,
-            self.place.targets[r],
+            x,
+            self.targets[rows],
             ids=ids,
             theta=theta,
             opts=self.opts,
@@ -404,8 +404,21 @@ class ReplayedChunks:
             rows=self.reduce,
             owned=owned,
             forward=forward,
-            in_place=masks_in_place(z, self.opts),
+            in_place=in_place,
         )
+
+
+class ReplayedChunks(_Replayed):
+    """Sampling replay on the fused lm_head's chunks of at most `rows` rows: each chunk's logits masked to the
+    support (in their own buffer where `masks_in_place`, else in the compute-dtype scratch), the support merged over
+    a vocabulary shard's group (`place`, a `parallel.Placement`). The forward keeps each row's θ and, with the whole
+    distribution's entropy (`Replay.full_entropy`, one process), that ordinary pass's lse; the backward (`saved`
+    those) masks each chunk again from them."""
+
+    def __init__(self, opts: PassOptions, place, rows: int, weight: Tensor, saved=(None, None)):
+        super().__init__(opts, place, weight.shape[0], rows, weight)
+        self.thetas, self.full_lses = saved
+        self._kept: tuple[list[Tensor], list[Tensor]] = ([], [])
 
     def forward(self, kernels, z: Tensor, r: slice, mask: Tensor):
         """The replayed pass over one chunk z [1, c, V] (mask [1, c], `r` its rows): (logp, lse of the support,
@@ -414,23 +427,23 @@ class ReplayedChunks:
         `Replay.full_entropy` the whole distribution's."""
         opts, replay = self.opts, self.opts.replay
         full = replay.full_entropy and opts.with_entropy
-        window = self._window(z[0], r, None, True)
-        local = opts.stats if self.place.shard is None else ()
+        window = self._window(z[0], r, None, True, masks_in_place(z[0], opts))
+        local = opts.stats if self.shard is None else ()
         logp, lse, entropy, stats = window_forward(
             kernels,
             window,
-            self.place.targets[r],
+            self.targets[r],
             mask[0],
             opts.with_entropy and not full,
             local,
             replay.truncates(self.reduce.vocab),
         )
-        if self.place.shard is not None:
+        if self.shard is not None:
             stats = {"lse_full": window.lse_full, "outside": window.outside}
         entropy, full_lse = None if entropy is None else entropy[None], None
         if full:  # the ordinary pass for the entropy
             _, full_lse, entropy, _ = kernels.token_logprobs_fwd(
-                z, self.place.targets[None, r], mask, opts.temperature, True, **opts.transform
+                z, self.targets[None, r], mask, opts.temperature, True, **opts.transform
             )
             self._kept[1].append(full_lse)
         if window.theta is not None:
@@ -449,7 +462,7 @@ class ReplayedChunks:
         if state is None:
             theta = None if self.thetas is None else self.thetas[r]
             full_lse = None if self.full_lses is None else self.full_lses[:, r]
-            state = (self._window(z[0], r, theta, False), full_lse)
+            state = (self._window(z[0], r, theta, False, masks_in_place(z[0], self.opts)), full_lse)
         window, full_lse = state
         full = full_lse is not None
         support = RowGrads(targets=grads.targets, mask=grads.mask, lse=grads.lse, grad_logp=grads.grad_logp)
@@ -471,20 +484,16 @@ class ReplayedChunks:
         return grad
 
 
-class ReplayedRows:
+class ReplayedRows(_Replayed):
     """A replayed pass over logits [B, T, V] (a vocabulary shard's [B, T, V_r]), a window of rows at a time through
     one compute-dtype scratch (never [B·T, V]): the flattened rows' targets, mask and owner flags from the pass's
     `parallel.Placement`, and how a row's values combine over the shards (`RowReduce`). Windows are sized by the
     whole vocabulary, so every rank of a shard's group runs the same windows."""
 
     def __init__(self, logits: Tensor, place, opts: PassOptions):
-        self.logits, self.opts, self.shard = logits, opts, place.shard
-        self.targets, self.mask = place.targets.reshape(-1), place.mask.reshape(-1)
-        self.owned = None if place.owned is None else place.owned.reshape(-1)
-        V = logits.shape[-1]
-        self.reduce = RowReduce(V) if self.shard is None else RowReduce(self.shard.vocab, self.shard.group)
-        rows = window_rows(self.reduce.vocab, self.mask.shape[0])
-        self.scratch = Scratch(rows, V, logits.dtype, logits.device)
+        rows = window_rows(place.shard.vocab if place.shard is not None else logits.shape[-1], place.mask.numel())
+        super().__init__(opts, place, logits.shape[-1], rows, logits)
+        self.logits, self.mask = logits, self.mask.reshape(-1)
 
     def _windows(self):
         """(rows, x) per window of at most the scratch's rows: `rows` the slice of the flattened [B·T] rows, x [C, V]
@@ -504,23 +513,6 @@ class ReplayedRows:
                 stop = min(start + step, T)
                 yield slice(b * T + start, b * T + stop), self.logits[b, start:stop]
 
-    def _window(self, x: Tensor, rows: slice, theta: Tensor | None, forward: bool = True) -> Window:
-        ids = row_ids(self.opts.replay, rows)
-        if ids is not None and self.shard is not None:  # the shard's columns; ids elsewhere dropped
-            ids = ids - self.shard.start
-        owned = None if self.owned is None else self.owned[rows]
-        return masked_window(
-            x,
-            self.targets[rows],
-            ids=ids,
-            theta=theta,
-            opts=self.opts,
-            scratch=self.scratch,
-            rows=self.reduce,
-            owned=owned,
-            forward=forward,
-        )
-
     def forward(self, kernels):
         """(logp, lse of the support, entropy or None, {statistic}, θ [B·T] (empty for kept ids)), per-row values
         [B, T]. One process: the statistics of `opts.stats`; a shard: its "lse_full" and "outside" for
@@ -538,7 +530,7 @@ class ReplayedRows:
         theta = torch.empty(n if opts.replay.kept_ids is None else 0, dtype=dtype, device=device)
         truncates = opts.replay.truncates(self.reduce.vocab)
         for rows, x in self._windows():
-            window = self._window(x, rows, None)
+            window = self._window(x, rows, None, True)
             found = window_forward(
                 kernels, window, self.targets[rows], self.mask[rows], opts.with_entropy, local, truncates
             )
