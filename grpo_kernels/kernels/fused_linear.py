@@ -1,19 +1,19 @@
 """The vocabulary pass fused with the lm_head: hidden [M, H] and weight [V, H] in; the [M, V] logits only ever
 exist one chunk of rows at a time, so memory beyond the gradients is one chunk.
 
-Per chunk: one GEMM for the logits, the backend's vocabulary pass on them (in place), and in the backward the two
-gradient GEMMs (dH chunk, dW accumulated in float32 and cast once). On CUDA every GEMM reads its operands in the
-input dtype (tensor cores) with float32 accumulation (`gemm_mode`). Two Functions:
-- `_FusedLinearLogprobsFunction`: logp (and entropy) out, any loss on top; the backward recomputes each chunk's
-  logits (4 GEMMs in all).
-- `_FusedLinearTokenLossFunction`: for token-level losses the per-token dL/dlogp is known as soon as a chunk's
-  log-probs are, so the gradients are formed in the forward from the logits still in memory and the backward only
-  scales them: 3 GEMMs, the floor.
-`PassOptions.head_precision` sets the logits GEMM's dtype (`head_precision.py`); the gradient GEMMs stay in
-the weight's. With sampling replay (`PassOptions.replay`) each chunk's logits are masked to the sampler's support
-in their own buffer before the pass and the in-forward gradient (`replay.py`; a compute-dtype copy where
-`replay.masks_in_place` says no); the backward of the 4-GEMM Function masks them again from each row's saved
-threshold.
+One autograd Function, one loop over row chunks. Per chunk: one GEMM for the logits, the backend's vocabulary pass on
+them (in place), and the two gradient GEMMs (dH chunk, dW accumulated in float32 and cast once). On CUDA every GEMM
+reads its operands in the input dtype (tensor cores) with float32 accumulation (`gemm_mode`). Two schedules of the
+same loop (`LinearPass.chunk_loss`):
+- log-probs out (logp, entropy), any loss on top; the backward recomputes each chunk's logits (4 GEMMs in all);
+- a token-level loss: its per-token dL/dlogp is known as soon as a chunk's log-probs are, so the gradients are formed
+  in the forward from the logits still in memory and the backward only scales them: 3 GEMMs, the floor.
+The loop's steps are the support (the whole vocabulary, or sampling replay: `replay.ReplayedChunks` masks each
+chunk's logits to the sampler's support in their own buffer, a compute-dtype copy where `replay.masks_in_place`
+says no, and masks them again in the 4-GEMM backward from each row's saved threshold) and the placement (the whole
+weight, or a vocabulary shard, `parallel.Placement`: its statistics merged over the group once every chunk's are
+in, dH all-reduced). `PassOptions.head_precision` sets the logits GEMM's dtype (`head_precision.py`); the gradient
+GEMMs stay in the weight's.
 """
 
 from __future__ import annotations

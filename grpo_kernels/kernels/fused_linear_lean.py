@@ -135,8 +135,8 @@ def cast_in_place(acc: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 class _LeanLinearLogprobsFunction(torch.autograd.Function):
-    """`_FusedLinearLogprobsFunction` on 2-D tiles: (hidden [M, H], weight [V, H], bias [V] | None, targets [M],
-    row_mask [M] | None) -> logp [M], entropy [M] or empty, each asked statistic [M]."""
+    """`fused_linear`'s log-probs on 2-D tiles, its own schedule: (hidden [M, H], weight [V, H], bias [V] | None,
+    targets [M], row_mask [M] | None) -> logp [M], entropy [M] or empty, each asked statistic [M]."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, row_mask, opts):
