@@ -80,15 +80,18 @@ def two_phase(plan: Plan):
 def fused_epilogue(plan: Plan) -> GRPOLossOutput:
     """One kernel pass: each token's weighted loss and dL/dlogp come out of the forward kernel's epilogue."""
     inputs, options, layout = plan.inputs, plan.options, plan.layout
-    loss, logp, entropy = logits_driver.fused_token_loss(
-        layout.rows,
-        layout.targets,
-        layout.mask,
+    sides = logits_driver.LossSides(
         weights=token_omega(inputs, options, compute_dtype(layout.rows.dtype)),
         advantages=per_sequence_or_token(inputs.advantages),  # [B, 1] or [B, T]
         old_logp=inputs.old_logp,
         ref_logp=inputs.ref_logp,
         is_ratio=per_sequence_or_token(inputs.is_ratio),
+    )
+    loss, logp, entropy = logits_driver.fused_token_loss(
+        layout.rows,
+        layout.targets,
+        layout.mask,
+        sides,
         opts=plan.pass_options,
         epilogue=TokenEpilogue.from_options(options),
     )

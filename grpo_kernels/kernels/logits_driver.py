@@ -167,30 +167,31 @@ def logits_pass(
     return out | ({"entropy": entropy} if full else {})
 
 
-def fused_token_loss(
-    logits: Tensor,
-    targets: Tensor,
-    mask: Tensor,
-    *,
-    weights: Tensor,
-    advantages: Tensor,
-    old_logp: Tensor | None,
-    ref_logp: Tensor | None,
-    is_ratio: Tensor | None,
-    opts: PassOptions,
-    epilogue,
-) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Loss (0-dim) of a token-level variant in one kernel pass, plus detached logp and entropy [B, T] for metrics.
+@dataclass(frozen=True)
+class LossSides:
+    """A token-level loss's tensors besides the logits, in the order the backends' `grpo_loss_fwd` takes them:
+    weights [B, T] (the normaliser's per-token weights), advantages [B, 1] or [B, T], old_logp / ref_logp [B, T] and
+    is_ratio [B, 1] or [B, T] (None: not used)."""
 
-    weights [B, T] are the normaliser's per-token weights; advantages / is_ratio may be [B, 1] or [B, T];
+    weights: Tensor
+    advantages: Tensor
+    old_logp: Tensor | None = None
+    ref_logp: Tensor | None = None
+    is_ratio: Tensor | None = None
+
+
+def fused_token_loss(
+    logits: Tensor, targets: Tensor, mask: Tensor, sides: LossSides, *, opts: PassOptions, epilogue
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Loss (0-dim) of a token-level variant in one kernel pass, plus detached logp and entropy [B, T] for metrics;
     `epilogue` the loss's record of flags and constants (`losses.epilogue.TokenEpilogue`: its `kind`, clip widths,
-    KL estimator...), read by the backend's `grpo_loss_fwd`.
-    """
+    KL estimator...), read by the backend's `grpo_loss_fwd`."""
     B, T = mask.shape
     dtype = compute_dtype(logits.dtype)  # float64 on torch for float64 logits
     side = lambda x: None if x is None else x.to(dtype).contiguous()  # noqa: E731
     expand = lambda x: None if x is None else x.to(dtype).expand(B, T)  # noqa: E731
-    sides = (side(weights), expand(advantages), side(old_logp), side(ref_logp), expand(is_ratio))
+    per_row = (side(sides.weights), expand(sides.advantages), side(sides.old_logp), side(sides.ref_logp))
+    sides = (*per_row, expand(sides.is_ratio))
     loss, logp, entropy = _LogitsFunction.apply(logits, targets, mask, LogitsPass(opts, None, epilogue), *sides)
     return loss, logp, (entropy if opts.with_entropy else None)
 
