@@ -47,7 +47,7 @@ def reachable_cases() -> dict[str, Callable]:
     (with entropy), each combination of entropy and soft-capping in the forward (with every statistic and without) and
     the backward, the fused loss with each epilogue (with entropy) and each combination of entropy and soft-capping
     (clip), and the two-head divergence's chunk pass for each divergence, with and without the gradient."""
-    from grpo_kernels.kernels.function import TOKEN_STATS
+    from grpo_kernels.kernels.protocol import TOKEN_STATS
 
     out = {}
     for stats in _subsets(TOKEN_STATS):

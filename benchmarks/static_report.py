@@ -157,7 +157,7 @@ def _divergence_chunk(beta: float, with_grad: bool = True) -> Callable:
 
 def cases() -> dict[str, Callable]:
     """Case name -> launch(dtype, V, B, T); each policy epilogue and KL estimator of the fused kernel is one case."""
-    from grpo_kernels.kernels.function import TOKEN_STATS
+    from grpo_kernels.kernels.protocol import TOKEN_STATS
     from grpo_kernels.kernels.triton.grpo_loss import EPILOGUES, KL_KINDS
 
     out = {

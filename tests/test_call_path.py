@@ -48,7 +48,7 @@ def entries(call) -> tuple[collections.Counter, int]:
     return counted, builds
 
 
-def _call(name: str, backward: bool):
+def _call(name: str, backward: bool, **replay):
     torch.manual_seed(0)
     master = torch.randn(B, T, V)
     hidden = torch.randn(B, T, H, requires_grad=True)
@@ -60,10 +60,12 @@ def _call(name: str, backward: bool):
     def call() -> None:
         logits = master.clone().requires_grad_()  # the in-place backward consumes the logits
         if name == "grpo_loss":
-            out = gk.grpo_loss(logits, targets, advantages, old_logp, mask=mask, beta=0.0, backend="torch").loss
-        elif name == "fused_linear_grpo_loss":
-            out = gk.fused_linear_grpo_loss(hidden, weight, targets, advantages, old_logp, mask=mask, backend="torch")
+            out = gk.grpo_loss(logits, targets, advantages, old_logp, mask=mask, beta=0.0, backend="torch", **replay)
             out = out.loss
+        elif name == "fused_linear_grpo_loss":
+            out = gk.fused_linear_grpo_loss(
+                hidden, weight, targets, advantages, old_logp, mask=mask, backend="torch", **replay
+            ).loss
         else:
             out = gk.token_logprobs(logits, targets, backend="torch").sum()
         if backward:
@@ -82,6 +84,21 @@ def test_one_call_enters_each_engine_file_at_most_twice(name, backward):
     assert builds == 1
     assert engine["engine/layout.py"] == 1, engine
     assert max(engine.values()) <= 2, engine
+
+
+@pytest.mark.parametrize(
+    ("name", "replay", "most"),
+    [("grpo_loss", {}, 12), ("fused_linear_grpo_loss", {}, 22), ("grpo_loss", {"top_p": 0.9}, 16)],
+    ids=["grpo_loss", "fused_linear_grpo_loss", "grpo_loss-top_p"],
+)
+def test_one_call_enters_the_kernels_few_times(name, replay, most):
+    """Forward and backward, the kernels' files are entered at most `most` times in all: one driver per source, its
+    steps (sharding, replay) called from its loop, not a Function each."""
+    call = _call(name, True, **replay)
+    call()
+    counted, _ = entries(call)
+    kernels = {path: n for path, n in counted.items() if path.startswith("kernels/")}
+    assert sum(kernels.values()) <= most, kernels
 
 
 def test_the_measure_sees_a_path_that_comes_back(monkeypatch):

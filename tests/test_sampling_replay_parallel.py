@@ -126,7 +126,7 @@ def test_two_shards_equal_one_process():
 
 
 def test_top_p_on_shards_needs_top_k():
-    from grpo_kernels.engine.replay import SHARD_TOP_K, check_shard_rule
+    from grpo_kernels.engine.validate import SHARD_TOP_K, check_shard_rule
 
     check_shard_rule(SHARD_TOP_K, 0.9, 151_936)
     for top_k in (0, SHARD_TOP_K + 1, V):

@@ -9,7 +9,7 @@ import torch
 import grpo_kernels as gk
 from grpo_kernels.engine import validate
 from grpo_kernels.kernels.cuda import launchers as cuda
-from grpo_kernels.kernels.function import TOKEN_STATS
+from grpo_kernels.kernels.protocol import TOKEN_STATS
 from tests.cases import CASE_IDS, CASES, Case, make_inputs
 from tests.conftest import BACKENDS, DEVICE, DTYPES, assert_close
 from tests.helpers import oracle_logits

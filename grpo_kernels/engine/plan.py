@@ -155,6 +155,7 @@ def build_plan(*, source: Source, arguments: dict[str, Any], options: LossOption
     replay = replay_module.replay_of(
         transform,
         tensors.sampling_mask,
+        replays=checked.replays,
         leading=layout.leading,
         mask=layout.mask,
         vocab=vocab,
@@ -162,9 +163,6 @@ def build_plan(*, source: Source, arguments: dict[str, Any], options: LossOption
         stats=checked.stats,
         full_entropy=loss and options.replay_entropy == "full",
         kept=kept,
-        memory=request.memory,
-        tile=request.tile,
-        sharded=shard is not None,
     )
     memory_mode = (
         "fast"

@@ -37,6 +37,7 @@ def replay_of(
     rule,
     sampling_mask: Any,
     *,
+    replays: bool,
     leading: tuple[int, ...],
     mask: Tensor,
     vocab: int,
@@ -44,43 +45,13 @@ def replay_of(
     stats: tuple[str, ...],
     full_entropy: bool,
     kept,
-    memory: str,
-    tile,
-    sharded: bool,
 ) -> Replay | None:
     """The pass's Replay, or None when the call replays nothing and asks for no replay statistic. `rule` holds
     top_k, top_p, min_p (the Request or the LossOptions), `leading` the targets' shape, `mask` the pass's kept
-    tokens [R, C], `kept` the fused lm_head's
-    `KeptRows` (None: logits in); the rule's values were checked with the call's options (`option_checks`);
-    `memory` / `tile` as asked (replay runs "fast" only), `sharded` a vocabulary
-    shard (`check_shard_rule`)."""
-    truncated = 0 < rule.top_k < vocab or rule.top_p < 1.0 or rule.min_p > 0.0
-    if sampling_mask is not None and (rule.top_k != 0 or rule.top_p != 1.0 or rule.min_p != 0.0):
-        raise ValueError(
-            "sampling_mask gives the kept tokens itself: pass it or the rule options (top_k, top_p, min_p), not both; "
-            f"got top_k={rule.top_k}, top_p={rule.top_p}, min_p={rule.min_p}"
-        )
-    replays = truncated or sampling_mask is not None
+    tokens [R, C], `kept` the fused lm_head's `KeptRows` (None: logits in); `replays` whether it truncates
+    (`validate.check_replay`, whose checks have passed: this only builds)."""
     if not replays and not any(name in REPLAY_STATS for name in stats):
         return None
-    if replays and kept is not None and (memory == "lean" or tile is not None):
-        raise ValueError(
-            "memory='lean' (and tile) cannot replay a truncated sampler: its 2-D tiles never hold a row's logits "
-            "whole, and the support's threshold needs the row; use memory='fast' or 'auto' (which picks it)"
-        )
-    full_stats = [name for name in stats if name not in REPLAY_STATS]
-    if replays and full_stats:
-        raise ValueError(
-            f"stats {full_stats} describe the whole vocabulary's distribution and do not replay a truncated sampler; "
-            f"with top_k, top_p, min_p or sampling_mask ask for {REPLAY_STATS}"
-        )
-    if replays and sharded:
-        check_shard_rule(rule.top_k, rule.top_p, vocab)
-        if full_entropy and kept is not None:
-            raise ValueError(
-                "replay_entropy='full' does not run on the fused lm_head's vocabulary shards (process_group): use "
-                "replay_entropy='support', or logits in"
-            )
     ids = None if sampling_mask is None else kept_ids(sampling_mask, leading, mask, vocab).to(device)  # [R·C, K]
     if ids is not None and kept is not None:
         if kept.row_mask is None:  # only the kept rows run (every row runs, masked, inside a capture)
@@ -89,19 +60,6 @@ def replay_of(
     return Replay(
         top_k=top_k, top_p=float(rule.top_p), min_p=float(rule.min_p), kept_ids=ids, full_entropy=full_entropy
     )
-
-
-SHARD_TOP_K = 1024  # top_p on vocabulary shards: the largest top_k whose candidates the shards all-gather
-
-
-def check_shard_rule(top_k: int, top_p: float, vocab: int) -> None:
-    """top_p on vocabulary shards walks the merged candidates of top-k: it needs 1 <= top_k <= SHARD_TOP_K (each
-    rank sends R·top_k floats per row; prime-rl bounds it at 512)."""
-    if top_p < 1.0 and not 0 < top_k <= min(SHARD_TOP_K, vocab - 1):
-        raise ValueError(
-            f"top_p={top_p} on vocabulary shards (process_group) needs top_k in [1, {SHARD_TOP_K}]: the shards merge "
-            f"their top-k candidates and top-p walks them; got top_k={top_k}"
-        )
 
 
 def kept_ids(sampling_mask: Any, leading: tuple[int, ...], mask: Tensor, vocab: int) -> Tensor:

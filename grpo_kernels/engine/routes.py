@@ -17,7 +17,7 @@ from torch import Tensor
 
 from grpo_kernels.engine import finite
 from grpo_kernels.engine.plan import KeptRows, Plan, Route
-from grpo_kernels.kernels import function, parallel, parallel_linear, replay_logits
+from grpo_kernels.kernels import logits_driver
 from grpo_kernels.kernels.backend import CAPABILITIES
 from grpo_kernels.kernels.fused_linear import ChunkLoss, fused_linear_logprobs, fused_linear_token_loss
 from grpo_kernels.kernels.fused_linear_lean import lean_linear_logprobs
@@ -39,19 +39,13 @@ def vocab_pass(plan: Plan) -> dict[str, Tensor]:
     lm_head's kept rows scattered back), logp NaN at unchecked targets outside [0, V)."""
     opts, kept, shard, layout = plan.pass_options, plan.kept, plan.shard, plan.layout
     if kept is None:  # logits in
-        if opts.replay is not None:  # the sampler's support
-            out = replay_logits.replayed_logits_pass(layout.rows, layout.targets, layout.mask, opts, shard)
-        elif shard is None:
-            out = function.logits_pass(layout.rows, layout.targets, layout.mask, opts)
-        else:
-            out = parallel.shard_logits_pass(layout.rows, layout.targets, layout.mask, opts, shard=shard)
-    else:  # the fused lm_head on the kept rows [M, H], scattered back to [R, C]
+        out = logits_driver.logits_pass(layout.rows, layout.targets, layout.mask, opts, shard)
+    else:  # the fused lm_head on the kept rows [M, H], scattered back to [R, C]: row chunks ("fast") or 2-D tiles
         rows = (_take(kept, layout.rows), plan.source.weight, plan.source.bias, _take(kept, layout.targets))
-        if shard is None:  # row chunks ("fast") or 2-D tiles ("lean")
-            linear = lean_linear_logprobs if opts.memory == "lean" else fused_linear_logprobs
-            out = linear(*rows, opts=opts, row_mask=kept.row_mask)
+        if opts.memory == "lean":
+            out = lean_linear_logprobs(*rows, opts=opts, row_mask=kept.row_mask)
         else:
-            out = parallel_linear.fused_linear_logprobs(*rows, opts=opts, row_mask=kept.row_mask, shard=shard)
+            out = fused_linear_logprobs(*rows, opts=opts, row_mask=kept.row_mask, shard=shard)
         out = {name: _scatter(kept, x, layout.mask) for name, x in out.items()}
     out["logp"] = _nan_at_invalid(out["logp"], layout.invalid)
     _check_kept_mass(plan, out, layout.mask)
@@ -99,20 +93,23 @@ def loss_result(plan: Plan, output: GRPOLossOutput, sequence_losses: Tensor | No
 def fused_epilogue(plan: Plan) -> GRPOLossOutput:
     """One kernel pass: each token's weighted loss and dL/dlogp come out of the forward kernel's epilogue."""
     inputs, options, layout = plan.inputs, plan.options, plan.layout
-    loss, logp, entropy = function.fused_token_loss(
-        layout.rows,
-        layout.targets,
-        layout.mask,
+    sides = logits_driver.LossSides(
         weights=token_omega(inputs, options, compute_dtype(layout.rows.dtype)),
         advantages=per_sequence_or_token(inputs.advantages),  # [B, 1] or [B, T]
         old_logp=inputs.old_logp,
         ref_logp=inputs.ref_logp,
         is_ratio=per_sequence_or_token(inputs.is_ratio),
+    )
+    loss, logp, entropy = logits_driver.fused_token_loss(
+        layout.rows,
+        layout.targets,
+        layout.mask,
+        sides,
         opts=plan.pass_options,
         epilogue=TokenEpilogue.from_options(options),
     )
     if layout.invalid is not None:
-        loss, logp = function.poisoned(loss, layout.invalid), _nan_at_invalid(logp, layout.invalid)
+        loss, logp = logits_driver.poisoned(loss, layout.invalid), _nan_at_invalid(logp, layout.invalid)
     terms = inputs.terms(logp, entropy, options)  # for the metrics
     return GRPOLossOutput(loss, loss_metrics(terms, options))
 
@@ -135,7 +132,7 @@ def linear_token_loss(plan: Plan):
     )
     logp = _nan_at_invalid(_scatter(kept, logp, layout.mask), layout.invalid)
     terms = inputs.terms(logp, _scatter(kept, entropy, layout.mask), options)
-    loss = loss if layout.invalid is None else function.poisoned(loss, layout.invalid)
+    loss = loss if layout.invalid is None else logits_driver.poisoned(loss, layout.invalid)
     stats = {name: _scatter(kept, x, layout.mask) for name, x in stats.items()}
     _check_kept_mass(plan, stats, layout.mask)
     output = GRPOLossOutput(loss, loss_metrics(terms, options) | replay_metrics(stats, layout.mask))

@@ -23,8 +23,8 @@ from grpo_kernels.engine.finite import FINITE_AT_KEPT, nonfinite
 from grpo_kernels.engine.memory import lean_backends
 from grpo_kernels.engine.sync import ValueCheck
 from grpo_kernels.kernels.backend import CAPABILITIES
-from grpo_kernels.kernels.function import TOKEN_STATS
 from grpo_kernels.kernels.head_precision import check_head_precision
+from grpo_kernels.kernels.protocol import TOKEN_STATS
 from grpo_kernels.kernels.replay import REPLAY_STATS
 from grpo_kernels.losses.sampler_ratio import SamplerCorrection
 from grpo_kernels.option_checks import OPTION_RULES, check_option
@@ -316,6 +316,56 @@ def check_normalisers(options: LossOptions, *, values: bool) -> list[ValueCheck]
     return checks
 
 
+def check_replay(
+    rule, sampling_mask: Any, stats: tuple[str, ...], *, vocab: int, linear: bool, request, full_entropy: bool
+) -> bool:
+    """The sampler's rule (top_k, top_p, min_p: the Request or the LossOptions) or kept-token mask against the rest
+    of the call, before any kernel runs: not both; not with memory="lean" (or a tile) on the fused lm_head
+    (`linear`); not with the whole vocabulary's statistics; on vocabulary shards (`request.process_group`) top_p
+    within top-k's candidates, and the whole entropy only with logits in. Values range-checked by the options.
+    Returns whether the call replays a truncated sampler."""
+    if sampling_mask is not None and (rule.top_k != 0 or rule.top_p != 1.0 or rule.min_p != 0.0):
+        raise ValueError(
+            "sampling_mask gives the kept tokens itself: pass it or the rule options (top_k, top_p, min_p), not both; "
+            f"got top_k={rule.top_k}, top_p={rule.top_p}, min_p={rule.min_p}"
+        )
+    replays = 0 < rule.top_k < vocab or rule.top_p < 1.0 or rule.min_p > 0.0 or sampling_mask is not None
+    if not replays:
+        return False
+    if linear and (request.memory == "lean" or request.tile is not None):
+        raise ValueError(
+            "memory='lean' (and tile) cannot replay a truncated sampler: its 2-D tiles never hold a row's logits "
+            "whole, and the support's threshold needs the row; use memory='fast' or 'auto' (which picks it)"
+        )
+    full_stats = [name for name in stats if name not in REPLAY_STATS]
+    if full_stats:
+        raise ValueError(
+            f"stats {full_stats} describe the whole vocabulary's distribution and do not replay a truncated sampler; "
+            f"with top_k, top_p, min_p or sampling_mask ask for {REPLAY_STATS}"
+        )
+    if request.process_group is not None:
+        check_shard_rule(rule.top_k, rule.top_p, vocab)
+        if full_entropy and linear:
+            raise ValueError(
+                "replay_entropy='full' does not run on the fused lm_head's vocabulary shards (process_group): use "
+                "replay_entropy='support', or logits in"
+            )
+    return True
+
+
+SHARD_TOP_K = 1024  # top_p on vocabulary shards: the largest top_k whose candidates the shards all-gather
+
+
+def check_shard_rule(top_k: int, top_p: float, vocab: int) -> None:
+    """top_p on vocabulary shards walks the merged candidates of top-k: it needs 1 <= top_k <= SHARD_TOP_K (each
+    rank sends R·top_k floats per row; prime-rl bounds it at 512)."""
+    if top_p < 1.0 and not 0 < top_k <= min(SHARD_TOP_K, vocab - 1):
+        raise ValueError(
+            f"top_p={top_p} on vocabulary shards (process_group) needs top_k in [1, {SHARD_TOP_K}]: the shards merge "
+            f"their top-k candidates and top-p walks them; got top_k={top_k}"
+        )
+
+
 @dataclass(frozen=True)
 class Checked:
     """What a call's checks settled: its statistics' names, the lean tile, and the value checks its one host sync
@@ -324,6 +374,7 @@ class Checked:
     stats: tuple[str, ...]
     tile: tuple[int, int] | None
     checks: tuple[ValueCheck, ...]
+    replays: bool = False  # a truncated sampler's support (`check_replay`)
 
 
 def check_call(
@@ -368,4 +419,15 @@ def check_call(
         if options.rollout_correction is not None and request.sequence_group is not None:
             raise ValueError("rollout_correction does not run with sequence_group (its sequence statistics are local)")
         checks += check_normalisers(options, values=values)
-    return Checked(stats=stats, tile=tile, checks=tuple(checks))
+    full_entropy = loss and options.replay_entropy == "full"
+    rule = options if loss else request  # where the sampler's rule comes from
+    replays = check_replay(
+        rule,
+        tensors.sampling_mask,
+        stats,
+        vocab=vocab,
+        linear=weight is not None,
+        request=request,
+        full_entropy=full_entropy,
+    )
+    return Checked(stats=stats, tile=tile, checks=tuple(checks), replays=replays)

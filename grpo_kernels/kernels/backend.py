@@ -77,3 +77,13 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     if not ok:
         raise RuntimeError(why)
     return backend
+
+
+def launch(name: str, part: str = "module", passes: int = 1, also: str | None = None):
+    """The module of backend `name` holding `part` (`kernels_of`), its `passes` launches counted (and one of `also`,
+    a route's own count): what a driver calls once per pass."""
+    if passes:
+        count_launch(name, passes)
+    if also is not None:
+        count_launch(also)
+    return kernels_of(name, part)

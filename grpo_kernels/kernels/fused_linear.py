@@ -1,19 +1,19 @@
 """The vocabulary pass fused with the lm_head: hidden [M, H] and weight [V, H] in; the [M, V] logits only ever
 exist one chunk of rows at a time, so memory beyond the gradients is one chunk.
 
-Per chunk: one GEMM for the logits, the backend's vocabulary pass on them (in place), and in the backward the two
-gradient GEMMs (dH chunk, dW accumulated in float32 and cast once). On CUDA every GEMM reads its operands in the
-input dtype (tensor cores) with float32 accumulation (`gemm_mode`). Two Functions:
-- `_FusedLinearLogprobsFunction`: logp (and entropy) out, any loss on top; the backward recomputes each chunk's
-  logits (4 GEMMs in all).
-- `_FusedLinearTokenLossFunction`: for token-level losses the per-token dL/dlogp is known as soon as a chunk's
-  log-probs are, so the gradients are formed in the forward from the logits still in memory and the backward only
-  scales them: 3 GEMMs, the floor.
-`PassOptions.head_precision` sets the logits GEMM's dtype (`head_precision.py`); the gradient GEMMs stay in
-the weight's. With sampling replay (`PassOptions.replay`) each chunk's logits are masked to the sampler's support
-in their own buffer before the pass and the in-forward gradient (`replay.py`; a compute-dtype copy where
-`replay.masks_in_place` says no); the backward of the 4-GEMM Function masks them again from each row's saved
-threshold.
+One autograd Function, one loop over row chunks. Per chunk: one GEMM for the logits, the backend's vocabulary pass on
+them (in place), and the two gradient GEMMs (dH chunk, dW accumulated in float32 and cast once). On CUDA every GEMM
+reads its operands in the input dtype (tensor cores) with float32 accumulation (`gemm_mode`). Two schedules of the
+same loop (`LinearPass.chunk_loss`):
+- log-probs out (logp, entropy), any loss on top; the backward recomputes each chunk's logits (4 GEMMs in all);
+- a token-level loss: its per-token dL/dlogp is known as soon as a chunk's log-probs are, so the gradients are formed
+  in the forward from the logits still in memory and the backward only scales them: 3 GEMMs, the floor.
+The loop's steps are the support (the whole vocabulary, or sampling replay: `replay.ReplayedChunks` masks each
+chunk's logits to the sampler's support in their own buffer, a compute-dtype copy where `replay.masks_in_place`
+says no, and masks them again in the 4-GEMM backward from each row's saved threshold) and the placement (the whole
+weight, or a vocabulary shard, `parallel.Placement`: its statistics merged over the group once every chunk's are
+in, dH all-reduced). `PassOptions.head_precision` sets the logits GEMM's dtype (`head_precision.py`); the gradient
+GEMMs stay in the weight's.
 """
 
 from __future__ import annotations
@@ -21,15 +21,19 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from grpo_kernels.kernels import backend as backends
 from grpo_kernels.kernels import head_precision, replay
-from grpo_kernels.kernels.function import backend_kernels, checked_rows, nonfinite_rows, not_finite_to_nan, poisoned
+from grpo_kernels.kernels.logits_driver import checked_rows, nonfinite_rows, not_finite_to_nan, poisoned
+from grpo_kernels.kernels.parallel import Placement, VocabShard, reduce_hidden_grad
 from grpo_kernels.kernels.pass_options import PassOptions
 from grpo_kernels.kernels.protocol import compute_dtype
+from grpo_kernels.kernels.replay import RowGrads
 
 # CPU: each chunk's GEMMs stream all of W (and dW) once, so a chunk needs a few hundred rows to keep them
 # compute-bound. Measured on 2 cores, B·T = 2048, H = 896, fused-linear forward + backward: V = 151,936 took
@@ -98,27 +102,9 @@ def rows_per_chunk(opts: PassOptions, num_rows: int) -> int:
     return max(1, min(opts.chunk_size, num_rows))
 
 
-def _chunks(num_rows: int, rows: int):
-    for start in range(0, num_rows, rows):
-        yield slice(start, min(start + rows, num_rows))
-
-
 def _cat(parts: list[Tensor], like: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
     """The chunks' per-row values as one [M] tensor; no chunks (M = 0, every token masked): an empty one."""
     return torch.cat(parts) if parts else torch.empty(0, dtype=dtype, device=like.device)
-
-
-def _joined(parts: list[Tensor | None], dim: int) -> Tensor | None:
-    """The chunks' replay state (θ [c, 1], full lse [1, c]) joined along `dim`; None when the chunks have none."""
-    parts = [x for x in parts if x is not None]
-    return torch.cat(parts, dim) if parts else None
-
-
-def _logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, buffer: Tensor, precision: str) -> Tensor:
-    """The chunk's logits [1, c, V] for its hidden rows [c, H], written into `buffer` [≥c, V] (weight and bias in
-    its dtype, `head_precision.operands`): one buffer serves every chunk (a fresh allocation per chunk pays its page
-    faults again on CPU each time)."""
-    return head_precision.logits_gemm(hidden, weight, bias, buffer[: hidden.shape[0]], precision)[None]
 
 
 class _GradientSink:
@@ -135,7 +121,8 @@ class _GradientSink:
     def add(self, rows: slice, grad_logits: Tensor, hidden: Tensor, weight: Tensor) -> None:
         """grad_logits [c, V] of the rows' logits (cast to the weight's dtype: the gradient GEMMs run in it);
         hidden [c, H] the rows' inputs."""
-        grad_logits = head_precision.cast(grad_logits, weight.dtype)
+        if grad_logits.dtype != weight.dtype:  # a head_precision's logits
+            grad_logits = grad_logits.to(weight.dtype)
         if self.hidden is not None:
             torch.mm(grad_logits, weight, out=self.hidden[rows])
         if self.weight is not None:
@@ -155,186 +142,233 @@ class _GradientSink:
         return grads[0], cast(grads[1], weight), None if bias is None else cast(grads[2], bias)
 
 
-def _row_masks(rows: int, row_mask: Tensor | None, device) -> Callable[[slice], Tensor]:
-    """The vocabulary pass's mask [1, c] for a chunk's rows: all kept (the rows were gathered), or `row_mask`'s."""
-    if row_mask is not None:
-        return lambda r: row_mask[None, r]
+def _row_masks(rows: int, mask: Tensor | None, device) -> Callable[[slice], Tensor]:
+    """The vocabulary pass's mask [1, c] for a chunk's rows: all kept (the rows were gathered), or `mask`'s."""
+    if mask is not None:
+        return lambda r: mask[None, r]
     ones = torch.ones((1, rows), dtype=torch.bool, device=device)
     return lambda r: ones[:, : r.stop - r.start]
-
-
-class _FusedLinearLogprobsFunction(torch.autograd.Function):
-    """(hidden [M, H], weight [V, H], bias [V] | None, targets [M], row_mask [M] bool | None) -> logp [M],
-    entropy [M] or empty, and each asked statistic [M] (not differentiable). row_mask None: every row is kept;
-    else the rows it drops give 0 and no gradient."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, row_mask, opts: PassOptions):
-        kernels = backend_kernels(opts.backend)
-        M, V = targets.shape[0], weight.shape[0]
-        w, b = head_precision.operands(weight, bias, opts.head_precision)
-        rows = rows_per_chunk(opts, M)
-        masks = _row_masks(rows, row_mask, hidden.device)
-        buffer = w.new_empty(rows, V)  # [rows, V]
-        scratch = replay.chunk_scratch(opts, rows, weight)  # replay: its windows' buffers, in the compute dtype
-        logps, lses, entropies, thetas, full_lses = [], [], [], [], []
-        stats = {name: [] for name in opts.stats}
-        for r in _chunks(M, rows):
-            backends.count_launch(opts.backend)
-            z = _logits(hidden[r], w, b, buffer, opts.head_precision)  # [1, c, V]
-            if scratch is None:
-                logp, lse, entropy, chunk_stats = kernels.token_logprobs_fwd(
-                    z,
-                    targets[None, r],
-                    masks(r),
-                    opts.temperature,
-                    opts.with_entropy,
-                    **opts.transform(),
-                    stats=opts.stats,
-                )
-            else:
-                logp, lse, entropy, chunk_stats, state = replay.chunk_forward(
-                    kernels, z, targets[None, r], masks(r), opts, r, scratch
-                )
-                thetas.append(state.window.theta)
-                full_lses.append(state.full_lse)
-            logps.append(logp[0])
-            lses.append(lse[0])
-            if opts.with_entropy:
-                entropies.append(entropy[0])
-            for name, acc in stats.items():
-                acc.append(chunk_stats[name][0])
-        logp, lse = _cat(logps, hidden), _cat(lses, hidden)  # [M] each
-        logp = checked_rows(opts.row_check, lse, logp, row_mask)
-        entropy = _cat(entropies, hidden) if opts.with_entropy else logp.new_empty(0)  # [M]
-        bools = ("is_top1", "outside_support")
-        stats = [_cat(acc, hidden, torch.bool if name in bools else torch.float32) for name, acc in stats.items()]
-        ctx.mark_non_differentiable(*stats, *([] if opts.with_entropy else [entropy]))  # one call: each replaces
-        ctx.set_materialize_grads(False)
-        ctx.save_for_backward(hidden, weight, bias, targets, row_mask, lse, entropy)
-        ctx.opts, ctx.rows = opts, rows
-        ctx.replayed = (_joined(thetas, 0), _joined(full_lses, 1))  # [M, 1] θ (rule), [1, M] full lse, or None
-        return logp, entropy, *stats
-
-    @staticmethod
-    def backward(ctx, grad_logp, grad_entropy, *_grad_stats):
-        hidden, weight, bias, targets, row_mask, lse, entropy = ctx.saved_tensors
-        opts, rows = ctx.opts, ctx.rows
-        kernels = backend_kernels(opts.backend)
-        if not opts.with_entropy:
-            grad_entropy = None
-        sink = _GradientSink(hidden, weight, bias, ctx.needs_input_grad[:3])
-        masks = _row_masks(rows, row_mask, hidden.device)
-        w, b = head_precision.operands(weight, bias, opts.head_precision)
-        buffer = w.new_empty(rows, weight.shape[0])  # [rows, V]
-        scratch = replay.chunk_scratch(opts, rows, weight)
-        thetas, full_lses = ctx.replayed
-        for r in _chunks(targets.shape[0], rows):
-            backends.count_launch(opts.backend)
-            z = _logits(hidden[r], w, b, buffer, opts.head_precision)  # [1, c, V], overwritten by its gradient
-            grad_args = (
-                lse[None, r],
-                entropy[None, r] if grad_entropy is not None else None,
-                None if grad_logp is None else grad_logp[None, r],
-                None if grad_entropy is None else grad_entropy[None, r],
-            )
-            if scratch is None:
-                kernels.token_logprobs_bwd(z, targets[None, r], masks(r), *grad_args[:4], opts.temperature, z,
-                                           **opts.transform())  # fmt: skip
-                sink.add(r, z[0], hidden[r], weight)
-                continue
-            theta, full_lse = None if thetas is None else thetas[r], None if full_lses is None else full_lses[:, r]
-            state = replay.chunk_state(z, targets[None, r], opts, r, scratch, theta, full_lse)
-            grads = replay.RowGrads(targets[r], masks(r)[0], *(None if x is None else x[0] for x in grad_args))
-            grad = replay.chunk_grad(kernels, state, z, grads, opts, scratch)
-            sink.add(r, grad, hidden[r], weight)
-        return (*sink.result(weight, bias), None, None, None)
 
 
 ChunkLoss = Callable[[slice, Tensor, Tensor | None], tuple[Tensor, Tensor | None, Tensor | None]]
 
 
-class _FusedLinearTokenLossFunction(torch.autograd.Function):
-    """(hidden, weight, bias, targets, row_mask) -> (loss, logp [M], entropy [M] or empty) for a token-level loss
-    given as `chunk_loss(rows, logp_rows, entropy_rows or None)` -> (its share of the loss, dL/dlogp, dL/dentropy
-    or None), [c] each; it must give the rows `row_mask` drops no loss and no gradient. row_mask as in
-    `_FusedLinearLogprobsFunction`."""
+@dataclass(frozen=True)
+class LinearPass:
+    """One pass of the fused lm_head: its options; the vocabulary shard (None: the whole weight), whose dH is
+    all-reduced over the group unless `reduce_hidden_grad` is False (`parallel.partial_hidden_grad`); and a
+    token-level loss given as `chunk_loss(rows, logp_rows, entropy_rows or None)` -> (its share of the loss,
+    dL/dlogp, dL/dentropy or None), [c] each, giving the rows the row mask drops no loss and no gradient (None:
+    log-probs out, the backward recomputes each chunk's logits)."""
+
+    opts: PassOptions
+    shard: VocabShard | None = None
+    chunk_loss: ChunkLoss | None = None
+    reduce_hidden_grad: bool = True
+
+
+class _FusedLinearFunction(torch.autograd.Function):
+    """(hidden [M, H], weight [V, H] (a shard's [V_r, H]), bias [V] | None, targets [M] whole-vocabulary ids,
+    row_mask [M] bool | None, pass) -> (loss, logp [M], entropy [M] or empty, each asked statistic [M], not
+    differentiable). row_mask None: every row is kept; else the rows it drops give 0 and no gradient. With a
+    `chunk_loss` the loss is 0-dim and its gradients are formed in the forward from each chunk's logits still in
+    memory (3 GEMMs, the backward scales them; logp and entropy are not differentiable); else the loss is None
+    and the backward recomputes each chunk's logits (4 GEMMs)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, row_mask, opts: PassOptions, chunk_loss: ChunkLoss):
-        kernels = backend_kernels(opts.backend)
-        M, V = targets.shape[0], weight.shape[0]
-        w, b = head_precision.operands(weight, bias, opts.head_precision)
-        rows = rows_per_chunk(opts, M)
-        masks = _row_masks(rows, row_mask, hidden.device)
-        sink = _GradientSink(hidden, weight, bias, ctx.needs_input_grad[:3])
-        loss = torch.zeros((), dtype=compute_dtype(w.dtype), device=hidden.device)  # float64 stays float64
-        # a kept row with a non-finite dL/dlogits makes the loss NaN; when the inputs were checked (and the rows are
-        # below) only the gradients can still overflow, and their sum is finite iff they are
+    def forward(ctx, hidden, weight, bias, targets, row_mask, spec: LinearPass):
+        opts = spec.opts
+        in_forward = spec.chunk_loss is not None
+        chunks = _Chunks(hidden, weight, bias, targets, row_mask, spec)
+        passes = len(chunks) * (2 if in_forward else 1)  # a pass per chunk; with the loss, its backward too
+        kernels = backends.launch(opts.backend, passes=passes, also="fused_linear_token_loss" if in_forward else None)
+        sink = _GradientSink(hidden, weight, bias, ctx.needs_input_grad[:3]) if in_forward else None
         checked = opts.row_check is not None
-        bad = torch.zeros((), dtype=torch.bool, device=hidden.device)  # unchecked: a flagged row
-        gradient_sum = torch.zeros_like(loss)  # checked: Σ dL/dlogp + Σ dL/dentropy
-        logps, lses, entropies = [], [], []
-        stats = {name: [] for name in opts.stats}  # replay's statistics
-        buffer = w.new_empty(rows, V)  # [rows, V]
-        scratch = replay.chunk_scratch(opts, rows, weight)  # replay: its windows' buffers, in the compute dtype
-        backends.count_launch("fused_linear_token_loss")
-        for r in _chunks(M, rows):
-            backends.count_launch(opts.backend, 2)
-            z = _logits(hidden[r], w, b, buffer, opts.head_precision)  # [1, c, V]
-            mask = masks(r)  # [1, c]
-            if scratch is None:
-                logp, lse, entropy, chunk_stats = kernels.token_logprobs_fwd(
-                    z, targets[None, r], mask, opts.temperature, opts.with_entropy, **opts.transform(), stats=opts.stats
-                )
-            else:
-                logp, lse, entropy, chunk_stats, state = replay.chunk_forward(
-                    kernels, z, targets[None, r], mask, opts, r, scratch
-                )
-            share, grad_logp, grad_entropy = chunk_loss(r, logp[0], entropy[0] if opts.with_entropy else None)
+        if in_forward:
+            loss = torch.zeros((), dtype=compute_dtype(chunks.w.dtype), device=hidden.device)  # float64 stays so
+            # a kept row with a non-finite dL/dlogits makes the loss NaN; when the inputs were checked (and the rows
+            # are below) only the gradients can still overflow, and their sum is finite iff they are
+            bad = torch.zeros((), dtype=torch.bool, device=hidden.device)  # unchecked: a flagged row
+            gradient_sum = torch.zeros_like(loss)  # checked: Σ dL/dlogp + Σ dL/dentropy
+        found: dict[str, list[Tensor]] = {"logp": [], "lse": [], **({"entropy": []} if opts.with_entropy else {})}
+        for r in chunks:
+            z, mask, rows_targets = (
+                chunks.logits(r),
+                chunks.masks(r),
+                chunks.place.targets[None, r],
+            )  # [1, c, V], [1, c]
+            logp, lse, entropy, stats, state = chunks.forward(kernels, z, r, rows_targets, mask)
+            for name, x in {"logp": logp, "lse": lse, "entropy": entropy, **stats}.items():
+                if x is not None:
+                    found.setdefault(name, []).append(x[0])
+            if not in_forward:
+                continue
+            share, grad_logp, grad_entropy = spec.chunk_loss(r, logp[0], entropy[0] if opts.with_entropy else None)
             loss += share
-            grad_logp = None if grad_logp is None else grad_logp[None]  # [1, c]
-            grad_entropy = None if grad_entropy is None else grad_entropy[None]  # [1, c]
-            grad_args = (lse, entropy if grad_entropy is not None else None, grad_logp, grad_entropy)
-            if scratch is None:
-                kernels.token_logprobs_bwd(
-                    z, targets[None, r], mask, *grad_args, opts.temperature, z, **opts.transform()
-                )
-                sink.add(r, z[0], hidden[r], weight)
-            else:
-                grads = replay.RowGrads(targets[r], mask[0], *(None if x is None else x[0] for x in grad_args))
-                sink.add(r, replay.chunk_grad(kernels, state, z, grads, opts, scratch), hidden[r], weight)
+            one = lambda x: None if x is None else x[None]  # noqa: E731  [1, c]
+            grads = RowGrads(
+                targets=rows_targets,
+                mask=mask,
+                lse=lse,
+                entropy=entropy if grad_entropy is not None else None,
+                grad_logp=one(grad_logp),
+                grad_entropy=one(grad_entropy),
+            )
+            sink.add(r, chunks.grad(kernels, z, r, grads, state), hidden[r], weight)
             if checked:
                 for grad in (g for g in (grad_logp, grad_entropy) if g is not None):
                     gradient_sum += grad.sum()
             else:
-                bad |= (nonfinite_rows(lse, logp, grad_logp, grad_entropy) & mask).any()
-            logps.append(logp[0])
-            lses.append(lse[0])
-            entropies.append(entropy[0] if opts.with_entropy else logp.new_empty(0))
-            for name, acc in stats.items():
-                acc.append(chunk_stats[name][0])
-        ctx.sink, ctx.weight_like = sink, (weight, bias)
-        logp, entropy = _cat(logps, hidden), _cat(entropies, hidden)
-        logp = checked_rows(opts.row_check, _cat(lses, hidden), logp, row_mask)
-        bools = ("is_top1", "outside_support")
-        stats = [_cat(acc, hidden, torch.bool if name in bools else torch.float32) for name, acc in stats.items()]
-        ctx.mark_non_differentiable(logp, entropy, *stats)
-        return not_finite_to_nan(loss, gradient_sum) if checked else poisoned(loss, bad), logp, entropy, *stats
+                bad |= (nonfinite_rows(lse[0], logp[0], grad_logp, grad_entropy) & mask[0]).any()
+        lse, logp, entropy, stats = chunks.merged(found, hidden)
+        logp = checked_rows(opts.row_check, lse, logp, row_mask)
+        stats = [stats[name] for name in opts.stats]
+        ctx.set_materialize_grads(False)
+        if in_forward:
+            ctx.sink, ctx.weight_like = sink, (weight, bias)
+            ctx.mark_non_differentiable(logp, entropy, *stats)
+            return not_finite_to_nan(loss, gradient_sum) if checked else poisoned(loss, bad), logp, entropy, *stats
+        ctx.mark_non_differentiable(*stats, *([] if opts.with_entropy else [entropy]))
+        ctx.save_for_backward(hidden, weight, bias, targets, row_mask, lse, entropy)
+        ctx.spec, ctx.replayed = spec, chunks.saved()
+        return None, logp, entropy, *stats
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_logp, _grad_entropy, *_grad_stats):
-        (weight, bias), sink = ctx.weight_like, ctx.sink
-        ctx.sink = None
-        return (*sink.result(weight, bias, scale=grad_loss), None, None, None, None)
+    def backward(ctx, grad_loss, grad_logp, grad_entropy, *_grad_stats):
+        if getattr(ctx, "sink", None) is not None:  # formed in the forward: scaled
+            (weight, bias), sink = ctx.weight_like, ctx.sink
+            ctx.sink = None
+            return (*sink.result(weight, bias, scale=grad_loss), None, None, None)
+        hidden, weight, bias, targets, row_mask, lse, entropy = ctx.saved_tensors
+        spec: LinearPass = ctx.spec
+        if not spec.opts.with_entropy:
+            grad_entropy = None
+        chunks = _Chunks(hidden, weight, bias, targets, row_mask, spec, ctx.replayed)
+        kernels = backends.launch(spec.opts.backend, passes=len(chunks))
+        sink = _GradientSink(hidden, weight, bias, ctx.needs_input_grad[:3])
+        for r in chunks:
+            z, mask = chunks.logits(r), chunks.masks(r)  # [1, c, V], overwritten by its gradient
+            pick = lambda x, r=r: None if x is None else x[None, r]  # noqa: E731  [1, c]
+            grads = RowGrads(
+                targets=chunks.place.targets[None, r],
+                mask=mask,
+                lse=lse[None, r],
+                entropy=pick(entropy if grad_entropy is not None else None),
+                grad_logp=pick(grad_logp),
+                grad_entropy=pick(grad_entropy),
+            )
+            sink.add(r, chunks.grad(kernels, z, r, grads), hidden[r], weight)
+        grad_hidden, grad_weight, grad_bias = sink.result(weight, bias)
+        if grad_hidden is not None and spec.shard is not None and spec.reduce_hidden_grad:
+            dist.all_reduce(grad_hidden, group=spec.shard.group)
+        return grad_hidden, grad_weight, grad_bias, None, None, None
+
+
+class _Chunks:
+    """The fused lm_head's row chunks and the steps each takes: its logits (one GEMM into one buffer), the support
+    (the whole vocabulary, the backend's pass on the chunk; or sampling replay, `replay.ReplayedChunks`) and the
+    placement (the whole weight, or a vocabulary shard merged over its group, `parallel.Placement`)."""
+
+    def __init__(self, hidden, weight, bias, targets, row_mask, spec: LinearPass, replayed=(None, None)):
+        self.opts, self.hidden, M = spec.opts, hidden, targets.shape[0]
+        self.w, self.b = head_precision.operands(weight, bias, self.opts.head_precision)
+        self.rows = rows_per_chunk(self.opts, M)
+        mask = row_mask
+        if spec.shard is not None and mask is None:  # the merge reads every row's flag
+            mask = torch.ones(M, dtype=torch.bool, device=hidden.device)
+        self.place = Placement(targets, mask) if spec.shard is None else spec.shard.placement(targets, mask)
+        self.masks = _row_masks(self.rows, mask, hidden.device)
+        self.buffer = self.w.new_empty(self.rows, weight.shape[0])  # [rows, V]: one buffer serves every chunk
+        self.replay = None
+        if self.opts.replay is not None:
+            self.replay = replay.ReplayedChunks(self.opts, self.place, self.rows, weight, replayed)
+
+    def __iter__(self):
+        M = self.place.targets.shape[0]
+        for start in range(0, M, self.rows):
+            yield slice(start, min(start + self.rows, M))
+
+    def __len__(self) -> int:
+        return -(-self.place.targets.shape[0] // self.rows)
+
+    def logits(self, r: slice) -> Tensor:
+        """The chunk's logits [1, c, V] for its hidden rows, in the buffer (a fresh allocation per chunk pays its
+        page faults again on CPU each time)."""
+        return head_precision.logits_gemm(
+            self.hidden[r], self.w, self.b, self.buffer[: r.stop - r.start], self.opts.head_precision
+        )[None]
+
+    def forward(self, kernels, z: Tensor, r: slice, targets: Tensor, mask: Tensor):
+        """(logp, lse, entropy or None, {statistic}, replay's state), [1, c] each, of the chunk z [1, c, V] (targets
+        and mask [1, c]): the statistics of `opts.stats` on one process, a shard's replay statistics ("lse_full",
+        "outside") for the merge."""
+        opts, place = self.opts, self.place
+        if self.replay is not None:
+            return self.replay.forward(kernels, z, r, mask)
+        logp, lse, entropy, stats = kernels.token_logprobs_fwd(
+            z,
+            targets,
+            mask,
+            opts.temperature,
+            opts.with_entropy,
+            **opts.transform,
+            stats=opts.stats if place.shard is None else (),
+        )
+        return logp, lse, entropy, stats, None
+
+    def grad(self, kernels, z: Tensor, r: slice, grads: RowGrads, state=None) -> Tensor:
+        """dL/dlogits [c, V] of the chunk z [1, c, V] (in its buffer, or replay's scratch) from its rows' `grads`
+        [1, c]; on a shard without the one-hot of the rows whose target another shard owns."""
+        opts, place = self.opts, self.place
+        if self.replay is not None:
+            rows = grads.at(0)  # [c] each
+            return self.replay.grad(kernels, z, r, rows, state, place.foreign(rows.grad_logp, r))
+        x0 = None if place.shard is None else z[..., 0].clone()  # [1, c]: column 0 before the backward writes it
+        kernels.token_logprobs_bwd(
+            z,
+            grads.targets,
+            grads.mask,
+            grads.lse,
+            grads.entropy,
+            grads.grad_logp,
+            grads.grad_entropy,
+            opts.temperature,
+            z,
+            **opts.transform,
+        )
+        if x0 is not None:
+            place.remove_foreign(z, x0, grads.grad_logp, opts, r)
+        return z[0]
+
+    def merged(self, found: dict[str, list[Tensor]], like: Tensor):
+        """The chunks' per-row values joined, [M] each: (lse, logp, entropy or empty, {statistic}), merged over
+        the shard's group on a vocabulary shard."""
+        bools = ("is_top1", "outside_support", "outside")
+        joined = {
+            name: _cat(parts, like, torch.bool if name in bools else torch.float32) for name, parts in found.items()
+        }
+        lse, logp, entropy = joined.pop("lse"), joined.pop("logp"), joined.pop("entropy", None)
+        if self.place.shard is not None:
+            lse, logp, entropy, joined = self.place.merge(lse, logp, entropy, joined, self.opts)
+        for name in self.opts.stats:  # no chunks (every row dropped): empty statistics
+            joined.setdefault(name, _cat([], like, torch.bool if name in bools else torch.float32))
+        return lse, logp, logp.new_empty(0) if entropy is None else entropy, joined
+
+    def saved(self):
+        """What the backward's replay reads: each row's θ [M, 1] and the full pass's lse [1, M] (None where none)."""
+        return (None, None) if self.replay is None else self.replay.saved()
 
 
 def fused_linear_logprobs(
-    hidden, weight, bias, targets, *, opts: PassOptions, row_mask: Tensor | None = None
+    hidden, weight, bias, targets, *, opts: PassOptions, row_mask: Tensor | None = None, shard: VocabShard | None = None
 ) -> dict[str, Tensor]:
     """{"logp", "entropy" (if asked), each of `opts.stats`}, all [M], of the rows (0 where `row_mask` drops one), in
-    row chunks ("fast" memory); differentiable in hidden, weight, bias (the statistics are not)."""
-    return named_outputs(opts, *_FusedLinearLogprobsFunction.apply(hidden, weight, bias, targets, row_mask, opts))
+    row chunks ("fast" memory); differentiable in hidden, weight, bias (the statistics are not). On a vocabulary
+    shard of the weight (`shard`) over the whole vocabulary: dW and db of the shard, dH summed over the group
+    (inside `parallel.partial_hidden_grad`: this rank's share of it)."""
+    spec = LinearPass(opts, shard, reduce_hidden_grad=shard is None or reduce_hidden_grad())
+    _, *outputs = _FusedLinearFunction.apply(hidden, weight, bias, targets, row_mask, spec)
+    return named_outputs(opts, *outputs)
 
 
 def named_outputs(opts: PassOptions, logp: Tensor, entropy: Tensor, *stats: Tensor) -> dict[str, Tensor]:
@@ -348,7 +382,6 @@ def fused_linear_token_loss(
 ):
     """(loss, detached logp [M], detached entropy [M] | None, {each of `opts.stats`: [M]}) of a token-level loss,
     gradients formed in forward."""
-    loss, logp, entropy, *stats = _FusedLinearTokenLossFunction.apply(
-        hidden, weight, bias, targets, row_mask, opts, chunk_loss
-    )
+    spec = LinearPass(opts, chunk_loss=chunk_loss)
+    loss, logp, entropy, *stats = _FusedLinearFunction.apply(hidden, weight, bias, targets, row_mask, spec)
     return loss, logp, (entropy if opts.with_entropy else None), dict(zip(opts.stats, stats, strict=True))

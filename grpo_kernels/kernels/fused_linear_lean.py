@@ -20,8 +20,8 @@ from torch import Tensor
 
 from grpo_kernels.kernels import backend as backends
 from grpo_kernels.kernels import head_precision
-from grpo_kernels.kernels.function import checked_rows
 from grpo_kernels.kernels.fused_linear import accumulate, gemm_mode, named_outputs
+from grpo_kernels.kernels.logits_driver import checked_rows
 from grpo_kernels.kernels.pass_options import PassOptions
 from grpo_kernels.kernels.protocol import compute_dtype
 
@@ -135,8 +135,8 @@ def cast_in_place(acc: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 class _LeanLinearLogprobsFunction(torch.autograd.Function):
-    """`_FusedLinearLogprobsFunction` on 2-D tiles: (hidden [M, H], weight [V, H], bias [V] | None, targets [M],
-    row_mask [M] | None) -> logp [M], entropy [M] or empty, each asked statistic [M]."""
+    """`fused_linear`'s log-probs on 2-D tiles, its own schedule: (hidden [M, H], weight [V, H], bias [V] | None,
+    targets [M], row_mask [M] | None) -> logp [M], entropy [M] or empty, each asked statistic [M]."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, row_mask, opts):

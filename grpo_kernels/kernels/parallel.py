@@ -36,18 +36,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from grpo_kernels.kernels import backend as backends
 from grpo_kernels.kernels import transform
-from grpo_kernels.kernels.function import (
-    backend_kernels,
-    check_not_overwritten,
-    checked_rows,
-    consume,
-    contiguous_vocab,
-    in_place_or_new,
-    mark_overwritten,
-)
-from grpo_kernels.kernels.pass_options import PassOptions
+from grpo_kernels.kernels.replay import RowReduce
+from grpo_kernels.kernels.replay import all_reduce as _all_reduce
 
 _REDUCE_HIDDEN_GRAD = contextvars.ContextVar("reduce_hidden_grad", default=True)
 
@@ -82,6 +73,49 @@ class VocabShard:
         local = targets - self.start
         owned = (local >= 0) & (local < self.size)
         return torch.where(owned, local, 0), owned
+
+    def placement(self, targets: Tensor, mask: Tensor) -> Placement:
+        """The `Placement` of a pass's rows (whole-vocabulary `targets`, `mask`) on this shard."""
+        local, owned = self.local_targets(targets)
+        return Placement(local, mask, self, owned)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a pass's rows' vocabulary lies, a step of every driver: whole in this process (`shard` None), or a
+    vocabulary shard's columns, `targets` then the shard's columns (0 where another shard owns the target, `owned`
+    False there) and the statistics merged over the group."""
+
+    targets: Tensor
+    mask: Tensor
+    shard: VocabShard | None = None
+    owned: Tensor | None = None
+
+    def reduce(self, vocab: int) -> RowReduce:
+        """How a row's values combine: whole here (`vocab` its length), or over the shard's group."""
+        return RowReduce(vocab) if self.shard is None else RowReduce(self.shard.vocab, self.shard.group)
+
+    def merge(self, lse: Tensor, logp: Tensor, entropy: Tensor | None, stats: dict[str, Tensor], opts):
+        """The whole vocabulary's (lse, logp, entropy, {statistic}) from this shard's: `merge_stats`, or with replay
+        `merge_replay` (`stats` the shard's "lse_full" and "outside")."""
+        if opts.replay is None:
+            merged = merge_stats(
+                lse_r=lse, logp_r=logp, entropy_r=entropy, owned=self.owned, mask=self.mask, group=self.shard.group
+            )
+            return *merged, {}
+        found = {"lse": lse, "logp": logp, **stats} | ({} if entropy is None else {"entropy": entropy})
+        return merge_replay(found, self.owned, self.mask, opts, self.shard.group, self.reduce(0))
+
+    def foreign(self, grad_logp: Tensor | None, rows: slice) -> Tensor | None:
+        """dL/dlogp of `rows` (given at them) where another shard owns the target, 0 elsewhere (None without a shard
+        or a gradient): the one-hot a shard's backward put in column 0 for them, before the chain rule."""
+        if self.shard is None or grad_logp is None:
+            return None
+        return torch.where((self.owned | ~self.mask)[rows], 0.0, grad_logp)
+
+    def remove_foreign(self, grad: Tensor, x0: Tensor, grad_logp: Tensor | None, opts, rows=slice(None)) -> None:
+        """`remove_foreign_onehot` on this shard's gradient `rows` (`x0` column 0 of their raw logits)."""
+        remove_foreign_onehot(grad, x0, (self.owned | ~self.mask)[rows], grad_logp, opts)
 
 
 def vocab_shard(process_group: Any, local_size: int, vocab_start: int | None, stats: tuple[str, ...] = ()):
@@ -123,13 +157,8 @@ def vocab_shard(process_group: Any, local_size: int, vocab_start: int | None, st
     return VocabShard(process_group, layout[rank][0], local_size, end)
 
 
-def _all_reduce(x: Tensor, group: Any, op=dist.ReduceOp.SUM) -> Tensor:
-    dist.all_reduce(x, op=op, group=group)
-    return x
-
-
 def merge_stats(
-    lse_r: Tensor, logp_r: Tensor, entropy_r: Tensor | None, owned: Tensor, mask: Tensor, group: Any
+    *, lse_r: Tensor, logp_r: Tensor, entropy_r: Tensor | None, owned: Tensor, mask: Tensor, group: Any
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """The whole vocabulary's (lse, logp, entropy) of each row from each shard's (lse_r, logp_r of its column
     target, entropy_r), all of one shape; two all-reduces (module doc). Rows where `mask` is False give 0."""
@@ -159,7 +188,9 @@ def merge_replay(found: dict[str, Tensor], owned: Tensor, mask: Tensor, opts, gr
     """A replayed pass's per-shard statistics [n] ("logp", "lse" of the shard's kept columns, "entropy",
     "lse_full" of all its columns, "outside" on the owner) merged: (lse, logp, entropy or None, {each replay
     statistic of `opts.stats`}); `rows` the pass's `replay.RowReduce` (its whole vocabulary)."""
-    lse, logp, entropy = merge_stats(found["lse"], found["logp"], found.get("entropy"), owned, mask, group)
+    lse, logp, entropy = merge_stats(
+        lse_r=found["lse"], logp_r=found["logp"], entropy_r=found.get("entropy"), owned=owned, mask=mask, group=group
+    )
     stats = {}
     if "log_kept_mass" in opts.stats:
         kept = (lse - merged_lse(found["lse_full"].float(), group)).clamp_(max=0.0).masked_fill_(~mask, 0.0)
@@ -177,53 +208,3 @@ def remove_foreign_onehot(grad: Tensor, x0: Tensor, owned: Tensor, grad_logp: Te
         return
     foreign = grad_logp.float() * transform.slope(x0, opts.temperature, opts.logit_scale, opts.final_logit_softcapping)
     grad[..., 0].sub_(torch.where(owned, 0.0, foreign).to(grad.dtype))
-
-
-class _ParallelTokenLogprobsFunction(torch.autograd.Function):
-    """Shard logits [B, T, V_r] -> (logp [B, T], entropy [B, T] or empty) over the whole vocabulary; saves O(B·T)
-    statistics, never [B, T, V_r] beyond the logits themselves."""
-
-    @staticmethod
-    def forward(ctx, logits: Tensor, targets: Tensor, mask: Tensor, opts: PassOptions, shard: VocabShard):
-        check_not_overwritten(logits)
-        logits = contiguous_vocab(logits, opts.backend)
-        local, owned = shard.local_targets(targets)
-        backends.count_launch(opts.backend)
-        logp_r, lse_r, entropy_r, _ = backend_kernels(opts.backend).token_logprobs_fwd(
-            logits, local, mask, opts.temperature, opts.with_entropy, **opts.transform()
-        )
-        lse, logp, entropy = merge_stats(lse_r, logp_r, entropy_r, owned, mask, shard.group)
-        logp = checked_rows(opts.row_check, lse, logp, mask)
-        entropy = logp.new_empty(0) if entropy is None else entropy
-        if not opts.with_entropy:
-            ctx.mark_non_differentiable(entropy)
-        ctx.set_materialize_grads(False)
-        ctx.save_for_backward(logits, local, owned, mask, lse, entropy)
-        ctx.opts, ctx.consumed = opts, False
-        return logp, entropy
-
-    @staticmethod
-    def backward(ctx, grad_logp: Tensor | None, grad_entropy: Tensor | None):
-        opts: PassOptions = ctx.opts
-        consume(ctx)
-        logits, local, owned, mask, lse, entropy = ctx.saved_tensors
-        if not opts.with_entropy:
-            grad_entropy, entropy = None, None
-        x0 = logits[..., 0].clone()  # [B, T]: column 0 before an in-place backward overwrites it
-        version = logits._version
-        out = in_place_or_new(ctx, logits)
-        backends.count_launch(opts.backend)
-        backend_kernels(opts.backend).token_logprobs_bwd(
-            logits, local, mask, lse, entropy, grad_logp, grad_entropy, opts.temperature, out, **opts.transform()
-        )
-        remove_foreign_onehot(out, x0, owned | ~mask, grad_logp, opts)
-        mark_overwritten(ctx, logits, version)
-        return out, None, None, None, None
-
-
-def shard_logits_pass(
-    logits: Tensor, targets: Tensor, mask: Tensor, opts: PassOptions, *, shard: VocabShard
-) -> dict[str, Tensor]:
-    """`function.logits_pass` on this rank's shard [B, T, V_r] of the logits; targets are whole-vocabulary ids."""
-    logp, entropy = _ParallelTokenLogprobsFunction.apply(logits, targets, mask, opts, shard)
-    return {"logp": logp} | ({"entropy": entropy} if opts.with_entropy else {})

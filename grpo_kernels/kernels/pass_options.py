@@ -54,6 +54,8 @@ class PassOptions:
     head_precision: str = "auto"  # the fused lm_head's logits GEMM precision (kernels/head_precision.py)
     replay: Replay | None = None  # the sampler's support the pass renormalises over (kernels/replay.py); None: V
 
-    def transform(self) -> dict:
-        """The backends' keyword arguments for the logit transform."""
-        return {"logit_scale": self.logit_scale, "softcap": self.final_logit_softcapping}
+    def __post_init__(self) -> None:
+        """`transform`: the backends' keyword arguments for the logit transform, formed once (not a field)."""
+        object.__setattr__(
+            self, "transform", {"logit_scale": self.logit_scale, "softcap": self.final_logit_softcapping}
+        )

@@ -18,6 +18,7 @@ EPILOGUE = ("grpo_loss_fwd",)  # `Capabilities.epilogue_module`
 TILES = ("TileStats", "tile_grad_")  # `Capabilities.tile_module` (the lean fused lm_head)
 EPILOGUE_KL = ("k1", "k2", "k3", "low_var_kl")  # the KL estimators a fused epilogue may implement, in kernel order
 HALF_AND_SINGLE = (torch.bfloat16, torch.float16, torch.float32)
+TOKEN_STATS = ("log_sum_sq_probs", "mean_logits", "is_top1")  # optional outputs of the pass (TRL's names)
 
 
 def always_usable(device: torch.device) -> tuple[bool, str]:
@@ -35,7 +36,7 @@ class Capabilities:
     module: str
     dtypes: tuple[torch.dtype, ...]  # of the logits / hidden states it computes on
     usable: Callable[[torch.device], tuple[bool, str]] = always_usable  # (ok, why not) on a device
-    stats: bool = False  # the extra per-token statistics (`function.TOKEN_STATS`)
+    stats: bool = False  # the extra per-token statistics (`TOKEN_STATS`)
     contiguous_vocab: bool = False  # reads logits with stride 1 along V (others are copied first)
     epilogue_module: str | None = None
     epilogue_kl: tuple[str, ...] = ()  # the KL estimators its epilogue implements

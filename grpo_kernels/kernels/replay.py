@@ -45,10 +45,10 @@ class RowReduce:
     group: Any = None
 
     def max(self, x: Tensor) -> Tensor:
-        return x if self.group is None else _all_reduce(x.contiguous(), self.group, dist.ReduceOp.MAX)
+        return x if self.group is None else all_reduce(x.contiguous(), self.group, dist.ReduceOp.MAX)
 
     def sum(self, x: Tensor) -> Tensor:
-        return x if self.group is None else _all_reduce(x.contiguous(), self.group)
+        return x if self.group is None else all_reduce(x.contiguous(), self.group)
 
     def top(self, z: Tensor, k: int) -> Tensor:
         """The k largest values of each row [C, k], descending; on shards from every shard's own k largest (one
@@ -62,7 +62,8 @@ class RowReduce:
         return torch.cat(parts, dim=-1).topk(k, dim=-1).values  # [C, k]
 
 
-def _all_reduce(x: Tensor, group: Any, op=dist.ReduceOp.SUM) -> Tensor:
+def all_reduce(x: Tensor, group: Any, op=dist.ReduceOp.SUM) -> Tensor:
+    """x reduced over `group` in place (`op`: SUM unless given), returned."""
     dist.all_reduce(x, op=op, group=group)
     return x
 
@@ -327,10 +328,10 @@ def window_forward(kernels, window: Window, targets: Tensor, mask: Tensor, with_
     return logp, lse, None if entropy is None else entropy[0], found
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RowGrads:
-    """What the backward of a window's rows reads, [C] each: the targets (inside [0, V)), the kept rows, the lse of
-    the support, and the entropy and upstream gradients (None where not taken)."""
+    """What the backward of a window's rows reads, [C] each (a fused lm_head chunk's: [1, C]): the targets (inside
+    [0, V)), the kept rows, the lse of the support, and the entropy and upstream gradients (None where not taken)."""
 
     targets: Tensor
     mask: Tensor
@@ -339,11 +340,10 @@ class RowGrads:
     grad_logp: Tensor | None = None
     grad_entropy: Tensor | None = None
 
-    def at(self, rows: slice) -> RowGrads:
-        """The record of `rows` of these rows."""
+    def at(self, rows: slice | int) -> RowGrads:
+        """The record of `rows` of these rows (an index: of the rows along the first dimension)."""
         pick = lambda x: None if x is None else x[rows]  # noqa: E731
-        fields = (self.targets, self.mask, self.lse, self.entropy, self.grad_logp, self.grad_entropy)
-        return RowGrads(*(pick(x) for x in fields))
+        return RowGrads(**{field: pick(getattr(self, field)) for field in self.__dataclass_fields__})
 
 
 def window_grad_(kernels, window: Window, x: Tensor, grads: RowGrads, opts: PassOptions, scratch: Scratch,
@@ -375,73 +375,213 @@ def window_grad_(kernels, window: Window, x: Tensor, grads: RowGrads, opts: Pass
     return chain_rule_(grad, x, grads.mask, opts.temperature, opts.logit_scale, cap, buffer)
 
 
-def chunk_state(z: Tensor, targets: Tensor, opts: PassOptions, rows: slice, scratch: Scratch, theta: Tensor | None,
-                full_lse: Tensor | None) -> ChunkState:  # fmt: skip
-    """A chunk's state for `chunk_grad` again, in the backward: its window masked from the saved θ [c, 1] (or the
-    kept ids), and the full pass's saved lse [1, c] (or None)."""
-    ids = row_ids(opts.replay, rows)
-    in_place = masks_in_place(z[0], opts)
-    window = masked_window(
-        z[0], targets[0], ids=ids, theta=theta, opts=opts, scratch=scratch, forward=False, in_place=in_place
-    )
-    return ChunkState(window, full_lse)
+class _Replayed:
+    """What both replayed passes share: the rows' targets and owner flags (a shard's, from the pass's
+    `parallel.Placement`), how a row's values combine over the shards (`RowReduce`) and the compute-dtype scratch;
+    a window of rows masked to the support."""
 
+    def __init__(self, opts: PassOptions, place, vocab: int, rows: int, like: Tensor):
+        """`vocab` the local columns, `rows` the scratch's, `like` a tensor of the pass's dtype and device."""
+        self.opts, self.shard = opts, place.shard
+        self.targets, self.mask = place.targets.reshape(-1), place.mask
+        self.owned = None if place.owned is None else place.owned.reshape(-1)
+        self.reduce = RowReduce(vocab) if self.shard is None else RowReduce(self.shard.vocab, self.shard.group)
+        self.scratch = Scratch(rows, vocab, like.dtype, like.device)
 
-@dataclass
-class ChunkState:
-    """What the gradient of one chunk of the fused lm_head needs from its replayed forward: the masked window, and
-    with the full distribution's entropy that pass's lse [1, c]."""
-
-    window: Window
-    full_lse: Tensor | None = None
-
-
-def chunk_forward(kernels, z: Tensor, targets: Tensor, mask: Tensor, opts: PassOptions, rows: slice, scratch: Scratch,
-                  theta: Tensor | None = None):  # fmt: skip
-    """The replayed pass over one chunk z [1, c, V] of the fused lm_head's logits (masked in place where
-    `masks_in_place`), targets and mask [1, c], `rows` its slice of the pass's rows: (logp, lse of the support,
-    entropy or None, {statistic}, state), [1, c] each. The entropy is the support's, or with
-    `Replay.full_entropy` the whole distribution's."""
-    replay: Replay = opts.replay
-    full = replay.full_entropy and opts.with_entropy
-    ids, in_place = row_ids(replay, rows), masks_in_place(z[0], opts)
-    window = masked_window(z[0], targets[0], ids=ids, theta=theta, opts=opts, scratch=scratch, in_place=in_place)
-    logp, lse, entropy, stats = window_forward(
-        kernels, window, targets[0], mask[0], opts.with_entropy and not full, opts.stats, replay.truncates(z.shape[-1])
-    )
-    state = ChunkState(window)
-    entropy = None if entropy is None else entropy[None]
-    if full:  # the ordinary pass for the entropy
-        _, state.full_lse, entropy, _ = kernels.token_logprobs_fwd(
-            z, targets, mask, opts.temperature, True, **opts.transform()
+    def _window(self, x: Tensor, rows: slice, theta: Tensor | None, forward: bool, in_place: bool = False) -> Window:
+        """The logits x [C, V] of `rows` masked to the support ∪ {target} (θ [C, 1] from the forward, or None)."""
+        ids = row_ids(self.opts.replay, rows)
+        if ids is not None and self.shard is not None:  # the shard's columns; ids elsewhere dropped
+            ids = ids - self.shard.start
+        owned = None if self.owned is None else self.owned[rows]
+        return masked_window(
+            x,
+            self.targets[rows],
+            ids=ids,
+            theta=theta,
+            opts=self.opts,
+            scratch=self.scratch,
+            rows=self.reduce,
+            owned=owned,
+            forward=forward,
+            in_place=in_place,
         )
-    return logp[None], lse[None], entropy, {name: x[None] for name, x in stats.items()}, state
 
 
-def chunk_grad(kernels, state: ChunkState, z: Tensor, grads: RowGrads, opts: PassOptions, scratch: Scratch) -> Tensor:
-    """dL/dlogits [c, V] (compute dtype, in the chunk's buffer or scratch) of one chunk from its `chunk_forward`
-    state; z [1, c, V] the chunk's logits, overwritten with the full entropy's gradient when that is asked; `grads`
-    its rows' [c]."""
-    full = state.full_lse is not None
-    support = RowGrads(grads.targets, grads.mask, grads.lse, grad_logp=grads.grad_logp)
-    grad = window_grad_(kernels, state.window, z[0], grads if not full else support, opts, scratch)
-    if full and grads.grad_entropy is not None:
-        kernels.token_logprobs_bwd(
-            z,
-            grads.targets[None],
-            grads.mask[None],
-            state.full_lse,
-            grads.entropy[None],
-            None,
-            grads.grad_entropy[None],
-            opts.temperature,
-            z,
-            **opts.transform(),
+class ReplayedChunks(_Replayed):
+    """Sampling replay on the fused lm_head's chunks of at most `rows` rows: each chunk's logits masked to the
+    support (in their own buffer where `masks_in_place`, else in the compute-dtype scratch), the support merged over
+    a vocabulary shard's group (`place`, a `parallel.Placement`). The forward keeps each row's θ and, with the whole
+    distribution's entropy (`Replay.full_entropy`, one process), that ordinary pass's lse; the backward (`saved`
+    those) masks each chunk again from them."""
+
+    def __init__(self, opts: PassOptions, place, rows: int, weight: Tensor, saved=(None, None)):
+        super().__init__(opts, place, weight.shape[0], rows, weight)
+        self.thetas, self.full_lses = saved
+        self._kept: tuple[list[Tensor], list[Tensor]] = ([], [])
+
+    def forward(self, kernels, z: Tensor, r: slice, mask: Tensor):
+        """The replayed pass over one chunk z [1, c, V] (mask [1, c], `r` its rows): (logp, lse of the support,
+        entropy or None, {statistic}, state), [1, c] each; the statistics those of `opts.stats` on one process, a
+        shard's "lse_full" and "outside" for `parallel.merge_replay`. The entropy is the support's, or with
+        `Replay.full_entropy` the whole distribution's."""
+        opts, replay = self.opts, self.opts.replay
+        full = replay.full_entropy and opts.with_entropy
+        window = self._window(z[0], r, None, True, masks_in_place(z[0], opts))
+        local = opts.stats if self.shard is None else ()
+        logp, lse, entropy, stats = window_forward(
+            kernels,
+            window,
+            self.targets[r],
+            mask[0],
+            opts.with_entropy and not full,
+            local,
+            replay.truncates(self.reduce.vocab),
         )
-        grad.add_(z[0])
-    return grad
+        if self.shard is not None:
+            stats = {"lse_full": window.lse_full, "outside": window.outside}
+        entropy, full_lse = None if entropy is None else entropy[None], None
+        if full:  # the ordinary pass for the entropy
+            _, full_lse, entropy, _ = kernels.token_logprobs_fwd(
+                z, self.targets[None, r], mask, opts.temperature, True, **opts.transform
+            )
+            self._kept[1].append(full_lse)
+        if window.theta is not None:
+            self._kept[0].append(window.theta)
+        return logp[None], lse[None], entropy, {name: x[None] for name, x in stats.items()}, (window, full_lse)
+
+    def saved(self) -> tuple[Tensor | None, Tensor | None]:
+        """Each row's θ [M, 1] (None for kept ids) and the full pass's lse [1, M] (None without it)."""
+        thetas, full_lses = self._kept
+        return (torch.cat(thetas) if thetas else None), (torch.cat(full_lses, 1) if full_lses else None)
+
+    def grad(self, kernels, z: Tensor, r: slice, grads: RowGrads, state=None, foreign: Tensor | None = None) -> Tensor:
+        """dL/dlogits [c, V] (compute dtype, in the chunk's buffer or the scratch) of one chunk z [1, c, V], from its
+        forward's `state`, or (None) masked again from the saved θ; z is overwritten with the full entropy's
+        gradient when that is asked. `grads` its rows' [c]; `foreign` as `window_grad_`'s."""
+        if state is None:
+            theta = None if self.thetas is None else self.thetas[r]
+            full_lse = None if self.full_lses is None else self.full_lses[:, r]
+            state = (self._window(z[0], r, theta, False, masks_in_place(z[0], self.opts)), full_lse)
+        window, full_lse = state
+        full = full_lse is not None
+        support = RowGrads(targets=grads.targets, mask=grads.mask, lse=grads.lse, grad_logp=grads.grad_logp)
+        grad = window_grad_(kernels, window, z[0], support if full else grads, self.opts, self.scratch, foreign)
+        if full and grads.grad_entropy is not None:
+            kernels.token_logprobs_bwd(
+                z,
+                grads.targets[None],
+                grads.mask[None],
+                full_lse,
+                grads.entropy[None],
+                None,
+                grads.grad_entropy[None],
+                self.opts.temperature,
+                z,
+                **self.opts.transform,
+            )
+            grad.add_(z[0])
+        return grad
 
 
-def chunk_scratch(opts: PassOptions, rows: int, weight: Tensor) -> Scratch | None:
-    """The scratch of a replayed fused lm_head's chunks of `rows` (None without replay), in the compute dtype."""
-    return None if opts.replay is None else Scratch(rows, weight.shape[0], weight.dtype, weight.device)
+class ReplayedRows(_Replayed):
+    """A replayed pass over logits [B, T, V] (a vocabulary shard's [B, T, V_r]), a window of rows at a time through
+    one compute-dtype scratch (never [B·T, V]): the flattened rows' targets, mask and owner flags from the pass's
+    `parallel.Placement`, and how a row's values combine over the shards (`RowReduce`). Windows are sized by the
+    whole vocabulary, so every rank of a shard's group runs the same windows."""
+
+    def __init__(self, logits: Tensor, place, opts: PassOptions):
+        rows = window_rows(place.shard.vocab if place.shard is not None else logits.shape[-1], place.mask.numel())
+        super().__init__(opts, place, logits.shape[-1], rows, logits)
+        self.logits, self.mask = logits, self.mask.reshape(-1)
+
+    def _windows(self):
+        """(rows, x) per window of at most the scratch's rows: `rows` the slice of the flattened [B·T] rows, x [C, V]
+        a view (windows never cross a sequence unless the logits flatten)."""
+        B, T, V = self.logits.shape
+        step = self.scratch.shape[0]
+        try:
+            flat = self.logits.view(-1, V)
+        except RuntimeError:
+            flat = None
+        if flat is not None:
+            for start in range(0, B * T, step):
+                yield slice(start, min(start + step, B * T)), flat[start : start + step]
+            return
+        for b in range(B):
+            for start in range(0, T, step):
+                stop = min(start + step, T)
+                yield slice(b * T + start, b * T + stop), self.logits[b, start:stop]
+
+    def forward(self, kernels):
+        """(logp, lse of the support, entropy or None, {statistic}, θ [B·T] (empty for kept ids)), per-row values
+        [B, T]. One process: the statistics of `opts.stats`; a shard: its "lse_full" and "outside" for
+        `parallel.merge_replay`."""
+        opts, (B, T, _) = self.opts, self.logits.shape
+        dtype, device, n = compute_dtype(self.logits.dtype), self.logits.device, B * T
+        names = ("logp", "lse", "lse_full", *(("entropy",) if opts.with_entropy else ()))
+        out = {name: torch.zeros(n, dtype=dtype, device=device) for name in names}  # [B·T] each
+        out["outside"] = torch.zeros(n, dtype=torch.bool, device=device)
+        local = opts.stats if self.shard is None else ()  # a shard's are merged once every window's are in
+        stats = {
+            name: torch.zeros(n, dtype=torch.bool if name == "outside_support" else dtype, device=device)
+            for name in local
+        }
+        theta = torch.empty(n if opts.replay.kept_ids is None else 0, dtype=dtype, device=device)
+        truncates = opts.replay.truncates(self.reduce.vocab)
+        for rows, x in self._windows():
+            window = self._window(x, rows, None, True)
+            found = window_forward(
+                kernels, window, self.targets[rows], self.mask[rows], opts.with_entropy, local, truncates
+            )
+            out["logp"][rows], out["lse"][rows] = found[0], found[1]
+            out["lse_full"][rows], out["outside"][rows] = window.lse_full, window.outside
+            if opts.with_entropy:
+                out["entropy"][rows] = found[2]
+            for name, x in found[3].items():
+                stats[name][rows] = x
+            if window.theta is not None:
+                theta[rows] = window.theta[:, 0]
+        if self.shard is not None:
+            stats = {"lse_full": out["lse_full"], "outside": out["outside"]}
+        view = lambda x: x.view(B, T)  # noqa: E731
+        entropy = out.get("entropy")
+        stats = {name: view(x) for name, x in stats.items()}
+        return view(out["logp"]), view(out["lse"]), None if entropy is None else view(entropy), stats, theta
+
+    def backward(
+        self,
+        kernels,
+        out: Tensor,
+        *,
+        lse: Tensor,
+        entropy: Tensor | None,
+        grad_logp: Tensor | None,
+        grad_entropy: Tensor | None,
+        theta: Tensor,
+    ) -> None:
+        """dL/dlogits into `out` [B, T, V] (the logits themselves for the in-place backward), window by window from
+        each row's saved θ (or the kept ids); `lse`, `entropy`, the upstream gradients [B, T] (None: not taken)."""
+        flat = lambda x: None if x is None else x.reshape(-1)  # noqa: E731
+        g = flat(grad_logp)
+        grads = RowGrads(
+            targets=self.targets,
+            mask=self.mask,
+            lse=flat(lse),
+            entropy=flat(entropy),
+            grad_logp=g,
+            grad_entropy=flat(grad_entropy),
+        )
+        B, T, V = out.shape
+        for rows, x in self._windows():
+            window = self._window(x, rows, None if theta.numel() == 0 else theta[rows, None], forward=False)
+            foreign = None
+            if self.owned is not None and g is not None:  # the one-hot of rows whose target another shard owns
+                foreign = torch.where(self.owned[rows] | ~self.mask[rows], 0.0, g[rows])
+            grad = window_grad_(kernels, window, x, grads.at(rows), self.opts, self.scratch, foreign)
+            try:
+                target = out.view(-1, V)[rows]
+            except RuntimeError:
+                b, start = divmod(rows.start, T)
+                target = out[b, start : start + rows.stop - rows.start]
+            target.copy_(grad)

@@ -51,7 +51,7 @@ class TileStats:
             rows = slice(start, min(start + step, x.shape[0]))
             z = x[rows]
             if z.dtype != self.dtype or not identity:
-                z = transform_(self._buffer(0, z.shape).copy_(z), opts.temperature, **opts.transform())
+                z = transform_(self._buffer(0, z.shape).copy_(z), opts.temperature, **opts.transform)
             yield rows, z
 
     def _buffer(self, i: int, shape) -> Tensor:

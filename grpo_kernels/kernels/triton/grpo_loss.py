@@ -13,10 +13,10 @@ import triton.language as tl
 from torch import Tensor
 
 from grpo_kernels.kernels.protocol import EPILOGUE_KL
+from grpo_kernels.kernels.triton.row_stats import row_logprob_stats
 from grpo_kernels.kernels.triton.token_logprobs import (
     launch_partials,
     merged_partials,
-    row_logprob_stats,
     transform_coefficients,
     vocab_plan,
 )

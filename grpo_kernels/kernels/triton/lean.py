@@ -27,7 +27,7 @@ class TileStats:
         opts = self.opts
         rel = (self.targets - v0).to(torch.int32)[None]  # [1, rows]
         partial = ops.token_logprobs_partials(
-            x[None], rel.contiguous(), self.mask[None], opts.temperature, opts.with_entropy, **opts.transform(),
+            x[None], rel.contiguous(), self.mask[None], opts.temperature, opts.with_entropy, **opts.transform,
             stats=opts.stats,
         )  # fmt: skip
         inside = (rel[0] >= 0) & (rel[0] < x.shape[1])
@@ -40,7 +40,7 @@ class TileStats:
         partial = torch.cat(self.parts, dim=2)  # [PARTIAL_FIELDS, rows, all V-blocks]
         partial[7, :, 0] = self.v_t
         return ops.token_logprobs_merge(
-            partial, self.mask, vocab, opts.temperature, opts.with_entropy, **opts.transform(), stats=opts.stats
+            partial, self.mask, vocab, opts.temperature, opts.with_entropy, **opts.transform, stats=opts.stats
         )
 
 
@@ -53,5 +53,5 @@ def tile_grad_(x: Tensor, v0: int, targets: Tensor, mask: Tensor, lse: Tensor, e
     tile = x[None]  # [1, rows, w]: the logits and the buffer the gradient is written into (the in-place op)
     ops.token_logprobs_bwd(
         tile, rel, mask[None], lse[None], None if entropy is None else entropy[None], grad_logp[None],
-        None if grad_entropy is None else grad_entropy[None], opts.temperature, tile, **opts.transform(),
+        None if grad_entropy is None else grad_entropy[None], opts.temperature, tile, **opts.transform,
     )  # fmt: skip

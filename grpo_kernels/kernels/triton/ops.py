@@ -3,10 +3,10 @@ the backend's protocol functions over them (`protocol.VOCAB_PASS`, `protocol.EPI
 
 Under `torch.compile` each launch is one opaque node of the graph instead of host code to trace (the launchers read
 data pointers, the interpreter runs numpy), so a loss call compiles whole and a CUDA graph can replay it. The ops are
-forward-only or backward-only: the autograd lives in the backend-neutral drivers (`function.py`, `fused_linear*.py`),
-which call the functions below. An op that writes into a caller's buffer says so in `mutates_args`: the backward into
-`out`, or into the logits themselves (`token_logprobs_bwd_inplace`, chosen when `out` is the logits). Outputs a call
-did not ask for (the entropy, a statistic) come back as empty tensors, as an op returns tensors only.
+forward-only or backward-only: the autograd lives in the backend-neutral drivers (`logits_driver.py`,
+`fused_linear*.py`), which call the functions below. An op that writes into a caller's buffer says so in `mutates_args`:
+the backward into `out`, or into the logits themselves (`token_logprobs_bwd_inplace`, chosen when `out` is the logits).
+Outputs a call did not ask for (the entropy, a statistic) come back as empty tensors, as an op returns tensors only.
 
 The launchers themselves stay plain functions (`token_logprobs.py`, `grpo_loss.py`): `benchmarks.static_report`
 records their launches on meta tensors, where these ops would run their fakes.
@@ -25,7 +25,7 @@ from grpo_kernels.kernels.protocol import writes_in_place
 from grpo_kernels.kernels.triton import grpo_loss as loss_launch
 from grpo_kernels.kernels.triton import token_logprobs as launch
 
-STATS = launch._STATS  # the optional statistics, in the ops' output order (`function.TOKEN_STATS`)
+STATS = launch._STATS  # the optional statistics, in the ops' output order (`protocol.TOKEN_STATS`)
 KL_KINDS = loss_launch.KL_KINDS  # the estimators the epilogue implements (the record's `epilogue_kl`)
 
 
@@ -40,7 +40,7 @@ def _op(mutates_args: tuple[str, ...] = ()) -> Callable[[Callable], torch._ops.O
     `torch.library.custom_op`, whose Python autograd and version-counter layers cost the host time this backend
     saves: a trivial op took 40 µs a call as a custom_op, 11 µs as a `Library` op, 6 µs as a plain function (the
     2-core CPU, torch 2.13). The drivers call the ops with gradients off, and bump the version of logits written in
-    place themselves (`function.in_place_or_new`)."""
+    place themselves (`logits_driver.in_place_or_new`)."""
 
     def define(fn: Callable) -> torch._ops.OpOverload:
         name = fn.__name__.lstrip("_")
