@@ -28,9 +28,10 @@ from torch import Tensor
 from grpo_kernels.distillation import check_float, check_heads, check_rows, divergence_options
 from grpo_kernels.engine.plan import Plan, Route
 from grpo_kernels.engine.routes import chunk_loss, run, token_omega
+from grpo_kernels.kernels import backend as backends
 from grpo_kernels.kernels.divergence import fused_linear_divergence_rows
-from grpo_kernels.kernels.function import backend_kernels, checked_rows, not_finite_to_nan, poisoned
 from grpo_kernels.kernels.fused_linear import ChunkLoss
+from grpo_kernels.kernels.logits_driver import checked_rows, not_finite_to_nan, poisoned
 from grpo_kernels.kernels.pass_options import PassOptions
 from grpo_kernels.kernels.protocol import compute_dtype
 from grpo_kernels.kernels.torch.divergence import Head
@@ -46,7 +47,7 @@ class GRPOChunk:
 
     def __init__(self, targets: Tensor, opts: PassOptions, share: ChunkLoss):
         self.targets, self.opts, self.share = targets, opts, share
-        self.kernels = backend_kernels(opts.backend)
+        self.kernels = backends.kernels_of(opts.backend)
         self.parts: dict[str, list[Tensor]] = {"logp": [], "lse": [], "entropy": []}
         self.gradient_sum = torch.zeros((), dtype=torch.float64, device=targets.device)  # finite iff the gradients are
 
@@ -54,14 +55,14 @@ class GRPOChunk:
         opts, z, targets = self.opts, logits[None], self.targets[None, rows]
         mask = torch.ones_like(targets, dtype=torch.bool)  # [1, c]: the rows were gathered
         logp, lse, entropy, _ = self.kernels.token_logprobs_fwd(
-            z, targets, mask, opts.temperature, opts.with_entropy, **opts.transform()
+            z, targets, mask, opts.temperature, opts.with_entropy, **opts.transform
         )
         share, grad_logp, grad_entropy = self.share(rows, logp[0], entropy[0] if opts.with_entropy else None)
         grad_logp = None if grad_logp is None else grad_logp[None]  # [1, c]
         grad_entropy = None if grad_entropy is None else grad_entropy[None]
         read_entropy = entropy if grad_entropy is not None else None
         self.kernels.token_logprobs_bwd(z, targets, mask, lse, read_entropy, grad_logp, grad_entropy, opts.temperature,
-                                        grad_out[None], **opts.transform())  # fmt: skip
+                                        grad_out[None], **opts.transform)  # fmt: skip
         for grad in (g for g in (grad_logp, grad_entropy) if g is not None):
             self.gradient_sum += grad.sum()
         for name, value in (("logp", logp), ("lse", lse), ("entropy", entropy)):
