@@ -104,7 +104,16 @@ class _InterruptedAt(GRPOTrainer):
         return super().advantages(step, old_logp, entropy)
 
 
-def test_ctrl_c_mid_run_checkpoints_that_step_and_resumes_to_the_same_numbers(tmp_path):
+@pytest.fixture
+def ctrl_c_raises():
+    """SIGINT as in a terminal (Python's KeyboardInterrupt), whatever this process inherited: a shell's background
+    job starts with SIGINT ignored, which the trainer leaves ignored."""
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, inherited)
+
+
+def test_ctrl_c_mid_run_checkpoints_that_step_and_resumes_to_the_same_numbers(tmp_path, ctrl_c_raises):
     config = TrainConfig(progress=False, plot=False, checkpoint_every=0, steps=4, prompts_per_step=2)
     config = dataclasses.replace(config, num_generations=2, eval_every=0)
     straight = GRPOTrainer(dataclasses.replace(config, output_dir=str(tmp_path / "straight"))).train()
