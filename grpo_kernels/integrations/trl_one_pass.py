@@ -14,6 +14,7 @@ Either way the `sampling/*` metrics are TRL's over the generation batch, logged 
 drop-in's sampler-sync guard reads the same log-probs before the backward. With μ > 1 or a generation spanning
 several optimizer steps nothing here applies.
 """
+
 from __future__ import annotations
 
 import contextlib
