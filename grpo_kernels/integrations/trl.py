@@ -88,7 +88,8 @@ class _FusedHead:
         """TRL's `_compute_loss` with the loss and its gradients from `fused_linear_grpo_loss`; the sampler-sync
         guard first (`trl_sampler_sync`)."""
         check_trl_sampler_sync(self, model, inputs)
-        if trl_one_pass.applies(self, inputs):  # no old pass ran: TRL's algebra on this pass's fused log-probs
+        one_pass = trl_one_pass.applies(self, inputs)  # no old pass ran: π_old is this pass's (`trl_one_pass`)
+        if one_pass and not trl_one_pass.fuses_correction(self, inputs):  # TRL's algebra on the fused log-probs
             self._gk_correct = dict(inputs)  # the pass sets its importance_sampling_ratio (`trl_one_pass.correct`)
             try:
                 return super()._compute_loss(model, self._gk_correct)
@@ -104,7 +105,7 @@ class _FusedHead:
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
         bonus = self._applied_entropy_coef() if self._entropy_bonus_enabled else 0.0
         options = _loss_options(self, inputs, mode, bonus)
-        tensors = _loss_tensors(self, inputs)
+        tensors = trl_one_pass.loss_tensors(self, inputs) if one_pass else _loss_tensors(self, inputs)
         rule = trl_replay.sampling_rule(self.args)
 
         def head(last_hidden: Tensor, lm: LMHead, aux_loss: Tensor | None):
@@ -120,6 +121,7 @@ class _FusedHead:
                     bias=bias,
                     with_entropy=True,
                     head_precision=precision,
+                    return_logprobs=one_pass,
                     options=dataclasses.replace(options, **transform),
                     **tensors,
                 )
@@ -127,6 +129,9 @@ class _FusedHead:
 
         with self.accelerator.autocast():
             out, aux_loss = model(**_model_inputs(inputs), **self._aux_kwargs(), **{HEAD_KWARG: head})
+        if one_pass:  # the guard and the `sampling/*` metrics from the pass's log-probs, before the backward
+            out, logprobs = out
+            trl_one_pass.report(self, inputs, logprobs["logp"])
         # dapo/cispo/vespo carry the accumulation in num_items_in_batch; the others are divided here, as in TRL
         loss = out.loss if self.loss_type in ITEM_MEAN_TYPES else out.loss / accumulation
         if self._entropy_bonus_enabled:
@@ -134,7 +139,9 @@ class _FusedHead:
         if self.aux_loss_enabled:
             loss = loss + self.router_aux_loss_coef * aux_loss / accumulation
             self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
-        self._log_loss_metrics(out.metrics, mask, inputs["advantages"], mode)
+        # one pass: the replay metrics stay unlogged, as on the route through TRL's algebra beside it
+        metrics = {name: x for name, x in out.metrics.items() if not (one_pass and name in REPLAY_METRICS)}
+        self._log_loss_metrics(metrics, mask, inputs["advantages"], mode)
         return loss
 
     def _get_per_token_logps_and_entropies(

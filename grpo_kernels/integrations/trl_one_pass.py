@@ -3,12 +3,16 @@ importance-sampling correction and π_old is π_θ at the update (`num_iteration
 `gradient_accumulation_steps`: one generation per optimizer step), the drop-in skips that no-grad forward.
 
 TRL's generation then runs with a stand-in for the old log-probs (no pass), and what TRL derives from them (the
-correction's ratio, its five `sampling/*` metrics) is dropped. Each training micro-batch's loss pass (the fused
-log-probs, TRL's own loss algebra on them) gives π_old, detached: the ratio comes from it in TRL's chosen mode
-(token / sequence × truncate / mask, a token the sampler could not score counted as ratio 1) before the loss reads it,
-and the `sampling/*` metrics are TRL's over the generation batch, logged at its last micro-batch; the drop-in's
-sampler-sync guard reads the same log-probs. With μ > 1 or a
-generation spanning several optimizer steps nothing here applies.
+correction's ratio, its five `sampling/*` metrics) is dropped. Each training micro-batch's loss pass gives π_old,
+detached, and the ratio in TRL's chosen mode (token / sequence × truncate / mask) from it:
+- `fuses_correction`: the fused loss itself (`fused_linear_grpo_loss` with old_logp None and `sampler_correction`,
+  its 3-GEMM route for token-level losses), which forms the ratio inside the loss and returns its log-probs;
+- otherwise (TRL's entropy quantile over every process, a token the sampler could not score, which TRL counts as
+  ratio 1 and the fused loss refuses as non-finite, or a `rollout_correction`, a second sampler correction) the
+  fused log-probs with gradients, then TRL's own loss algebra, the ratio set before it reads it (`correct`).
+Either way the `sampling/*` metrics are TRL's over the generation batch, logged at its last micro-batch, and the
+drop-in's sampler-sync guard reads the same log-probs before the backward. With μ > 1 or a generation spanning
+several optimizer steps nothing here applies.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ from torch import Tensor
 from trl.trainer.utils import nanmax, nanmin
 
 from grpo_kernels.integrations.trl_sampler_sync import check_trl_sampler_sync
-from grpo_kernels.trainer.sampler_correction import importance_sampling_ratio
+from grpo_kernels.losses.sampler_ratio import SamplerCorrection
+from grpo_kernels.rollout_correction import as_rollout_correction
 
 DIFF, RATIO = "sampling/sampling_logp_difference", "sampling/importance_sampling_ratio"
 METRICS = (f"{DIFF}/mean", f"{DIFF}/max", f"{RATIO}/min", f"{RATIO}/mean", f"{RATIO}/max")
@@ -70,23 +75,63 @@ def applies(trainer, inputs: dict) -> bool:
     return "sampling_per_token_logps" in inputs and "old_per_token_logps" not in inputs and fuses_old_pass(trainer)
 
 
+def fuses_correction(trainer, inputs: dict) -> bool:
+    """Whether this one-pass micro-batch's loss is the fused loss forming the ratio itself (module docstring)."""
+    return bool(
+        trainer.top_entropy_quantile == 1.0
+        and as_rollout_correction(getattr(trainer.args, "rollout_correction", None))[0] is None
+        and not torch.isnan(inputs["sampling_per_token_logps"]).any()
+    )
+
+
+def sampler_correction(trainer) -> SamplerCorrection:
+    """TRL's `vllm_importance_sampling_*` correction of `trainer`."""
+    return SamplerCorrection(
+        trainer.vllm_importance_sampling_mode,
+        trainer.vllm_importance_sampling_clip_min,
+        trainer.vllm_importance_sampling_clip_max,
+    )
+
+
+def loss_mask(inputs: dict) -> Tensor:
+    """TRL's [B, T] mask of the loss and the correction: the completion's tokens, less tool output."""
+    return inputs["completion_mask"] if "tool_mask" not in inputs else inputs["completion_mask"] * inputs["tool_mask"]
+
+
 def correct(trainer, inputs: dict, logp: Tensor) -> None:
     """Set `inputs["importance_sampling_ratio"]` from the loss pass's log-probs `logp` [B, T] (π_old, detached) as
-    TRL's generation would have, and record this micro-batch's share of TRL's `sampling/*` metrics."""
+    TRL's generation would have (a token the sampler could not score: a log-ratio of 0), then `report`."""
     sampled = inputs["sampling_per_token_logps"]  # [B, T]
-    mask = inputs["completion_mask"] if "tool_mask" not in inputs else inputs["completion_mask"] * inputs["tool_mask"]
     scored = torch.where(torch.isnan(sampled), logp, sampled)  # no score: a log-ratio of 0, as TRL takes it
-    mode = trainer.vllm_importance_sampling_mode
-    ratio = importance_sampling_ratio(
-        logp, scored, mask, mode, trainer.vllm_importance_sampling_clip_min, trainer.vllm_importance_sampling_clip_max
-    )  # [B, T] or [B]
-    ratio = ratio[:, None] if mode.startswith("sequence") else ratio  # TRL's [B, 1]
-    inputs["importance_sampling_ratio"] = ratio
-    check_trl_sampler_sync(trainer, trainer.model, {**inputs, "old_per_token_logps": logp})  # before the backward
+    ratio = sampler_correction(trainer).ratio(logp, scored, loss_mask(inputs))  # [B, T] or [B]
+    inputs["importance_sampling_ratio"] = ratio[:, None] if ratio.dim() == 1 else ratio  # TRL's [B, 1] per sequence
+    report(trainer, inputs, logp, ratio)
+
+
+def report(trainer, inputs: dict, logp: Tensor, ratio: Tensor | None = None) -> None:
+    """The sampler-sync guard on the loss pass's log-probs `logp` [B, T] (π_old, detached; before the backward),
+    then this micro-batch's share of TRL's `sampling/*` metrics; `ratio` [B, T] or [B] (None: formed here, as the
+    fused loss formed it)."""
+    sampled, mask = inputs["sampling_per_token_logps"], loss_mask(inputs)
+    if ratio is None:
+        ratio = sampler_correction(trainer).ratio(logp, sampled, mask)
+    check_trl_sampler_sync(trainer, trainer.model, {**inputs, "old_per_token_logps": logp})
     delta = (logp - sampled).abs()
     delta = delta[mask.bool() & ~torch.isnan(delta)]  # [n]
-    flat = ratio.flatten() if mode.startswith("sequence") else ratio[mask.bool()]
+    flat = ratio if ratio.dim() == 1 else ratio[mask.bool()]
     record(trainer, delta, flat)
+
+
+def loss_tensors(trainer, inputs: dict) -> dict:
+    """The tensor arguments of `fused_linear_grpo_loss` where it forms the correction from its own log-probs: no
+    π_old (the pass's, detached), the sampler's log-probs and TRL's mode."""
+    return {
+        "advantages": inputs["advantages"],
+        "old_logp": None,
+        "ref_logp": inputs["ref_per_token_logps"] if trainer.beta != 0.0 else None,
+        "sampling_logp": inputs["sampling_per_token_logps"],
+        "sampler_correction": sampler_correction(trainer),
+    }
 
 
 def record(trainer, delta: Tensor, ratio: Tensor) -> None:
