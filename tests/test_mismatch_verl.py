@@ -328,7 +328,7 @@ def test_trainer_normaliser_is_verls(name):
         input_ids=tokens, attention_mask=torch.ones_like(tokens), completion_mask=mask, advantages=advantages[:, 0],
         old_logp=sampling if old is None else old, sampling_logp=sampling,
     )  # fmt: skip
-    micro_batches = whole.split(2)
+    micro_batches = [whole.rows(rows) for rows in torch.tensor_split(torch.arange(B), 2)]
     step_options, scales, _ = step_normalisers(options, micro_batches)
     ours = sum(
         scale * gk.grpo_loss(

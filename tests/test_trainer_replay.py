@@ -113,10 +113,12 @@ def test_a_truncated_run_with_vllm_rollouts_samples_and_replays_the_same_rule(cp
 
 def test_without_replaying_pi_old_the_guard_would_stop_a_truncated_run(cpu_vllm, tmp_path):
     """π_old over the whole vocabulary against the truncated sampler's log-probs: off by log S per token, which the
-    guard reads as a sampler without the policy's weights. The replay is what keeps it quiet above."""
+    guard reads as a sampler without the policy's weights. The replay is what keeps it quiet above. (The two-pass
+    path: under one pass per step π_old is the update pass's own, replayed, log-probs.)"""
     cpu_vllm.setattr(sampling_replay, "truncates", lambda options: False)  # π_old's pass only; the loss still replays
+    config = dataclasses.replace(truncated(vllm_demo(tmp_path)), old_logprobs="pass")
     with pytest.raises(StaleSampler, match=r"^step 1: the sampler's log-probs of its own tokens differ"):
-        GRPOTrainer(truncated(vllm_demo(tmp_path))).train()
+        GRPOTrainer(config).train()
 
 
 def test_without_truncation_vllm_gets_top_k_off_and_no_kept_mass_is_logged(cpu_vllm, tmp_path):

@@ -57,6 +57,8 @@ class _LogitsFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss: Tensor | None, grad_logp: Tensor | None, grad_entropy: Tensor | None, *_stats):
         spec: LogitsPass = ctx.spec
+        if spec.epilogue is not None and grad_loss is None:  # the loss reaches no output: no gradient
+            return (None,) * len(ctx.needs_input_grad)
         consume(ctx)
         logits, lse, entropy, saved = ctx.saved_tensors
         if spec.epilogue is not None:  # dL/dlogp came out of the forward: scaled, no entropy term
