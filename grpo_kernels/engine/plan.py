@@ -9,6 +9,7 @@ LossOptions; `Source` says whether logits or an lm_head feed the pass.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 from typing import Any
@@ -112,7 +113,7 @@ class Plan:
     inputs: LossInputs | None = None  # a loss call's checked tensors
     return_sequence_losses: bool = False
     return_logprobs: bool = False
-    old_pass: bool = False  # π_old from a no-grad pass over the kept rows first (`_needs_old_pass`)
+    old_pass: bool = False  # π_old from a no-grad pass over the kept rows first (`_own_ratio_chunks`)
     stats: tuple[str, ...] = ()  # the statistics the caller asked for (the pass may compute more)
 
 
@@ -149,7 +150,9 @@ def build_plan(*, source: Source, arguments: dict[str, Any], options: LossOption
         checks += input_checks
     gather = weight is not None and not layout.all_rows and not torch.compiler.is_compiling()
     # compiled, every row runs masked: a count read on the host would break the graph
-    numbers = sync.read_checks(checks, [layout.mask.sum()] if gather else [])  # the call's one host sync
+    own_sequence_ratio = gather and loss and inputs.ratio_reads_pass and inputs.sampler_correction.per_sequence
+    asked = ([layout.mask.sum()] if gather else []) + ([_kept_per_sequence(layout)] if own_sequence_ratio else [])
+    numbers = sync.read_checks(checks, asked)  # the call's one host sync
     kept = None if weight is None else _kept_rows(layout.mask, numbers[0] if gather else None)
     needs_entropy = loss and (options.top_entropy_quantile < 1.0 or options.entropy_coef != 0.0)
     replay = replay_module.replay_of(
@@ -193,7 +196,8 @@ def build_plan(*, source: Source, arguments: dict[str, Any], options: LossOption
     if loss:
         route = choose_route(source, inputs, request, options, memory=memory_mode, backend=backend)
         route = Route.TWO_PHASE if route is Route.FUSED_EPILOGUE and replay is not None else route  # epilogue: V
-        old_pass = route is Route.LINEAR_TOKEN_LOSS and _needs_old_pass(inputs, kept, opts)
+        if route is Route.LINEAR_TOKEN_LOSS:
+            opts, old_pass = _own_ratio_chunks(inputs, kept, opts, numbers[1] if own_sequence_ratio else None)
     return Plan(
         route=route,
         source=source,
@@ -260,14 +264,54 @@ def choose_route(
     return Route.TWO_PHASE
 
 
-def _needs_old_pass(inputs: LossInputs, kept: KeptRows, opts: PassOptions) -> bool:
-    """Whether the fused lm_head's loss needs π_old before its first chunk: a per-sequence sampler correction of the
-    pass's own log-probs whose kept rows take more than one chunk (a sequence's ratio needs all its tokens). Then
-    a no-grad pass over the kept rows gives π_old first (1 GEMM), the log-probs a separate π_old pass would give
-    bitwise, and the 3-GEMM loss takes them; one chunk forms the ratio from its own log-probs."""
+def _own_ratio_chunks(
+    inputs: LossInputs, kept: KeptRows, opts: PassOptions, rows_per_sequence: list[int] | None
+) -> tuple[PassOptions, bool]:
+    """The fused lm_head's 3-GEMM loss: its pass options, and whether a no-grad pass gives π_old first
+    (`Plan.old_pass`, 1 GEMM more). A per-sequence sampler correction of the pass's own log-probs needs all of a
+    sequence's tokens before its ratio: where the kept rows take more than one chunk, the chunks end at sequence
+    boundaries (`sequence_chunks`: `rows_per_sequence`, the kept rows of each sequence in order; each chunk at most
+    `opts.chunk_size` rows) and each forms its sequences' ratios from its own log-probs, after its logits GEMM and
+    before its gradient GEMMs. One chunk does so as it is.
+
+    A sequence longer than the chunk budget keeps the budget and the no-grad pass for that call (the log-probs a
+    separate π_old pass gives, bitwise): a chunk grown to hold it would need [its rows, V] logits beyond the rows
+    the engine chose (`memory.chunk_rows`: from free memory on CUDA), and long sequences are where the fused head's
+    bounded memory matters. So too where the kept rows were not counted on the host (every row runs masked: a CUDA
+    graph capture with the checks off, or torch.compile)."""
     if not inputs.ratio_reads_pass or not inputs.sampler_correction.per_sequence:
-        return False
-    return opts.chunk_size < kept.index[0].shape[0]
+        return opts, False
+    if opts.chunk_size >= kept.index[0].shape[0]:
+        return opts, False
+    bounds = None if rows_per_sequence is None else sequence_chunks(rows_per_sequence, opts.chunk_size)
+    if bounds is None:
+        return opts, True
+    return dataclasses.replace(opts, chunk_bounds=bounds), False
+
+
+def sequence_chunks(rows_per_sequence: list[int], budget: int) -> tuple[int, ...] | None:
+    """The row offsets (0, .., M) of chunks of whole sequences, whose rows come in order, `rows_per_sequence` each:
+    each chunk takes the next sequences while they fit in `budget` rows. None when one sequence alone exceeds it."""
+    bounds, start, stop = [0], 0, 0
+    for rows in rows_per_sequence:
+        if rows > budget:
+            return None
+        if stop + rows - start > budget:
+            bounds.append(stop)
+            start = stop
+        stop += rows
+    if stop > start:
+        bounds.append(stop)
+    return tuple(bounds)
+
+
+def _kept_per_sequence(layout: Layout) -> Tensor:
+    """The kept rows of each sequence, [B] (padded) / [S] (packed: `cu_seqlens`' segments), in the gathered rows'
+    order."""
+    if layout.padded_index is None:
+        return layout.mask.sum(1)
+    counts = torch.zeros(layout.padded_shape[0], dtype=torch.long, device=layout.mask.device)
+    return counts.index_add_(0, layout.padded_index[0], layout.mask[0].long())
 
 
 def _memory_mode(

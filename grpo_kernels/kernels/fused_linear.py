@@ -102,6 +102,17 @@ def rows_per_chunk(opts: PassOptions, num_rows: int) -> int:
     return max(1, min(opts.chunk_size, num_rows))
 
 
+def chunk_bounds(opts: PassOptions, num_rows: int) -> tuple[int, ...]:
+    """The chunks' row offsets (0, .., num_rows): the engine's (`PassOptions.chunk_bounds`, e.g. chunks of whole
+    sequences), else `rows_per_chunk` rows each."""
+    bounds = opts.chunk_bounds
+    if bounds is None:
+        return (*range(0, num_rows, rows_per_chunk(opts, num_rows)), num_rows)
+    if bounds[0] != 0 or bounds[-1] != num_rows or any(a >= b for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"PassOptions.chunk_bounds must rise from 0 to the {num_rows} rows, got {bounds}")
+    return bounds
+
+
 def _cat(parts: list[Tensor], like: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
     """The chunks' per-row values as one [M] tensor; no chunks (M = 0, every token masked): an empty one."""
     return torch.cat(parts) if parts else torch.empty(0, dtype=dtype, device=like.device)
@@ -272,7 +283,8 @@ class _Chunks:
     def __init__(self, hidden, weight, bias, targets, row_mask, spec: LinearPass, replayed=(None, None)):
         self.opts, self.hidden, M = spec.opts, hidden, targets.shape[0]
         self.w, self.b = head_precision.operands(weight, bias, self.opts.head_precision)
-        self.rows = rows_per_chunk(self.opts, M)
+        self.bounds = chunk_bounds(self.opts, M)
+        self.rows = max((b - a for a, b in zip(self.bounds, self.bounds[1:])), default=1)  # the widest chunk's
         mask = row_mask
         if spec.shard is not None and mask is None:  # the merge reads every row's flag
             mask = torch.ones(M, dtype=torch.bool, device=hidden.device)
@@ -284,12 +296,11 @@ class _Chunks:
             self.replay = replay.ReplayedChunks(self.opts, self.place, self.rows, weight, replayed)
 
     def __iter__(self):
-        M = self.place.targets.shape[0]
-        for start in range(0, M, self.rows):
-            yield slice(start, min(start + self.rows, M))
+        for start, stop in zip(self.bounds, self.bounds[1:]):
+            yield slice(start, stop)
 
     def __len__(self) -> int:
-        return -(-self.place.targets.shape[0] // self.rows)
+        return len(self.bounds) - 1
 
     def logits(self, r: slice) -> Tensor:
         """The chunk's logits [1, c, V] for its hidden rows, in the buffer (a fresh allocation per chunk pays its

@@ -37,8 +37,8 @@ class PassOptions:
     """A concrete backend; the logit transform z = c·tanh(s·x/c) / temperature (TRL's order); whether to compute
     the entropy and which extra statistics; the check of each kept row's lse / logp (None: unchecked, a bad row's
     logp becomes NaN). Logits in: whether the backward writes into the logits' buffer. Fused lm_head: rows per
-    chunk ("fast"), the memory mode, the lean tile and the logits GEMM's precision. `replay`: the truncated
-    sampler's support to renormalise over."""
+    chunk ("fast") or the chunks' row offsets, the memory mode, the lean tile and the logits GEMM's precision.
+    `replay`: the truncated sampler's support to renormalise over."""
 
     backend: str
     temperature: float = 1.0
@@ -49,6 +49,8 @@ class PassOptions:
     row_check: RowCheck | None = None
     inplace: bool = True
     chunk_size: int | None = None  # rows per chunk; None: from V, H and free memory
+    chunk_bounds: tuple[int, ...] | None = None  # the chunks' row offsets (0, .., M), each chunk <= chunk_size
+    # rows (`engine/plan.sequence_chunks`: whole sequences); None: chunk_size rows each
     memory: str = "fast"  # "fast": row chunks, 3 or 4 GEMMs; "lean": 2-D tiles at the memory floor (fused_linear_lean)
     tile: tuple[int, int] | None = None  # lean: (rows, vocab) per tile; None: from the budget and the dtypes
     head_precision: str = "auto"  # the fused lm_head's logits GEMM precision (kernels/head_precision.py)
