@@ -154,6 +154,7 @@ def grpo_loss(
     sequence_weights: Tensor | None = None,
     cu_seqlens: Tensor | None = None,
     sampling_mask: SamplingMask | Tensor | None = None,
+    sampler_correction: SamplerCorrection | None = None,
     return_sequence_losses: bool = False,
     with_entropy: bool = False,
     inplace: bool = True,
@@ -189,6 +190,11 @@ def grpo_loss(
 
     Packed layout: with `cu_seqlens` (int `[S + 1]`), logits are `[N, V]`, per-token tensors `[N]`, advantages
     and is_ratio `[S]` or `[N]`, sequence_weights `[S]`; padding never enters the vocabulary pass.
+
+    `sampler_correction` (a `SamplerCorrection`: TRL's `vllm_importance_sampling_*` modes) forms `is_ratio` as
+    π_old / π_sampler, per token or per sequence, from old_logp and `sampling_logp` (then required; is_ratio and
+    rollout_correction refused); with old_logp None π_old is the pass's own log-probs, detached (π_θ at the
+    update), and the call runs two-phase (the log-probs, then the ratio and the loss algebra).
 
     Sampling replay (as in `token_logprobs`): the LossOptions `top_k`, `top_p`, `min_p`, or `sampling_mask`
     (`SamplingMask` or `[B, T, K]` / packed `[N, K]` ids, -1 padding) renormalise the policy's log-probs over the
@@ -265,8 +271,10 @@ def fused_linear_grpo_loss(
     `sampler_correction` (a `SamplerCorrection`: TRL's `vllm_importance_sampling_*` modes) forms `is_ratio` as
     π_old / π_sampler from old_logp and `sampling_logp` (then required; is_ratio and rollout_correction refused).
     With old_logp None, π_old is the pass's own log-probs, detached (π_θ at the update: no separate π_old pass),
-    and the ratio is formed from them inside the loss: per token in each chunk of the 3-GEMM route; per sequence
-    there too when one chunk holds every kept token, else from a no-grad pass over the kept rows first (1 GEMM).
+    and the ratio is formed from them inside the loss, in each chunk of the 3-GEMM route: per token, or per sequence
+    on chunks that end at sequence boundaries (whole sequences, at most the chunk's rows each; no separate pass).
+    Only a call with a sequence longer than the chunk's rows (`chunk_size`, or the engine's choice) keeps a no-grad
+    pass over the kept rows first (1 GEMM more), its chunks as they were: the memory stays one chunk.
     `return_logprobs` appends the pass's detached log-probs to the result, `{"logp", and with replay
     "log_kept_mass", "outside_support"}` in the layout of `targets`: `(output, logprobs)`, or `(output,
     sequence_losses, logprobs)`.

@@ -418,6 +418,10 @@ def check_call(
         check_side_inputs(tensors, token=token, sequence=sequence, device=x.device, options=options)
         if options.rollout_correction is not None and request.sequence_group is not None:
             raise ValueError("rollout_correction does not run with sequence_group (its sequence statistics are local)")
+        correction = tensors.sampler_correction
+        if correction is not None and correction.per_sequence and request.sequence_group is not None:
+            raise ValueError(f"sampler_correction mode {correction.mode!r} does not run with sequence_group (its "
+                             "per-sequence ratio would be each rank's share); use a token mode")  # fmt: skip
         checks += check_normalisers(options, values=values)
     full_entropy = loss and options.replay_entropy == "full"
     rule = options if loss else request  # where the sampler's rule comes from
