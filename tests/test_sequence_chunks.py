@@ -18,6 +18,7 @@ from grpo_kernels.engine import routes
 from grpo_kernels.kernels import backend
 from grpo_kernels.losses.sampler_ratio import SamplerCorrection
 from tests.conftest import assert_close
+from tests.test_host_syncs import HostReads
 
 V, H = 50, 16
 
@@ -165,3 +166,19 @@ def test_sampler_correction_arguments_on_logits():
             logits.flatten(0, 1), targets.flatten(), torch.ones(2), sampler_correction=correction,
             sampling_logp=logp.flatten(), cu_seqlens=torch.tensor([0, 3, 6]), sequence_group=group,
         )  # fmt: skip
+
+
+def test_sequence_chunks_add_no_host_sync():
+    """Each sequence's kept-row count joins the kept-row count's read (`test_host_syncs`): with the checks off, that
+    one read before the first kernel is the engine's only one (the torch backend's CPU kernels read on their own)."""
+    hidden, weight, targets, mask, advantages, _ = batch([2, 3, 6, 0, 4, 1], False)
+    sampled = -torch.rand(mask.shape, generator=torch.Generator().manual_seed(1)) * mask
+    with HostReads() as host:
+        out = gk.fused_linear_grpo_loss(
+            hidden, weight.requires_grad_(), targets, advantages, mask=mask, chunk_size=6, backend="torch",
+            check_finite=False, sampler_correction=SamplerCorrection("sequence_mask", None, 3.0),
+            sampling_logp=sampled,
+        )  # fmt: skip
+        out.loss.backward()
+    engine = [read for read in host.reads if not read[1].startswith("kernels/torch/")]
+    assert len(engine) == 1, host.reads
