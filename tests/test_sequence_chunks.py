@@ -136,8 +136,9 @@ def test_grpo_loss_forms_the_sampler_correction(mode):
         return out.loss, x.grad, out.metrics
 
     logits = hidden @ weight.T
-    hand, formed = loss(logits, old_logp=old, is_ratio=ratio), loss(
-        logits, old_logp=old, sampler_correction=correction, sampling_logp=sampled
+    hand, formed = (
+        loss(logits, old_logp=old, is_ratio=ratio),
+        loss(logits, old_logp=old, sampler_correction=correction, sampling_logp=sampled),
     )
     assert torch.equal(hand[0], formed[0]) and torch.equal(hand[1], formed[1])
     own = loss(logits, sampler_correction=correction, sampling_logp=sampled)

@@ -19,6 +19,7 @@ GEMMs stay in the weight's.
 from __future__ import annotations
 
 import functools
+import itertools
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -108,7 +109,7 @@ def chunk_bounds(opts: PassOptions, num_rows: int) -> tuple[int, ...]:
     bounds = opts.chunk_bounds
     if bounds is None:
         return (*range(0, num_rows, rows_per_chunk(opts, num_rows)), num_rows)
-    if bounds[0] != 0 or bounds[-1] != num_rows or any(a >= b for a, b in zip(bounds, bounds[1:])):
+    if bounds[0] != 0 or bounds[-1] != num_rows or any(a >= b for a, b in itertools.pairwise(bounds)):
         raise ValueError(f"PassOptions.chunk_bounds must rise from 0 to the {num_rows} rows, got {bounds}")
     return bounds
 
@@ -284,7 +285,7 @@ class _Chunks:
         self.opts, self.hidden, M = spec.opts, hidden, targets.shape[0]
         self.w, self.b = head_precision.operands(weight, bias, self.opts.head_precision)
         self.bounds = chunk_bounds(self.opts, M)
-        self.rows = max((b - a for a, b in zip(self.bounds, self.bounds[1:])), default=1)  # the widest chunk's
+        self.rows = max((b - a for a, b in itertools.pairwise(self.bounds)), default=1)  # the widest chunk's
         mask = row_mask
         if spec.shard is not None and mask is None:  # the merge reads every row's flag
             mask = torch.ones(M, dtype=torch.bool, device=hidden.device)
@@ -296,7 +297,7 @@ class _Chunks:
             self.replay = replay.ReplayedChunks(self.opts, self.place, self.rows, weight, replayed)
 
     def __iter__(self):
-        for start, stop in zip(self.bounds, self.bounds[1:]):
+        for start, stop in itertools.pairwise(self.bounds):
             yield slice(start, stop)
 
     def __len__(self) -> int:
