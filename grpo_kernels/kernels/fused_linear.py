@@ -105,12 +105,17 @@ def rows_per_chunk(opts: PassOptions, num_rows: int) -> int:
 
 def chunk_bounds(opts: PassOptions, num_rows: int) -> tuple[int, ...]:
     """The chunks' row offsets (0, .., num_rows): the engine's (`PassOptions.chunk_bounds`, e.g. chunks of whole
-    sequences), else `rows_per_chunk` rows each."""
+    sequences, each at most `chunk_size` rows: one buffer of `rows_per_chunk` rows serves them all), else
+    `rows_per_chunk` rows each."""
     bounds = opts.chunk_bounds
     if bounds is None:
         return (*range(0, num_rows, rows_per_chunk(opts, num_rows)), num_rows)
-    if bounds[0] != 0 or bounds[-1] != num_rows or any(a >= b for a, b in itertools.pairwise(bounds)):
-        raise ValueError(f"PassOptions.chunk_bounds must rise from 0 to the {num_rows} rows, got {bounds}")
+    widths = [b - a for a, b in itertools.pairwise(bounds)]
+    if bounds[0] != 0 or bounds[-1] != num_rows or not all(0 < w <= opts.chunk_size for w in widths):
+        raise ValueError(
+            f"PassOptions.chunk_bounds must rise from 0 to the {num_rows} rows by at most chunk_size="
+            f"{opts.chunk_size}, got {bounds}"
+        )
     return bounds
 
 
@@ -285,7 +290,7 @@ class _Chunks:
         self.opts, self.hidden, M = spec.opts, hidden, targets.shape[0]
         self.w, self.b = head_precision.operands(weight, bias, self.opts.head_precision)
         self.bounds = chunk_bounds(self.opts, M)
-        self.rows = max((b - a for a, b in itertools.pairwise(self.bounds)), default=1)  # the widest chunk's
+        self.rows = rows_per_chunk(self.opts, M)  # rows of the widest chunk at most
         mask = row_mask
         if spec.shard is not None and mask is None:  # the merge reads every row's flag
             mask = torch.ones(M, dtype=torch.bool, device=hidden.device)
@@ -297,8 +302,8 @@ class _Chunks:
             self.replay = replay.ReplayedChunks(self.opts, self.place, self.rows, weight, replayed)
 
     def __iter__(self):
-        for start, stop in itertools.pairwise(self.bounds):
-            yield slice(start, stop)
+        for i in range(len(self.bounds) - 1):
+            yield slice(self.bounds[i], self.bounds[i + 1])
 
     def __len__(self) -> int:
         return len(self.bounds) - 1
