@@ -31,7 +31,7 @@ def test_sequence_chunks_hold_whole_sequences_within_the_budget():
 
 
 def batch(lengths: list[int], packed: bool, seed: int = 0):
-    """(hidden, weight, targets, mask, advantages, extra keywords) of sequences keeping `lengths` tokens each:
+    """(hidden, weight, targets, mask, advantages > 0, extra keywords) of sequences keeping `lengths` tokens each:
     padded [B, T] (each row's kept tokens among dropped ones) or packed [N] with cu_seqlens (one dropped token each)."""
     g = torch.Generator().manual_seed(seed)
     T, B = max(lengths) + 2, len(lengths)
@@ -46,7 +46,7 @@ def batch(lengths: list[int], packed: bool, seed: int = 0):
     hidden = torch.randn(*mask.shape, H, generator=g)
     weight = 0.3 * torch.randn(V, H, generator=g)
     targets = torch.randint(0, V, mask.shape, generator=g)
-    return hidden, weight, targets, mask, torch.randn(B, generator=g), extra
+    return hidden, weight, targets, mask, 0.5 + torch.rand(B, generator=g), extra  # advantages: no sum near 0
 
 
 def run(hidden, weight, targets, mask, advantages, extra, given, chunk_size):
@@ -63,16 +63,16 @@ def run(hidden, weight, targets, mask, advantages, extra, given, chunk_size):
     return out.loss, h.grad, w.grad, out.metrics, logprobs["logp"], passes, old_pass.call_count
 
 
-def own_and_given(lengths, packed, mode, chunk_size):
+def own_and_given(lengths, packed, mode, chunk_size, replay=None):
     """The call forming the correction from its own log-probs, and the call given π_old (a π_old pass's, uniform
-    chunks of `chunk_size`) and the ratio."""
+    chunks of `chunk_size`) and the ratio; with sampling `replay`'s rule (`top_k`, `top_p`) in all three."""
     hidden, weight, targets, mask, advantages, extra = batch(lengths, packed)
-    correction = SamplerCorrection(mode, 0.9, 1.05)
-    old = gk.fused_linear_token_logprobs(hidden, weight, targets, mask=mask, chunk_size=chunk_size)
+    correction, replay = SamplerCorrection(mode, 0.9, 1.05), replay or {}
+    old = gk.fused_linear_token_logprobs(hidden, weight, targets, mask=mask, chunk_size=chunk_size, **replay)
     sampled = (old + 0.05 * torch.randn(old.shape, generator=torch.Generator().manual_seed(1))).masked_fill(~mask, 0)
     cu = extra.get("cu_seqlens")
     padded_ratio = correction.ratio(*(padded(x, cu) for x in (old, sampled, mask)))
-    call = (hidden, weight, targets, mask, advantages, extra)
+    call = (hidden, weight, targets, mask, advantages, extra | replay)
     own = run(*call, dict(sampler_correction=correction, sampling_logp=sampled), chunk_size)
     given = run(*call, dict(old_logp=old, is_ratio=padded_ratio), chunk_size)
     return own, given, old
@@ -85,11 +85,15 @@ def padded(x: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
     return torch.nn.utils.rnn.pad_sequence(list(x.split(cu_seqlens.diff().tolist())), batch_first=True)
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize(
+    "packed, replay",
+    [(False, None), (True, None), (True, dict(top_k=8, top_p=0.9))],
+    ids=["padded", "packed", "replay"],
+)
 @pytest.mark.parametrize("mode", ["sequence_mask", "sequence_truncate"])
-def test_sequence_modes_over_several_chunks_take_no_old_pass(mode, packed):
+def test_sequence_modes_over_several_chunks_take_no_old_pass(mode, packed, replay):
     lengths, chunk_size = [2, 3, 6, 0, 4, 1], 6  # chunks of whole sequences: 2 + 3 | 6 | 4 + 1
-    own, given, old = own_and_given(lengths, packed, mode, chunk_size)
+    own, given, old = own_and_given(lengths, packed, mode, chunk_size, replay)
     assert own[5:] == (2 * 3, 0)  # three chunks, each a forward and its gradient pass; no π_old pass
     for got, want, name in zip(own[:3], given[:3], ("loss", "dH", "dW"), strict=True):
         assert_close(got, want, torch.float32, name)
