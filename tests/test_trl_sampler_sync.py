@@ -44,3 +44,29 @@ def test_a_sampler_on_the_policys_weights_passes_with_the_same_loss(monkeypatch,
     assert torch.equal(loss_on, loss_off) and grads_on.keys() == grads_off.keys()
     with pytest.raises(StaleSampler, match="the limit is 0.001"):  # fp32's limit, just above a 1e-3 gap
         base.step(*trainer_and_inputs(monkeypatch, model_path, tokenizer, 2e-3, sampler_sync="stop"))
+
+
+def test_a_gap_rising_step_after_step_stops_below_the_limit(monkeypatch, model_path, tokenizer):
+    """The trainer's trend rule over optimizer steps: gaps of 0.04, 0.1 and 0.25 under a limit of 0.5 rise twice,
+    to over 2× the first, above a third of the limit; the third step stops. Two micro-batches a step: the step's
+    mean is over both."""
+    trainer, inputs = trainer_and_inputs(monkeypatch, model_path, tokenizer, 0.0, sampler_sync="stop",
+                                         sampler_sync_tolerance=0.5)  # fmt: skip
+    mask, old = inputs["completion_mask"], inputs["old_per_token_logps"]
+    for step, gap in enumerate((0.04, 0.1, 0.25)):
+        trainer.state.global_step = step
+        shifted = {**inputs, "sampling_per_token_logps": old - gap * mask}
+        if step < 2:
+            base.step(trainer, shifted)
+            base.step(trainer, shifted)
+            continue
+        with pytest.raises(StaleSampler, match=r"^step 3: .* under the limit 0\.5 but rising .* 0\.04 → 0\.1 → 0\.25"):
+            base.step(trainer, shifted)
+
+
+def test_steady_gaps_under_the_limit_do_not_stop(monkeypatch, model_path, tokenizer):
+    trainer, inputs = trainer_and_inputs(monkeypatch, model_path, tokenizer, 0.2, sampler_sync="stop",
+                                         sampler_sync_tolerance=0.5)  # fmt: skip
+    for step in range(4):
+        trainer.state.global_step = step
+        base.step(trainer, inputs)

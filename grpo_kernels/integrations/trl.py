@@ -47,7 +47,7 @@ from grpo_kernels.api import fused_linear_grpo_loss, fused_linear_token_logprobs
 from grpo_kernels.integrations import hf, trl_one_pass, trl_replay, zero3
 from grpo_kernels.integrations.trl_distillation import DistillationTrainer
 from grpo_kernels.integrations.trl_precision import GRPOConfig, head_operands, head_precision
-from grpo_kernels.integrations.trl_sampler_sync import check_trl_sampler_sync
+from grpo_kernels.integrations.trl_sampler_sync import StepGaps, check_trl_sampler_sync
 from grpo_kernels.losses.loss import GRPOLossOutput
 from grpo_kernels.option_checks import check_option
 from grpo_kernels.options import CLIP_LOSS_TYPES, LossOptions
@@ -410,6 +410,7 @@ def _check_text_only(fields: dict) -> None:
 def _install(trainer: trl.GRPOTrainer) -> None:
     """Check the options, then give the policy and the reference model the fused-head forward."""
     check_supported(trainer)
+    trainer._sampler_sync_gaps = StepGaps()  # the guard's trend rule
     for target in (trainer.model, trainer.ref_model):
         if target is not None:
             _install_forward(_hf_model(trainer, target))
