@@ -127,18 +127,42 @@ def test_teacher_excluding_a_token_the_student_reaches(backend, beta):
         assert_close(out.loss, want["loss"], torch.float32, "loss")
 
 
-@pytest.mark.parametrize("beta", BETAS)
-@pytest.mark.parametrize("given", (False, True))
-def test_topk_plus_tail_matches_the_oracle(beta, given):
-    t, opts = _inputs("transforms", torch.float32)
-    ids = torch.randperm(V)[:6].expand(B, T, 6).contiguous() if given else None
-    out, grads = _run(t, opts, beta, top_k=6, topk_ids=ids)
+# The top-k-plus-tail variant: every divergence, ids given or the teacher's, on torch; on Triton each divergence once
+# and the hard cases and half dtypes of FEW_POINTS, ids given at every other point.
+TOPK_POINTS = [("torch", beta, torch.float32, "transforms", given) for beta in BETAS for given in (False, True)] + [
+    ("triton", *point, bool(i % 2)) for i, point in enumerate(FEW_POINTS)
+]
+
+
+@pytest.mark.parametrize(("backend", "beta", "dtype", "case", "given"), TOPK_POINTS, ids=str)
+def test_topk_plus_tail_matches_the_oracle(backend, beta, dtype, case, given, launches):
+    t, opts = _inputs(case, dtype)
+    lead = t["targets"].shape
+    ids = torch.randperm(V, generator=torch.Generator().manual_seed(1))[:6].expand(*lead, 6) if given else None
+    out, grads = _run(t, opts, beta, top_k=6, topk_ids=ids, backend=backend)
     want, want_grads = _oracle(t, opts, beta, top_k=6, topk_ids=ids)
+    kept = int(t["mask"].sum()) if "mask" in t else B * T
+    assert launches == {backend: math.ceil(kept / 3)}
     assert torch.equal(out.topk_ids, want["topk_ids"])
-    assert_close(out.loss, want["loss"], torch.float32, "loss")
-    assert_close(out.divergence, want["divergence"], torch.float32, "divergence")
+    for name in ("loss", "divergence", "entropy", "logp"):
+        assert_close(getattr(out, name), want[name], dtype, name)
     for name, grad in grads.items():
-        assert_close(grad, want_grads[name], torch.float32, f"d{name}")
+        assert grad.dtype == t[name].dtype and torch.isfinite(grad).all(), name
+        assert_close(grad, want_grads[name], dtype, f"d{name}")
+
+
+@pytest.mark.parametrize("backend", ("torch", "triton"))
+def test_topk_nan_teacher_logit_outside_the_ids_is_not_hidden(backend):
+    """A NaN teacher logit outside the given ids (the Triton pass marks the ids NaN) makes that row's divergence NaN."""
+    from grpo_kernels.kernels.divergence import chunk_pass
+
+    g = torch.Generator().manual_seed(0)
+    zs, zt = torch.randn(3, V, generator=g), torch.randn(3, V, generator=g)
+    zt[1, 40] = math.nan
+    ids = torch.tensor([[3, 7], [3, 7], [3, 7]])
+    divergence, *_ = chunk_pass(backend, True)(zs, zt, None, 2, ids, beta=0.5, temperature=1.0, student=Head(),
+                                               teacher=Head(), with_grad=True)  # fmt: skip
+    assert torch.isnan(divergence[1]) and torch.isfinite(divergence[[0, 2]]).all()
 
 
 @pytest.mark.parametrize("memory", ("fast", "lean"))
@@ -225,7 +249,6 @@ def test_every_token_dropped_gives_zero_and_zero_gradients(memory):
 
 
 REFUSALS = [
-    (dict(backend="triton", top_k=3), r"backend='triton': top_k > 0 \(the top-k-plus-tail divergence\) has no Triton"),
     (dict(backend="cuda"), "backend='cuda': the two-head divergence has no CUDA"),
     (dict(memory="lean", top_k=3), "top_k > 0 with memory='lean'"),
     (dict(memory="lean", backend="triton"), "backend='triton': memory='lean' .* runs on backend='torch' only"),

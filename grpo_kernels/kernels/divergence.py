@@ -36,14 +36,13 @@ from grpo_kernels.kernels.torch.divergence import Head
 @dataclass(frozen=True)
 class DivergenceSupport:
     """A backend's record for the two-head divergence: whether it runs it and why not, the module of its chunk pass
-    (`divergence_chunk`, imported on first use), and why it refuses the top-k-plus-tail variant or float64 heads
-    ("" where it runs them)."""
+    (`divergence_chunk`, imported on first use; the top-k-plus-tail variant's `topk_divergence_chunk` from the
+    module's `_topk` sibling), and why it refuses float64 heads or memory="lean" ("" where it runs them)."""
 
     backend: str
     runs: bool
     why_not: str = ""
     module: str = ""
-    top_k_why_not: str = ""
     float64_why_not: str = ""
     lean_why_not: str = ""
 
@@ -51,8 +50,6 @@ class DivergenceSupport:
         """Why this backend refuses a call with `top_k` on heads of `dtype` in `memory` mode, or "" when it runs it."""
         if not self.runs:
             return self.why_not
-        if top_k and self.top_k_why_not:
-            return self.top_k_why_not
         if memory == "lean" and (self.lean_why_not or top_k):
             return self.lean_why_not or LEAN_TOP_K
         return self.float64_why_not if dtype == torch.float64 else ""

@@ -77,8 +77,8 @@ def _topk_divergence_chunk_kernel(
     marked = tl.zeros((BLOCK_V,), tl.int32)
     for start in range(0, V, BLOCK_V):
         valid = start + cols < V
-        zs, _ = _head(s_row, start + cols, s_stride_v, valid, a_s, b_s, capped_s)
-        zt, _ = _head(t_row, start + cols, t_stride_v, valid, a_t, b_t, capped_t)
+        zs = _head(s_row, start + cols, s_stride_v, valid, a_s, b_s, capped_s)[0]
+        zt = _head(t_row, start + cols, t_stride_v, valid, a_t, b_t, capped_t)[0]
         outside = zt == zt  # not NaN: not an id
         marked += (~outside).to(tl.int32)
         m_s, sum_s = _online(m_s, sum_s, tl.where(outside, zs, -float("inf")))
@@ -88,7 +88,7 @@ def _topk_divergence_chunk_kernel(
     j = tl.arange(0, BLOCK_K)
     at_id = j < k
     z_ids_s, derivative_ids = _head(kept_s_ptr + row * k, j, 1, at_id, a_s, b_s, capped_s)
-    z_ids_t, _ = _head(kept_t_ptr + row * k, j, 1, at_id, a_t, b_t, capped_t)
+    z_ids_t = _head(kept_t_ptr + row * k, j, 1, at_id, a_t, b_t, capped_t)[0]
     lowest = tl.full((BLOCK_K,), _FLOAT32_LOWEST, tl.float32)
     lse_s = _log_add(tail_s, _merged(*_online(lowest, tl.zeros((BLOCK_K,), tl.float32), z_ids_s)))
     lse_t = _log_add(tail_t, _merged(*_online(lowest, tl.zeros((BLOCK_K,), tl.float32), z_ids_t)))
@@ -112,7 +112,7 @@ def _topk_divergence_chunk_kernel(
     logp = tl.zeros((), tl.float32)
     if has_targets:  # read before the gradient is stored over the row
         target = tl.load(targets_ptr + row)
-        z_target, _ = _head(s_row, target, s_stride_v, target >= 0, a_s, b_s, capped_s)
+        z_target = _head(s_row, target, s_stride_v, target >= 0, a_s, b_s, capped_s)[0]
         logp = z_target - lse_s
     entropy = tl.where(at_id, -_weighted(ps, ys), 0.0)  # the ids' terms; the rest's below
     outside_entropy = tl.zeros((BLOCK_V,), tl.float32)
