@@ -66,7 +66,7 @@ def reachable_cases() -> dict[str, Callable]:
         for with_grad in (False, True):  # soft-capping and targets are run-time flags: the same code
             launch = static_report._divergence_chunk(beta, with_grad)
             out[_name("divergence_chunk", [kind] + ["grad"] * with_grad)] = launch
-            launch = static_report._topk_divergence_chunk(beta, with_grad)
+            launch = static_report._divergence_chunk(beta, with_grad, top_k=32)
             out[_name("topk_divergence_chunk", [kind] + ["grad"] * with_grad)] = launch
     for epilogue, keywords in _epilogues().items():
         keywords = dict(keywords)

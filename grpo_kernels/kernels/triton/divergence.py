@@ -156,11 +156,30 @@ def _divergence_chunk_kernel(
                 log_m = _log_mix(ls, lt, log_1mb, log_b)
                 grad = _weighted(tl.exp(ls), ls - log_m - centre) * (derivative * (1.0 - beta))
             tl.store(s_row + (start + cols).to(tl.int64) * s_stride_v, grad, mask=valid)
+    store_outputs(out_ptr, rows, row, divergence, tl.sum(entropy, axis=0), logp, lse_s, lse_t)
+
+
+@triton.jit
+def store_outputs(out_ptr, rows, row, divergence, entropy, logp, lse_s, lse_t):
+    """A row's five outputs into out `[5, rows]` (`OUTPUTS`)."""
     tl.store(out_ptr + row, divergence)
-    tl.store(out_ptr + rows + row, tl.sum(entropy, axis=0))
+    tl.store(out_ptr + rows + row, entropy)
     tl.store(out_ptr + 2 * rows + row, logp)
     tl.store(out_ptr + 3 * rows + row, lse_s)
     tl.store(out_ptr + 4 * rows + row, lse_t)
+
+
+def scalar_arguments(zs: Tensor, zt: Tensor, beta: float, temperature: float, student: Head, teacher: Head):
+    """(the heads' transforms (a_s, b_s, capped_s, a_t, b_t, capped_t), the divergence's (beta, log(1 − β), log β),
+    KIND): the kernels' run-time scalars, after checking that the logits buffers are float32."""
+    if zs.dtype != torch.float32 or zt.dtype != torch.float32:
+        raise TypeError(f"the Triton divergence pass reads float32 logits, got {zs.dtype} and {zt.dtype}")
+    a_s, b_s = transform_coefficients(temperature, student.logit_scale, student.final_logit_softcapping)
+    a_t, b_t = transform_coefficients(temperature, teacher.logit_scale, teacher.final_logit_softcapping)
+    capped_s, capped_t = student.final_logit_softcapping is not None, teacher.final_logit_softcapping is not None
+    kind = kind_of(beta)
+    log_1mb, log_b = (math.log1p(-beta), math.log(beta)) if kind == KINDS["jsd"] else (0.0, 0.0)
+    return (a_s, b_s, capped_s, a_t, b_t, capped_t), (beta, log_1mb, log_b), kind
 
 
 def divergence_chunk(
@@ -178,19 +197,13 @@ def divergence_chunk(
     """`kernels/torch/divergence.divergence_chunk` in one launch: (divergence, entropy, logp of `targets` or None,
     student lse, teacher lse), `[c]` float32 each, from the raw float32 logits zs, zt `[c, V]` (any strides); zs is
     overwritten with dD/dx_s when `with_grad` (else left as it is)."""
-    if zs.dtype != torch.float32 or zt.dtype != torch.float32:
-        raise TypeError(f"the Triton divergence pass reads float32 logits, got {zs.dtype} and {zt.dtype}")
+    heads, divergence_args, kind = scalar_arguments(zs, zt, beta, temperature, student, teacher)
     rows, V = zs.shape
     out = torch.empty((len(OUTPUTS), rows), dtype=torch.float32, device=zs.device)  # [5, c]
-    a_s, b_s = transform_coefficients(temperature, student.logit_scale, student.final_logit_softcapping)
-    a_t, b_t = transform_coefficients(temperature, teacher.logit_scale, teacher.final_logit_softcapping)
-    kind = kind_of(beta)
-    log_1mb, log_b = (math.log1p(-beta), math.log(beta)) if kind == KINDS["jsd"] else (0.0, 0.0)
     if rows:
         _divergence_chunk_kernel[(rows,)](
             zs, zs.stride(0), zs.stride(1), zt, zt.stride(0), zt.stride(1), out if targets is None else targets, out,
-            rows, V, a_s, b_s, student.final_logit_softcapping is not None, a_t, b_t,
-            teacher.final_logit_softcapping is not None, targets is not None, beta, log_1mb, log_b,
+            rows, V, *heads, targets is not None, *divergence_args,
             KIND=kind, WITH_GRAD=with_grad, BLOCK_V=block_v_for(V, block), num_warps=NUM_WARPS, enable_fp_fusion=True,
         )  # fmt: skip
     divergence, entropy, logp, lse_s, lse_t = out.unbind(0)

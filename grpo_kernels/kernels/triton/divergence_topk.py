@@ -27,14 +27,13 @@ from grpo_kernels.kernels.triton.divergence import (
     _FLOAT32_LOWEST,
     NUM_WARPS,
     OUTPUTS,
-    KINDS,
     _head,
     _log_mix,
     _weighted,
     block_v_for,
-    kind_of,
+    scalar_arguments,
+    store_outputs,
 )
-from grpo_kernels.kernels.triton.token_logprobs import transform_coefficients
 
 
 @triton.jit
@@ -130,11 +129,8 @@ def _topk_divergence_chunk_kernel(
     if WITH_GRAD:
         ids = tl.load(ids_ptr + row * k + j, mask=at_id, other=0)
         tl.store(s_row + ids * s_stride_v, g * derivative_ids, mask=at_id)
-    tl.store(out_ptr + row, divergence)
-    tl.store(out_ptr + rows + row, tl.sum(entropy, axis=0) + tl.sum(outside_entropy, axis=0))
-    tl.store(out_ptr + 2 * rows + row, logp)
-    tl.store(out_ptr + 3 * rows + row, lse_s)
-    tl.store(out_ptr + 4 * rows + row, lse_t)
+    entropy = tl.sum(entropy, axis=0) + tl.sum(outside_entropy, axis=0)
+    store_outputs(out_ptr, rows, row, divergence, entropy, logp, lse_s, lse_t)
 
 
 def topk_divergence_chunk(
@@ -153,9 +149,9 @@ def topk_divergence_chunk(
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor, Tensor]:
     """`kernels/torch/divergence_topk.topk_divergence_chunk` in one launch: (divergence, entropy, logp of `targets` or
     None, student lse, teacher lse) `[c]` float32 each and the ids `[c, k]` (`ids` given, or the teacher's top k),
-    from the raw float32 logits zs, zt `[c, V]`; zt is overwritten (NaN at the ids), zs with dD/dx_s when `with_grad`."""
-    if zs.dtype != torch.float32 or zt.dtype != torch.float32:
-        raise TypeError(f"the Triton divergence pass reads float32 logits, got {zs.dtype} and {zt.dtype}")
+    from the raw float32 logits zs, zt `[c, V]`; zt is overwritten (NaN at the ids), zs with dD/dx_s when
+    `with_grad`."""
+    heads, divergence_args, kind = scalar_arguments(zs, zt, beta, temperature, student, teacher)
     rows, V = zs.shape
     if ids is None:  # the transform is monotonic: increasing unless the logit scale is negative
         ids = zt.topk(k, -1, largest=teacher.logit_scale >= 0).indices
@@ -163,15 +159,10 @@ def topk_divergence_chunk(
     kept_s, kept_t = zs.gather(1, ids), zt.gather(1, ids)  # [c, k] each
     zt.scatter_(1, ids, math.nan)  # marks the ids' columns for the kernel
     out = torch.empty((len(OUTPUTS), rows), dtype=torch.float32, device=zs.device)  # [5, c]
-    a_s, b_s = transform_coefficients(temperature, student.logit_scale, student.final_logit_softcapping)
-    a_t, b_t = transform_coefficients(temperature, teacher.logit_scale, teacher.final_logit_softcapping)
-    kind = kind_of(beta)
-    log_1mb, log_b = (math.log1p(-beta), math.log(beta)) if kind == KINDS["jsd"] else (0.0, 0.0)
     if rows:
         _topk_divergence_chunk_kernel[(rows,)](
             zs, zs.stride(0), zs.stride(1), zt, zt.stride(0), zt.stride(1), kept_s, kept_t, ids,
-            out if targets is None else targets, out, rows, V, k, a_s, b_s, student.final_logit_softcapping is not None,
-            a_t, b_t, teacher.final_logit_softcapping is not None, targets is not None, beta, log_1mb, log_b,
+            out if targets is None else targets, out, rows, V, k, *heads, targets is not None, *divergence_args,
             KIND=kind, WITH_GRAD=with_grad, BLOCK_V=block_v_for(V, block), BLOCK_K=triton.next_power_of_2(k + 1),
             num_warps=NUM_WARPS, enable_fp_fusion=True,
         )  # fmt: skip
