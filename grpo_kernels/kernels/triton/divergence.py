@@ -99,6 +99,17 @@ def _log_mix(ls, lt, log_1mb, log_b):
 
 
 @triton.jit
+def target_logit(s_row, s_stride_v, targets_ptr, row, has_targets, a_s, b_s, capped_s):
+    """z of the row's target (0 without targets), read first: the log-sum-exp's block reductions that follow hold
+    every warp until all have read it, so no warp's gradient store can overwrite it before another's read."""
+    z_target = tl.zeros((), tl.float32)
+    if has_targets:
+        target = tl.load(targets_ptr + row)
+        z_target = _head(s_row, target, s_stride_v, target >= 0, a_s, b_s, capped_s)[0]
+    return z_target
+
+
+@triton.jit
 def _divergence_chunk_kernel(
     s_ptr, s_stride_row, s_stride_v, t_ptr, t_stride_row, t_stride_v, targets_ptr, out_ptr,
     rows, V, a_s, b_s, capped_s, a_t, b_t, capped_t, has_targets, beta, log_1mb, log_b,
@@ -108,13 +119,10 @@ def _divergence_chunk_kernel(
     row = tl.program_id(0).to(tl.int64)
     s_row = s_ptr + row * s_stride_row
     t_row = t_ptr + row * t_stride_row
+    z_target = target_logit(s_row, s_stride_v, targets_ptr, row, has_targets, a_s, b_s, capped_s)
     lse_s = _lse(s_row, s_stride_v, V, a_s, b_s, capped_s, BLOCK_V)
     lse_t = _lse(t_row, t_stride_v, V, a_t, b_t, capped_t, BLOCK_V)
-    logp = tl.zeros((), tl.float32)
-    if has_targets:  # read before the gradient is stored over the row
-        target = tl.load(targets_ptr + row)
-        z_target, _ = _head(s_row, target, s_stride_v, target >= 0, a_s, b_s, capped_s)
-        logp = z_target - lse_s
+    logp = z_target - lse_s  # (unused without targets)
     cols = tl.arange(0, BLOCK_V)
     entropy = tl.zeros((BLOCK_V,), tl.float32)  # −Σ p_s log p_s
     kl_teacher = tl.zeros((BLOCK_V,), tl.float32)  # Σ p_t (log p_t − ·): the forward KL, or the JSD's teacher side

@@ -33,6 +33,7 @@ from grpo_kernels.kernels.triton.divergence import (
     block_v_for,
     scalar_arguments,
     store_outputs,
+    target_logit,
 )
 
 
@@ -68,6 +69,7 @@ def _topk_divergence_chunk_kernel(
     row = tl.program_id(0).to(tl.int64)
     s_row = s_ptr + row * s_stride_row
     t_row = t_ptr + row * t_stride_row
+    z_target = target_logit(s_row, s_stride_v, targets_ptr, row, has_targets, a_s, b_s, capped_s)
     cols = tl.arange(0, BLOCK_V)
     m_s = tl.full((BLOCK_V,), _FLOAT32_LOWEST, tl.float32)
     m_t = tl.full((BLOCK_V,), _FLOAT32_LOWEST, tl.float32)
@@ -108,11 +110,7 @@ def _topk_divergence_chunk_kernel(
         g = _weighted(ps, ys - log_m - centre) * (1.0 - beta)
     divergence = tl.where(tl.sum(marked, axis=0) == k, divergence, float("nan"))
     g_tail = tl.sum(tl.where(j == k, g, 0.0), axis=0)
-    logp = tl.zeros((), tl.float32)
-    if has_targets:  # read before the gradient is stored over the row
-        target = tl.load(targets_ptr + row)
-        z_target = _head(s_row, target, s_stride_v, target >= 0, a_s, b_s, capped_s)[0]
-        logp = z_target - lse_s
+    logp = z_target - lse_s  # (unused without targets)
     entropy = tl.where(at_id, -_weighted(ps, ys), 0.0)  # the ids' terms; the rest's below
     outside_entropy = tl.zeros((BLOCK_V,), tl.float32)
     for start in range(0, V, BLOCK_V):
@@ -126,10 +124,10 @@ def _topk_divergence_chunk_kernel(
             share = tl.where(tail_s > -float("inf"), tl.exp(zs - tail_s), 0.0)  # p_v / P_tail
             ptrs = s_row + (start + cols).to(tl.int64) * s_stride_v
             tl.store(ptrs, g_tail * share * derivative, mask=valid & outside)
+    entropy = tl.sum(entropy, axis=0) + tl.sum(outside_entropy, axis=0)
     if WITH_GRAD:
         ids = tl.load(ids_ptr + row * k + j, mask=at_id, other=0)
         tl.store(s_row + ids * s_stride_v, g * derivative_ids, mask=at_id)
-    entropy = tl.sum(entropy, axis=0) + tl.sum(outside_entropy, axis=0)
     store_outputs(out_ptr, rows, row, divergence, entropy, logp, lse_s, lse_t)
 
 
