@@ -127,10 +127,11 @@ def test_teacher_excluding_a_token_the_student_reaches(backend, beta):
         assert_close(out.loss, want["loss"], torch.float32, "loss")
 
 
-# The top-k-plus-tail variant: every divergence, ids given or the teacher's, on torch; on Triton each divergence once
-# and the hard cases and half dtypes of FEW_POINTS, ids given at every other point.
+# The top-k-plus-tail variant: every divergence, ids given or the teacher's, on torch; on Triton the JSD on the
+# transforms and the hard cases and half dtypes of FEW_POINTS (each divergence among them), ids given at every other.
+TOPK_TRITON = [point for point in FEW_POINTS if point[2] != "transforms" or point[0] == 0.5]
 TOPK_POINTS = [("torch", beta, torch.float32, "transforms", given) for beta in BETAS for given in (False, True)] + [
-    ("triton", *point, bool(i % 2)) for i, point in enumerate(FEW_POINTS)
+    ("triton", *point, bool(i % 2)) for i, point in enumerate(TOPK_TRITON)
 ]
 
 
@@ -149,6 +150,24 @@ def test_topk_plus_tail_matches_the_oracle(backend, beta, dtype, case, given, la
     for name, grad in grads.items():
         assert grad.dtype == t[name].dtype and torch.isfinite(grad).all(), name
         assert_close(grad, want_grads[name], dtype, f"d{name}")
+
+
+def test_triton_topk_ids_follow_a_negative_teacher_scale():
+    """The Triton pass takes the raw logits' top k, or bottom k where the teacher's scale flips their order: the
+    same ids and numbers as the torch pass, which ranks the transformed logits."""
+    from grpo_kernels.kernels.divergence import chunk_pass
+
+    g = torch.Generator().manual_seed(0)
+    zs, zt = torch.randn(4, V, generator=g), torch.randn(4, V, generator=g)
+    options = dict(beta=0.5, temperature=0.7, student=Head(), teacher=Head(-1.5, 3.0), with_grad=True)
+    grad_torch, grad_triton = zs.clone(), zs.clone()  # each pass writes dD/dx over its student logits
+    want = chunk_pass("torch", True)(grad_torch, zt.clone(), None, 5, None, **options)
+    got = chunk_pass("triton", True)(grad_triton, zt.clone(), None, 5, None, **options)
+    assert torch.equal(got[-1], want[-1])
+    for name, a, b in zip(("divergence", "entropy", "lse_s", "lse_t"), (*got[:2], *got[3:5]), (*want[:2], *want[3:5]),
+                          strict=True):  # fmt: skip
+        assert_close(a, b, torch.float32, name)
+    assert_close(grad_triton, grad_torch, torch.float32, "dD/dx")
 
 
 @pytest.mark.parametrize("backend", ("torch", "triton"))
