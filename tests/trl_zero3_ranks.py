@@ -183,7 +183,7 @@ def distill(root: str, rank: int) -> None:
         ("drop_in", drop_in.DistillationTrainer, drop_in_loss, "chunked_divergence_loss"),
     ):
         calls: list[list[str]] = []
-        setattr(module, loss, recording(getattr(module, loss), calls))
+        setattr(module, loss, recording(getattr(module, loss), calls))  # for the rest of the process: its last step
         trainer = build_distillation(cls, root)
         trainer.train()
         history = [h for h in trainer.state.log_history if "loss" in h]  # one entry per step
