@@ -46,7 +46,8 @@ def reachable_cases() -> dict[str, Callable]:
     """Case name -> launch(dtype, V, B, T), as `static_report.cases()`: the forward with each subset of the statistics
     (with entropy), each combination of entropy and soft-capping in the forward (with every statistic and without) and
     the backward, the fused loss with each epilogue (with entropy) and each combination of entropy and soft-capping
-    (clip), and the two-head divergence's chunk pass for each divergence, with and without the gradient."""
+    (clip), and the two-head divergence's chunk passes (whole vocabulary, top-k plus tail) for each divergence, with and
+    without the gradient."""
     from grpo_kernels.kernels.protocol import TOKEN_STATS
 
     out = {}
@@ -65,6 +66,8 @@ def reachable_cases() -> dict[str, Callable]:
         for with_grad in (False, True):  # soft-capping and targets are run-time flags: the same code
             launch = static_report._divergence_chunk(beta, with_grad)
             out[_name("divergence_chunk", [kind] + ["grad"] * with_grad)] = launch
+            launch = static_report._divergence_chunk(beta, with_grad, top_k=32)
+            out[_name("topk_divergence_chunk", [kind] + ["grad"] * with_grad)] = launch
     for epilogue, keywords in _epilogues().items():
         keywords = dict(keywords)
         launch = static_report._grpo_loss_fwd(keywords.pop("kind"), with_entropy=True, **keywords)
@@ -81,7 +84,7 @@ def matrix(archs: tuple[str, ...]) -> list[tuple[str, str, str, str]]:
     for arch, case in itertools.product(archs, reachable_cases()):
         epilogue = case.startswith("grpo_loss_fwd[") and not case.startswith("grpo_loss_fwd[clip,entropy")
         epilogue = epilogue and case not in ("grpo_loss_fwd[clip]", "grpo_loss_fwd[clip,softcap]")
-        epilogue = epilogue or case.startswith("divergence_chunk[")  # float32 buffers whatever the heads' dtype
+        epilogue = epilogue or "divergence_chunk[" in case  # float32 buffers whatever the heads' dtype
         out += [(arch, case, dtype, "aligned") for dtype in (["bf16"] if epilogue else static_report.DTYPES)]
     return out + [item for item in static_report.matrix("ci") if item[0] in archs]
 

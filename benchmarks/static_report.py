@@ -139,18 +139,23 @@ def _grpo_loss_fwd(
     return launch
 
 
-def _divergence_chunk(beta: float, with_grad: bool = True) -> Callable:
-    """The two-head divergence's chunk pass: it reads the driver's float32 logits buffers whatever the heads' dtype."""
+def _divergence_chunk(beta: float, with_grad: bool = True, top_k: int = 0) -> Callable:
+    """The two-head divergence's chunk pass (with top_k: the top-k-plus-tail one, the teacher's top k): it reads the
+    driver's float32 logits buffers whatever the heads' dtype."""
 
     def launch(dtype, V, B, T):
         from grpo_kernels.kernels.torch.divergence import Head
         from grpo_kernels.kernels.triton import divergence as divergence_triton
+        from grpo_kernels.kernels.triton import divergence_topk
 
         logits = torch.empty((B * T, V), dtype=torch.float32, device="meta")  # [c, V], each head's
-        divergence_triton.divergence_chunk(
-            logits, torch.empty_like(logits), _inputs(dtype, V, B, T)["targets"].view(-1), beta=beta, temperature=1.0,
-            student=Head(), teacher=Head(final_logit_softcapping=30.0), with_grad=with_grad,
-        )  # fmt: skip
+        chunk = (logits, torch.empty_like(logits), _inputs(dtype, V, B, T)["targets"].view(-1))
+        options = dict(beta=beta, temperature=1.0, student=Head(), teacher=Head(final_logit_softcapping=30.0),
+                       with_grad=with_grad)  # fmt: skip
+        if top_k:
+            divergence_topk.topk_divergence_chunk(*chunk, top_k, None, **options)
+        else:
+            divergence_triton.divergence_chunk(*chunk, **options)
 
     return launch
 
@@ -176,6 +181,7 @@ def cases() -> dict[str, Callable]:
         "grpo_loss_fwd[cispo,two_sided]": _grpo_loss_fwd("cispo", cispo_two_sided=True),
     }
     out["divergence_chunk[jsd]"] = _divergence_chunk(DIVERGENCES["jsd"])  # the others: benchmarks/launch_space.py
+    out["topk_divergence_chunk[jsd]"] = _divergence_chunk(DIVERGENCES["jsd"], top_k=32)
     for kind in EPILOGUES:
         out[f"grpo_loss_fwd[{kind}]"] = _grpo_loss_fwd(kind)
     for kl in KL_KINDS:

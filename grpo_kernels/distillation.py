@@ -158,7 +158,7 @@ def fused_linear_divergence(
             "fast" (row chunks), or "lean" (tiles of rows × vocabulary columns, `chunk_size` rows at most: no
             `[rows, V]` buffer and, for bf16/fp16 heads, no float32 `[V, H]` one, for 8 GEMMs instead of 4; torch
             backend, no top_k). backend: "auto" (Triton on CUDA where it runs the call, else
-            torch), "torch" or "triton" (top_k and float64 refused on it, reason given; "cuda": refused).
+            torch), "torch" or "triton" (float64 refused on it, reason given; "cuda": refused).
             process_group / vocab_start (vocabulary-parallel heads): refused.
         check_finite: a kept token whose student or teacher log-sum-exp is not finite is a ValueError naming it
             (one host sync).

@@ -127,18 +127,61 @@ def test_teacher_excluding_a_token_the_student_reaches(backend, beta):
         assert_close(out.loss, want["loss"], torch.float32, "loss")
 
 
-@pytest.mark.parametrize("beta", BETAS)
-@pytest.mark.parametrize("given", (False, True))
-def test_topk_plus_tail_matches_the_oracle(beta, given):
-    t, opts = _inputs("transforms", torch.float32)
-    ids = torch.randperm(V)[:6].expand(B, T, 6).contiguous() if given else None
-    out, grads = _run(t, opts, beta, top_k=6, topk_ids=ids)
+# The top-k-plus-tail variant: every divergence, ids given or the teacher's, on torch; on Triton the JSD on the
+# transforms and the hard cases and half dtypes of FEW_POINTS (each divergence among them), ids given at every other.
+TOPK_TRITON = [point for point in FEW_POINTS if point[2] != "transforms" or point[0] == 0.5]
+TOPK_POINTS = [("torch", beta, torch.float32, "transforms", given) for beta in BETAS for given in (False, True)] + [
+    ("triton", *point, bool(i % 2)) for i, point in enumerate(TOPK_TRITON)
+]
+
+
+@pytest.mark.parametrize(("backend", "beta", "dtype", "case", "given"), TOPK_POINTS, ids=str)
+def test_topk_plus_tail_matches_the_oracle(backend, beta, dtype, case, given, launches):
+    t, opts = _inputs(case, dtype)
+    lead = t["targets"].shape
+    ids = torch.randperm(V, generator=torch.Generator().manual_seed(1))[:6].expand(*lead, 6) if given else None
+    out, grads = _run(t, opts, beta, top_k=6, topk_ids=ids, backend=backend)
     want, want_grads = _oracle(t, opts, beta, top_k=6, topk_ids=ids)
+    kept = int(t["mask"].sum()) if "mask" in t else B * T
+    assert launches == {backend: math.ceil(kept / 3)}
     assert torch.equal(out.topk_ids, want["topk_ids"])
-    assert_close(out.loss, want["loss"], torch.float32, "loss")
-    assert_close(out.divergence, want["divergence"], torch.float32, "divergence")
+    for name in ("loss", "divergence", "entropy", "logp"):
+        assert_close(getattr(out, name), want[name], dtype, name)
     for name, grad in grads.items():
-        assert_close(grad, want_grads[name], torch.float32, f"d{name}")
+        assert grad.dtype == t[name].dtype and torch.isfinite(grad).all(), name
+        assert_close(grad, want_grads[name], dtype, f"d{name}")
+
+
+def test_triton_topk_ids_follow_a_negative_teacher_scale():
+    """The Triton pass takes the raw logits' top k, or bottom k where the teacher's scale flips their order: the
+    same ids and numbers as the torch pass, which ranks the transformed logits."""
+    from grpo_kernels.kernels.divergence import chunk_pass
+
+    g = torch.Generator().manual_seed(0)
+    zs, zt = torch.randn(4, V, generator=g), torch.randn(4, V, generator=g)
+    options = dict(beta=0.5, temperature=0.7, student=Head(), teacher=Head(-1.5, 3.0), with_grad=True)
+    grad_torch, grad_triton = zs.clone(), zs.clone()  # each pass writes dD/dx over its student logits
+    want = chunk_pass("torch", True)(grad_torch, zt.clone(), None, 5, None, **options)
+    got = chunk_pass("triton", True)(grad_triton, zt.clone(), None, 5, None, **options)
+    assert torch.equal(got[-1], want[-1])
+    for name, a, b in zip(("divergence", "entropy", "lse_s", "lse_t"), (*got[:2], *got[3:5]), (*want[:2], *want[3:5]),
+                          strict=True):  # fmt: skip
+        assert_close(a, b, torch.float32, name)
+    assert_close(grad_triton, grad_torch, torch.float32, "dD/dx")
+
+
+@pytest.mark.parametrize("backend", ("torch", "triton"))
+def test_topk_nan_teacher_logit_outside_the_ids_is_not_hidden(backend):
+    """A NaN teacher logit outside the given ids (the Triton pass marks the ids NaN) makes that row's divergence NaN."""
+    from grpo_kernels.kernels.divergence import chunk_pass
+
+    g = torch.Generator().manual_seed(0)
+    zs, zt = torch.randn(3, V, generator=g), torch.randn(3, V, generator=g)
+    zt[1, 40] = math.nan
+    ids = torch.tensor([[3, 7], [3, 7], [3, 7]])
+    divergence, *_ = chunk_pass(backend, True)(zs, zt, None, 2, ids, beta=0.5, temperature=1.0, student=Head(),
+                                               teacher=Head(), with_grad=True)  # fmt: skip
+    assert torch.isnan(divergence[1]) and torch.isfinite(divergence[[0, 2]]).all()
 
 
 @pytest.mark.parametrize("memory", ("fast", "lean"))
@@ -225,7 +268,6 @@ def test_every_token_dropped_gives_zero_and_zero_gradients(memory):
 
 
 REFUSALS = [
-    (dict(backend="triton", top_k=3), r"backend='triton': top_k > 0 \(the top-k-plus-tail divergence\) has no Triton"),
     (dict(backend="cuda"), "backend='cuda': the two-head divergence has no CUDA"),
     (dict(memory="lean", top_k=3), "top_k > 0 with memory='lean'"),
     (dict(memory="lean", backend="triton"), "backend='triton': memory='lean' .* runs on backend='torch' only"),

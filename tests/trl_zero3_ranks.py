@@ -1,5 +1,6 @@
 """One rank of tests/test_trl_zero3.py, started by torchrun (2 processes, gloo, DeepSpeed on CPU): `python -m
-torch.distributed.run --nproc_per_node=2 tests/trl_zero3_ranks.py ROOT` with ROOT holding the tiny model (ROOT/model).
+torch.distributed.run --nproc_per_node=2 tests/trl_zero3_ranks.py ROOT` with ROOT holding the tiny model (ROOT/model)
+and a wider teacher (ROOT/teacher).
 
 1. Stock `trl.GRPOTrainer` and the drop-in each train 2 steps under ZeRO-3 (beta 0 and beta > 0 with a reference
    model): their logged metrics and final parameters go to ROOT/train_<rank>.json and ROOT/<trainer>_<beta>.pt.
@@ -8,6 +9,9 @@ torch.distributed.run --nproc_per_node=2 tests/trl_zero3_ranks.py ROOT` with ROO
    backward are recorded (ROOT/collectives_<rank>.json).
 3. `zero3.gathered` alone on a partitioned lm_head: collectives and gradients per route
    (ROOT/partitioned_<rank>.json).
+4. Stock `trl.DistillationTrainer` and the drop-in each distill the teacher into the model 2 steps (the JSD; TRL
+   partitions the teacher under ZeRO-3 too): logs, each loss call's collectives, final parameters
+   (ROOT/distill_<rank>.json, ROOT/distill_<trainer>.pt).
 
 The process ends with os._exit: gloo's threads can abort an interpreter at exit.
 """
@@ -30,6 +34,7 @@ COLLECTIVES += ("_reduce_scatter_base", "reduce_scatter", "broadcast", "barrier"
 COLLECTIVES += ("all_gather_coalesced", "all_reduce_coalesced", "gather", "scatter")
 STEPS = 2
 METRICS = ("loss", "grad_norm", "kl", "entropy")  # the logged numbers compared (not the timings)
+TIMINGS = ("step_time",)
 ROUTES = {  # name -> the fused head's keywords: one row per chunk / tile
     "three_gemm": dict(loss_type="dapo", chunk_size=1),
     "four_gemm": dict(loss_type="grpo", importance_sampling_level="sequence", chunk_size=1),
@@ -85,17 +90,25 @@ def build(cls, root: str, beta: float):
     from grpo_kernels.trainer.model import build_tokenizer
 
     AcceleratorState._reset_state()  # one Accelerator per trainer; the gloo PartialState stays
-    args = trl.GRPOConfig(
+    args = trl.GRPOConfig(per_device_train_batch_size=4, num_generations=4, beta=beta, **training_args(root))
+    dataset = datasets.Dataset.from_dict({"prompt": ["abc", "de", "fgh", "ij"] * 2})
+    tokenizer = build_tokenizer("abcdefghij")
+    return cls(
+        os.path.join(root, "model"), reward_funcs=reward_length, args=args, train_dataset=dataset,
+        processing_class=tokenizer,
+    )  # fmt: skip
+
+
+def training_args(root: str) -> dict:
+    """The config fields both trainers share: 2 SGD steps under ZeRO-3 on gloo, every step logged."""
+    return dict(
         output_dir=os.path.join(root, "out"),
-        per_device_train_batch_size=4,
-        num_generations=4,
         max_completion_length=8,
         max_steps=STEPS,
         logging_steps=1,
         optim="sgd",  # updates linear in the gradients: parameters comparable at float32 tolerance
         learning_rate=0.1,
         max_grad_norm=1e9,  # grad_norm logged, never clipped
-        beta=beta,
         report_to=[],
         bf16=False,
         save_strategy="no",
@@ -104,11 +117,22 @@ def build(cls, root: str, beta: float):
         ddp_backend="gloo",
         accelerator_config={"use_configured_state": True},
     )
-    dataset = datasets.Dataset.from_dict({"prompt": ["abc", "de", "fgh", "ij"] * 2})
-    tokenizer = build_tokenizer("abcdefghij")
+
+
+def build_distillation(cls, root: str):
+    """A distillation trainer of `cls`: the tiny model learns from a wider tiny teacher (ROOT/teacher), JSD."""
+    import datasets
+    import trl
+    from accelerate.state import AcceleratorState
+
+    from grpo_kernels.trainer.model import build_tokenizer
+
+    AcceleratorState._reset_state()
+    args = trl.DistillationConfig(per_device_train_batch_size=2, beta=0.5, temperature=0.9, **training_args(root))
+    dataset = datasets.Dataset.from_dict({"prompt": ["abc", "de", "fgh", "ij"]})
     return cls(
-        os.path.join(root, "model"), reward_funcs=reward_length, args=args, train_dataset=dataset,
-        processing_class=tokenizer,
+        os.path.join(root, "model"), teacher_model=os.path.join(root, "teacher"), args=args, train_dataset=dataset,
+        processing_class=build_tokenizer("abcdefghij"),
     )  # fmt: skip
 
 
@@ -141,6 +165,53 @@ def train(root: str, rank: int):
     with open(os.path.join(root, f"train_{rank}.json"), "w") as f:
         json.dump(logs, f)
     return trainer
+
+
+def distill(root: str, rank: int) -> None:
+    """Stock `trl.DistillationTrainer` and the drop-in, 2 steps each: their logs, the collectives each call of their
+    loss function makes, whether both lm_heads are partitioned after training (ROOT/distill_<rank>.json), and their
+    final parameters (ROOT/distill_<name>.pt)."""
+    import trl
+    from trl.trainer import distillation_trainer as stock_loss
+
+    from grpo_kernels.integrations import trl as drop_in
+    from grpo_kernels.integrations import trl_distillation as drop_in_loss
+
+    logs = {}
+    for name, cls, module, loss in (
+        ("stock", trl.DistillationTrainer, stock_loss, "_chunked_divergence_loss"),
+        ("drop_in", drop_in.DistillationTrainer, drop_in_loss, "chunked_divergence_loss"),
+    ):
+        calls: list[list[str]] = []
+        setattr(module, loss, recording(getattr(module, loss), calls))  # for the rest of the process: its last step
+        trainer = build_distillation(cls, root)
+        trainer.train()
+        history = [h for h in trainer.state.log_history if "loss" in h]  # one entry per step
+        logs[name] = [{k: v for k, v in h.items() if k not in TIMINGS} for h in history]
+        logs[f"{name}/loss_calls"] = calls
+        heads = (trainer.model.get_output_embeddings(), trainer.teacher_model.module.get_output_embeddings())
+        logs[f"{name}/partitioned_after"] = [head.weight.data.numel() == 0 for head in heads]
+        params = gathered_parameters(trainer.model)
+        if rank == 0:
+            torch.save(params, os.path.join(root, f"distill_{name}.pt"))
+    with open(os.path.join(root, f"distill_{rank}.json"), "w") as f:
+        json.dump(logs, f)
+
+
+def recording(fn, calls: list[list[str]]):
+    """`fn`, appending to `calls` the collectives each of its calls makes."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        global recorded
+        recorded = []
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            calls.append(recorded)
+            recorded = None
+
+    return wrapper
 
 
 def collectives(trainer, root: str, rank: int) -> None:
@@ -244,6 +315,7 @@ def main(root: str) -> None:
     trainer = train(root, rank)
     collectives(trainer, root, rank)
     partitioned_head(root, rank)
+    distill(root, rank)
 
 
 if __name__ == "__main__":

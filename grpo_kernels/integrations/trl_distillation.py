@@ -7,8 +7,8 @@ no_grad, each head's logit scale and softcap read from its config, the loss mask
 makes to `_chunked_divergence_loss` goes to `chunked_divergence_loss` below, which has its arguments and returns:
 `fused_linear_divergence` forms the student's gradients in its forward pass (4 GEMMs per chunk of tokens; TRL's
 Function re-projects both heads in its backward: 6, 8 for the JSD). The config, generation, logging and numbers are
-TRL's. FSDP2 heads (DTensor) are gathered once per call, as TRL does, and ZeRO-3 heads with TRL's
-`maybe_gather_lm_head_ctx` around the pass.
+TRL's. FSDP2 heads (DTensor) are gathered once per call, as TRL does; ZeRO-3 heads (the student's, and the teacher's,
+which TRL partitions too) by one `zero3.gathered` around the pass, as the GRPO drop-in's head.
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from torch import Tensor
 try:
     import trl
     from trl.trainer import distillation_trainer as trl_distillation
-    from trl.trainer.utils import maybe_gather_lm_head_ctx
 except ImportError as error:  # pragma: no cover - exercised only without TRL
     raise ImportError("grpo_kernels.integrations.trl needs TRL >= 1.16: pip install 'grpo-kernels[trl]'") from error
 
 from grpo_kernels.distillation import fused_linear_divergence
+from grpo_kernels.integrations import zero3
 
 __all__ = ["DistillationTrainer", "chunked_divergence_loss"]
 
@@ -50,7 +50,7 @@ def chunked_divergence_loss(
     kept tokens and their count) on `fused_linear_divergence`."""
     student = _full(student_lm_head_weight, student_lm_head_bias, student_hidden_states.dtype)
     teacher = _full(teacher_lm_head_weight, teacher_lm_head_bias, teacher_hidden_states.dtype)
-    with maybe_gather_lm_head_ctx(*student), maybe_gather_lm_head_ctx(*teacher):
+    with zero3.gathered(*student, *teacher):  # ZeRO-3: both heads whole for this pass (one gather)
         out = fused_linear_divergence(
             student_hidden_states,
             student[0],

@@ -31,20 +31,18 @@ from grpo_kernels.kernels import backend as backends
 from grpo_kernels.kernels.divergence_lean import LeanDivergenceFunction
 from grpo_kernels.kernels.protocol import compute_dtype
 from grpo_kernels.kernels.torch.divergence import Head
-from grpo_kernels.kernels.torch.divergence_topk import topk_divergence_chunk
 
 
 @dataclass(frozen=True)
 class DivergenceSupport:
     """A backend's record for the two-head divergence: whether it runs it and why not, the module of its chunk pass
-    (`divergence_chunk`, imported on first use), and why it refuses the top-k-plus-tail variant or float64 heads
-    ("" where it runs them)."""
+    (`divergence_chunk`, imported on first use; the top-k-plus-tail variant's `topk_divergence_chunk` from the
+    module's `_topk` sibling), and why it refuses float64 heads or memory="lean" ("" where it runs them)."""
 
     backend: str
     runs: bool
     why_not: str = ""
     module: str = ""
-    top_k_why_not: str = ""
     float64_why_not: str = ""
     lean_why_not: str = ""
 
@@ -52,8 +50,6 @@ class DivergenceSupport:
         """Why this backend refuses a call with `top_k` on heads of `dtype` in `memory` mode, or "" when it runs it."""
         if not self.runs:
             return self.why_not
-        if top_k and self.top_k_why_not:
-            return self.top_k_why_not
         if memory == "lean" and (self.lean_why_not or top_k):
             return self.lean_why_not or LEAN_TOP_K
         return self.float64_why_not if dtype == torch.float64 else ""
@@ -65,8 +61,6 @@ SUPPORT = {
         "triton",
         True,
         module="grpo_kernels.kernels.triton.divergence",
-        top_k_why_not="top_k > 0 (the top-k-plus-tail divergence) has no Triton kernel (its ids are a torch.topk "
-        "and its tail a scatter over each chunk): use backend='torch'",
         float64_why_not="float64 heads: the Triton divergence computes in float32; use backend='torch'",
         lean_why_not="memory='lean' (vocabulary tiles) runs on backend='torch' only: the Triton kernel works on whole "
         "rows of a chunk",
@@ -98,12 +92,15 @@ class DivergenceOptions:
 
 
 @functools.cache
-def chunk_pass(backend: str) -> Callable:
-    """The `divergence_chunk` of `backend`'s record, its module imported on first use (after the backend's own
-    import check: a clear error for an unsupported triton)."""
+def chunk_pass(backend: str, top_k: bool = False) -> Callable:
+    """The `divergence_chunk` of `backend`'s record (with `top_k`: `topk_divergence_chunk`, from its module's
+    `_topk` sibling), its module imported on first use (after the backend's own import check: a clear error for an
+    unsupported triton)."""
     before = backends.CAPABILITIES[backend].before_import
     if before is not None:
         before()
+    if top_k:
+        return importlib.import_module(SUPPORT[backend].module + "_topk").topk_divergence_chunk
     return importlib.import_module(SUPPORT[backend].module).divergence_chunk
 
 
@@ -191,7 +188,7 @@ class _FusedLinearDivergenceFunction(torch.autograd.Function):
                           with_grad=with_grad, block=opts.block)  # fmt: skip
             if opts.top_k:
                 ids = None if topk_ids is None else topk_ids[r]
-                *values, ids = topk_divergence_chunk(zs, zt, chunk_targets, opts.top_k, ids, **common)
+                *values, ids = chunk_pass(opts.backend, True)(zs, zt, chunk_targets, opts.top_k, ids, **common)
                 outs["ids"].append(ids)
             else:
                 values = chunk_pass(opts.backend)(zs, zt, chunk_targets, **common)

@@ -99,6 +99,17 @@ def _log_mix(ls, lt, log_1mb, log_b):
 
 
 @triton.jit
+def target_logit(s_row, s_stride_v, targets_ptr, row, has_targets, a_s, b_s, capped_s):
+    """z of the row's target (0 without targets), read first: the log-sum-exp's block reductions that follow hold
+    every warp until all have read it, so no warp's gradient store can overwrite it before another's read."""
+    z_target = tl.zeros((), tl.float32)
+    if has_targets:
+        target = tl.load(targets_ptr + row)
+        z_target = _head(s_row, target, s_stride_v, target >= 0, a_s, b_s, capped_s)[0]
+    return z_target
+
+
+@triton.jit
 def _divergence_chunk_kernel(
     s_ptr, s_stride_row, s_stride_v, t_ptr, t_stride_row, t_stride_v, targets_ptr, out_ptr,
     rows, V, a_s, b_s, capped_s, a_t, b_t, capped_t, has_targets, beta, log_1mb, log_b,
@@ -108,13 +119,10 @@ def _divergence_chunk_kernel(
     row = tl.program_id(0).to(tl.int64)
     s_row = s_ptr + row * s_stride_row
     t_row = t_ptr + row * t_stride_row
+    z_target = target_logit(s_row, s_stride_v, targets_ptr, row, has_targets, a_s, b_s, capped_s)
     lse_s = _lse(s_row, s_stride_v, V, a_s, b_s, capped_s, BLOCK_V)
     lse_t = _lse(t_row, t_stride_v, V, a_t, b_t, capped_t, BLOCK_V)
-    logp = tl.zeros((), tl.float32)
-    if has_targets:  # read before the gradient is stored over the row
-        target = tl.load(targets_ptr + row)
-        z_target, _ = _head(s_row, target, s_stride_v, target >= 0, a_s, b_s, capped_s)
-        logp = z_target - lse_s
+    logp = z_target - lse_s  # (unused without targets)
     cols = tl.arange(0, BLOCK_V)
     entropy = tl.zeros((BLOCK_V,), tl.float32)  # −Σ p_s log p_s
     kl_teacher = tl.zeros((BLOCK_V,), tl.float32)  # Σ p_t (log p_t − ·): the forward KL, or the JSD's teacher side
@@ -156,11 +164,30 @@ def _divergence_chunk_kernel(
                 log_m = _log_mix(ls, lt, log_1mb, log_b)
                 grad = _weighted(tl.exp(ls), ls - log_m - centre) * (derivative * (1.0 - beta))
             tl.store(s_row + (start + cols).to(tl.int64) * s_stride_v, grad, mask=valid)
+    store_outputs(out_ptr, rows, row, divergence, tl.sum(entropy, axis=0), logp, lse_s, lse_t)
+
+
+@triton.jit
+def store_outputs(out_ptr, rows, row, divergence, entropy, logp, lse_s, lse_t):
+    """A row's five outputs into out `[5, rows]` (`OUTPUTS`)."""
     tl.store(out_ptr + row, divergence)
-    tl.store(out_ptr + rows + row, tl.sum(entropy, axis=0))
+    tl.store(out_ptr + rows + row, entropy)
     tl.store(out_ptr + 2 * rows + row, logp)
     tl.store(out_ptr + 3 * rows + row, lse_s)
     tl.store(out_ptr + 4 * rows + row, lse_t)
+
+
+def scalar_arguments(zs: Tensor, zt: Tensor, beta: float, temperature: float, student: Head, teacher: Head):
+    """(the heads' transforms (a_s, b_s, capped_s, a_t, b_t, capped_t), the divergence's (beta, log(1 − β), log β),
+    KIND): the kernels' run-time scalars, after checking that the logits buffers are float32."""
+    if zs.dtype != torch.float32 or zt.dtype != torch.float32:
+        raise TypeError(f"the Triton divergence pass reads float32 logits, got {zs.dtype} and {zt.dtype}")
+    a_s, b_s = transform_coefficients(temperature, student.logit_scale, student.final_logit_softcapping)
+    a_t, b_t = transform_coefficients(temperature, teacher.logit_scale, teacher.final_logit_softcapping)
+    capped_s, capped_t = student.final_logit_softcapping is not None, teacher.final_logit_softcapping is not None
+    kind = kind_of(beta)
+    log_1mb, log_b = (math.log1p(-beta), math.log(beta)) if kind == KINDS["jsd"] else (0.0, 0.0)
+    return (a_s, b_s, capped_s, a_t, b_t, capped_t), (beta, log_1mb, log_b), kind
 
 
 def divergence_chunk(
@@ -178,19 +205,13 @@ def divergence_chunk(
     """`kernels/torch/divergence.divergence_chunk` in one launch: (divergence, entropy, logp of `targets` or None,
     student lse, teacher lse), `[c]` float32 each, from the raw float32 logits zs, zt `[c, V]` (any strides); zs is
     overwritten with dD/dx_s when `with_grad` (else left as it is)."""
-    if zs.dtype != torch.float32 or zt.dtype != torch.float32:
-        raise TypeError(f"the Triton divergence pass reads float32 logits, got {zs.dtype} and {zt.dtype}")
+    heads, divergence_args, kind = scalar_arguments(zs, zt, beta, temperature, student, teacher)
     rows, V = zs.shape
     out = torch.empty((len(OUTPUTS), rows), dtype=torch.float32, device=zs.device)  # [5, c]
-    a_s, b_s = transform_coefficients(temperature, student.logit_scale, student.final_logit_softcapping)
-    a_t, b_t = transform_coefficients(temperature, teacher.logit_scale, teacher.final_logit_softcapping)
-    kind = kind_of(beta)
-    log_1mb, log_b = (math.log1p(-beta), math.log(beta)) if kind == KINDS["jsd"] else (0.0, 0.0)
     if rows:
         _divergence_chunk_kernel[(rows,)](
             zs, zs.stride(0), zs.stride(1), zt, zt.stride(0), zt.stride(1), out if targets is None else targets, out,
-            rows, V, a_s, b_s, student.final_logit_softcapping is not None, a_t, b_t,
-            teacher.final_logit_softcapping is not None, targets is not None, beta, log_1mb, log_b,
+            rows, V, *heads, targets is not None, *divergence_args,
             KIND=kind, WITH_GRAD=with_grad, BLOCK_V=block_v_for(V, block), num_warps=NUM_WARPS, enable_fp_fusion=True,
         )  # fmt: skip
     divergence, entropy, logp, lse_s, lse_t = out.unbind(0)
