@@ -8,11 +8,17 @@ Forward and reverse KL and the generalized JSD follow `reference_divergence`; th
 - reverse KL: p_s·(log p_s − log p_t − D);
 - JSD: (1 − beta)·p_s·(log p_s − log m − KL(p_s || m)).
 Multiplied by dz/dx = s·(1 − tanh²)/T (softcap c, scale s, temperature T). A product whose probability is 0 is 0.
+
+A token-level loss on the student's own log-probs may share the sweeps (`token_loss`, the GRPO loss of a step with a
+teacher term): it reads the row's logp of `targets` and entropy once the second sweep has them, and its gradient
+g·(onehot − p_s) − g_H·p_s·(log p_s + H) joins the divergence's in the last sweep, so the student's logits are swept
+once for both losses (the forward KL's gradient then moves to that sweep too).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +31,21 @@ class Head:
 
     logit_scale: float = 1.0
     final_logit_softcapping: float | None = None
+
+
+@dataclass(frozen=True)
+class TokenGradient:
+    """A token-level loss's gradients on a chunk's student rows, `[c]` each: dL/dlogp of `targets` and dL/dentropy
+    (None: 0), and the divergence's row weights (None: 1). The gradient sweep writes
+    weight·dD/dz + grad_logp·(onehot − p_s) − grad_entropy·p_s·(log p_s + H), times dz/dx."""
+
+    targets: Tensor
+    grad_logp: Tensor | None
+    grad_entropy: Tensor | None
+    weight: Tensor | None = None
+
+
+TokenLoss = Callable[[Tensor, Tensor], TokenGradient]  # (logp of the targets, entropy) [c] -> its gradients
 
 
 def _blocks(vocab: int, block: int):
@@ -114,13 +135,15 @@ def divergence_chunk(
     teacher: Head,
     with_grad: bool,
     block: int = 32768,
+    token_loss: TokenLoss | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor]:
     """(divergence, entropy, logp of `targets` or None, student lse, teacher lse), `[c]` each, from the raw logits
     zs, zt `[c, V]` (overwritten: zs with dD/dx_s when `with_grad`, else with the student's log-probs).
 
     Up to three sweeps over the vocabulary, each block's work done while it is in cache: the two heads' log-sum-exps;
     the divergence and entropy (zs, zt become log p_s, log p_t; the forward KL's gradient is written here too); the
-    gradient of the reverse KL or the JSD, which needs the row's divergence first."""
+    gradient of the reverse KL or the JSD, which needs the row's divergence first. `token_loss` (with `targets`):
+    called once with the rows' logp and entropy, its `TokenGradient` added in the last sweep."""
     transform_(zs, student, temperature)
     transform_(zt, teacher, temperature)
     (lse_s, low_s), (lse_t, low_t) = _row_statistics(zs, block), _row_statistics(zt, block)
@@ -130,12 +153,14 @@ def divergence_chunk(
     for cols in _blocks(zs.shape[1], block):
         ls, lt = zs[:, cols].sub_(lse_s), zt[:, cols].sub_(lse_t)
         ps, pt = sums.fold(ls, lt, beta, exact)
-        if with_grad and beta == 0.0:  # the forward KL's gradient needs no row sum: written in this sweep
+        if with_grad and beta == 0.0 and token_loss is None:  # no row sum needed: the gradient is written here
             derivative = zs_derivative(ls, lse_s, student, temperature)
             _scale_(torch.sub(ps, pt, out=ls), derivative)
     divergence, centre = sums.finish(beta)
-    if with_grad and beta > 0.0:
-        student_gradient_(zs, zt, beta, centre, lse_s, student, temperature, block, exact)
+    token = None if token_loss is None else token_loss(logp, sums.entropy)
+    if with_grad and (beta > 0.0 or token is not None):
+        sweep = GradientSweep(beta, centre, lse_s, student, temperature, exact, token, sums.entropy)
+        sweep.run_(zs, zt, block)
     return divergence, sums.entropy, logp, lse_s[:, 0], lse_t[:, 0]
 
 
@@ -181,24 +206,69 @@ class DivergenceSums:
         return self.divergence, self.divergence
 
 
+@dataclass(frozen=True)
+class GradientSweep:
+    """The last sweep: zs (log p_s, given zt = log p_t) ← dL/dx_s block by block. dD/dz_s is (p_s − p_t) for the
+    forward KL, p_s·(log p_s − log p_t − D) for the reverse KL, (1 − beta)·p_s·(log p_s − log m − KL(p_s || m)) for
+    the JSD (`centre` = D or KL(p_s || m)); a shared `token` loss adds its weighted sum (`TokenGradient`); times
+    dz/dx."""
+
+    beta: float
+    centre: Tensor  # [c]
+    lse_s: Tensor  # [c, 1]
+    student: Head
+    temperature: float
+    exact: bool  # no -inf logit: no 0·log 0 to mask
+    token: TokenGradient | None = None
+    entropy: Tensor | None = None  # [c]: the student's, read by a token loss's dL/dentropy
+
+    def run_(self, zs: Tensor, zt: Tensor, block: int) -> None:
+        beta, centre, log_mix = self.beta, self.centre[:, None], log_mixture(self.beta)  # [c, 1]
+        for cols in _blocks(zs.shape[1], block):
+            ls, lt = zs[:, cols], zt[:, cols]
+            derivative = zs_derivative(ls, self.lse_s, self.student, self.temperature)
+            ps = ls.exp()
+            token_entropy = self._entropy_part(ls, ps)  # before ls is overwritten
+            if beta == 0.0:
+                torch.sub(ps, lt.exp(), out=ls)
+            elif beta == 1.0:
+                weighted(ps, ls.sub_(lt).sub_(centre), self.exact)
+            else:
+                log_m = torch.logaddexp(ls + log_mix[0], lt + log_mix[1])
+                weighted(ps, ls.sub_(log_m).sub_(centre), self.exact)
+                if self.token is None:
+                    derivative = derivative * (1 - beta)
+                else:
+                    ls.mul_(1 - beta)
+            if self.token is not None:
+                self._add_token_(ls, ps, token_entropy, cols)
+            _scale_(ls, derivative)
+
+    def _entropy_part(self, ls: Tensor, ps: Tensor) -> Tensor | None:
+        """g_H·p_s·(log p_s + H) on a block (None without a dL/dentropy)."""
+        token = self.token
+        if token is None or token.grad_entropy is None:
+            return None
+        return weighted(ps, ls + self.entropy[:, None], self.exact).mul_(token.grad_entropy[:, None])
+
+    def _add_token_(self, grad: Tensor, ps: Tensor, entropy_part: Tensor | None, cols: slice) -> None:
+        """grad (dD/dz on a block) ← weight·grad + g·(onehot − p_s) − entropy_part."""
+        token = self.token
+        if token.weight is not None:
+            grad.mul_(token.weight[:, None])
+        if token.grad_logp is not None:
+            g = token.grad_logp[:, None]  # [c, 1]
+            grad.sub_(ps.mul_(g))
+            local = token.targets[:, None] - cols.start  # [c, 1]: the target's column in this block
+            inside = (local >= 0) & (local < grad.shape[1])
+            grad.scatter_add_(1, local.clamp(0, grad.shape[1] - 1), torch.where(inside, g, 0.0).to(grad.dtype))
+        if entropy_part is not None:
+            grad.sub_(entropy_part)
+
+
 def student_gradient_(zs, zt, beta, centre, lse_s, student, temperature, block, exact) -> None:
-    """zs (log p_s, given zt = log p_t) ← dD/dx_s, block by block: (p_s − p_t) for the forward KL, p_s·(log p_s −
-    log p_t − D) for the reverse KL, (1 − beta)·p_s·(log p_s − log m − KL(p_s || m)) for the JSD (`centre` = D or
-    KL(p_s || m)), times dz/dx."""
-    centre, log_mix = centre[:, None], log_mixture(beta)  # [c, 1]
-    for cols in _blocks(zs.shape[1], block):
-        ls, lt = zs[:, cols], zt[:, cols]
-        derivative = zs_derivative(ls, lse_s, student, temperature)
-        ps = ls.exp()
-        if beta == 0.0:
-            torch.sub(ps, lt.exp(), out=ls)
-        elif beta == 1.0:
-            weighted(ps, ls.sub_(lt).sub_(centre), exact)
-        else:
-            log_m = torch.logaddexp(ls + log_mix[0], lt + log_mix[1])
-            weighted(ps, ls.sub_(log_m).sub_(centre), exact)
-            derivative = derivative * (1 - beta)
-        _scale_(ls, derivative)
+    """zs (log p_s, given zt = log p_t) ← dD/dx_s, block by block (`GradientSweep` without a token loss)."""
+    GradientSweep(beta, centre, lse_s, student, temperature, exact).run_(zs, zt, block)
 
 
 def _scale_(grad: Tensor, derivative: Tensor | float) -> None:
