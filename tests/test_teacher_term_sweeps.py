@@ -82,15 +82,17 @@ def test_the_triton_divergence_keeps_the_own_pass_and_says_why():
     assert "not the divergence's student's" in shared_sweeps_refusal(grpo, DivergenceOptions(1.0, temperature=0.5))
 
 
+@pytest.mark.parametrize("with_entropy", (True, False), ids=("entropy", "no_entropy"))
 @pytest.mark.parametrize("beta", (0.0, 1.0, 0.5))
-def test_the_chunk_pass_adds_the_token_loss_gradient(beta):
-    """dL/dx of L = Σ w·D + g·logp + g_H·H through a soft-capped, scaled student head, against float64 autograd."""
+def test_the_chunk_pass_adds_the_token_loss_gradient(beta, with_entropy):
+    """dL/dx of L = Σ w·D + g·logp (+ g_H·H) through a soft-capped, scaled student head, against float64 autograd."""
     g = torch.Generator().manual_seed(6)
     c, V, head, temperature = 5, 37, Head(1.3, 4.0), 0.9
     x = (torch.randn(c, V, generator=g, dtype=torch.float64) * 3).requires_grad_()
     zt = torch.randn(c, V, generator=g, dtype=torch.float64)
     targets = torch.randint(0, V, (c,), generator=g)
     weight, grad_logp, grad_entropy = (torch.randn(c, generator=g, dtype=torch.float64) for _ in range(3))
+    grad_entropy = grad_entropy if with_entropy else torch.zeros_like(grad_entropy)
     zs = head.final_logit_softcapping * torch.tanh(head.logit_scale * x / head.final_logit_softcapping) / temperature
     log_ps = torch.log_softmax(zs, -1)
     entropy = -(log_ps.exp() * log_ps).sum(-1)
@@ -102,7 +104,7 @@ def test_the_chunk_pass_adds_the_token_loss_gradient(beta):
 
     def token_loss(logp, entropy):
         seen.update(logp=logp.clone(), entropy=entropy.clone())
-        return TokenGradient(targets, grad_logp, grad_entropy, weight)
+        return TokenGradient(targets, grad_logp, grad_entropy if with_entropy else None, weight)
 
     values = torch_divergence.divergence_chunk(got, zt.clone(), targets, beta=beta, temperature=temperature,
                                                student=head, teacher=Head(), with_grad=True, block=16,
