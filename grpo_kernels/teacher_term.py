@@ -11,9 +11,11 @@ loss_agg_mode; `teacher_kl_coef` is then on β's scale.
 
 Two ways it runs (`run_with_teacher`):
 - one pass, where the plan forms a token-level loss in the fused lm_head's forward (route LINEAR_TOKEN_LOSS, no
-  sampling replay): the two-head divergence's chunked pass (`kernels/divergence.py`), whose student chunk logits
-  also give the GRPO loss's log-probs and dL/dlogits (`GRPOChunk`), summed into one gradient: 4 GEMMs per chunk (both
-  heads' logits, the student's dH and dW) against the plain step's 3, three `[rows, V]` float32 buffers;
+  sampling replay): the two-head divergence's chunked pass (`kernels/divergence.py`) with the GRPO loss as its
+  `ChunkTerm` (`GRPOChunk`), one summed gradient: 4 GEMMs per chunk (both heads' logits, the student's dH and dW)
+  against the plain step's 3. Where the loss's transform is the divergence's student's, its log-probs and entropy
+  come from the divergence's sweeps and its gradient joins the divergence's last sweep (one student vocabulary pass,
+  two `[rows, V]` float32 buffers); else it runs its own pass on each chunk's logits (a third buffer);
 - two passes everywhere else (sequence-level losses, memory="lean", sampling replay, no gradient taken): the plan's
   route as without the term, then the divergence's own pass with the row weights ω.
 """
