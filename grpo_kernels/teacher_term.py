@@ -11,9 +11,11 @@ loss_agg_mode; `teacher_kl_coef` is then on β's scale.
 
 Two ways it runs (`run_with_teacher`):
 - one pass, where the plan forms a token-level loss in the fused lm_head's forward (route LINEAR_TOKEN_LOSS, no
-  sampling replay): the two-head divergence's chunked pass (`kernels/divergence.py`), whose student chunk logits
-  also give the GRPO loss's log-probs and dL/dlogits (`GRPOChunk`), summed into one gradient: 4 GEMMs per chunk (both
-  heads' logits, the student's dH and dW) against the plain step's 3, three `[rows, V]` float32 buffers;
+  sampling replay): the two-head divergence's chunked pass (`kernels/divergence.py`) with the GRPO loss as its
+  `ChunkTerm` (`GRPOChunk`), one summed gradient: 4 GEMMs per chunk (both heads' logits, the student's dH and dW)
+  against the plain step's 3. Where the loss's transform is the divergence's student's, its log-probs and entropy
+  come from the divergence's sweeps and its gradient joins the divergence's last sweep (one student vocabulary pass,
+  two `[rows, V]` float32 buffers); else it runs its own pass on each chunk's logits (a third buffer);
 - two passes everywhere else (sequence-level losses, memory="lean", sampling replay, no gradient taken): the plan's
   route as without the term, then the divergence's own pass with the row weights ω.
 """
@@ -27,13 +29,13 @@ from torch import Tensor
 
 from grpo_kernels.distillation import check_float, check_heads, check_rows, divergence_options
 from grpo_kernels.engine.plan import Plan, Route
-from grpo_kernels.engine.routes import chunk_loss, run, token_omega
+from grpo_kernels.engine.routes import chunk_loss, kept_omega, run
 from grpo_kernels.kernels import backend as backends
-from grpo_kernels.kernels.divergence import fused_linear_divergence_rows
-from grpo_kernels.kernels.fused_linear import ChunkLoss
-from grpo_kernels.kernels.logits_driver import checked_rows, not_finite_to_nan, poisoned
+from grpo_kernels.kernels.divergence import fused_linear_divergence_rows, shared_sweeps_refusal
+from grpo_kernels.kernels.logits_driver import checked_rows, poisoned
 from grpo_kernels.kernels.pass_options import PassOptions
 from grpo_kernels.kernels.protocol import compute_dtype
+from grpo_kernels.kernels.token_loss_step import ChunkLoss, TokenLossStep
 from grpo_kernels.kernels.torch.divergence import Head
 from grpo_kernels.losses.loss import GRPOLossOutput, loss_metrics
 
@@ -41,34 +43,41 @@ Teacher = tuple[Tensor | None, Tensor | None, Tensor | None]  # teacher_hidden, 
 
 
 class GRPOChunk:
-    """The GRPO token-level loss on the student's raw chunk logits inside the two-head pass (a `ChunkTerm`): the
-    backend's vocabulary pass gives each row's logp (and entropy), `chunk_loss` the share and dL/dlogp, and the
-    backward kernel writes dL/dlogits into the pass's buffer. Keeps each chunk's logp, lse and entropy."""
+    """The GRPO token-level loss on the student's rows inside the two-head pass (a `ChunkTerm`): each chunk's logp
+    and entropy (from the divergence's sweeps, or from `own_pass`) give its share, dL/dlogp and dL/dentropy
+    (`TokenLossStep`, its gradients watched by their sum); keeps each chunk's logp and entropy, and the own pass's
+    lse."""
 
-    def __init__(self, targets: Tensor, opts: PassOptions, share: ChunkLoss):
-        self.targets, self.opts, self.share = targets, opts, share
-        self.kernels = backends.kernels_of(opts.backend)
+    def __init__(self, targets: Tensor, opts: PassOptions, chunk_loss: ChunkLoss, dtype: torch.dtype):
+        self.targets, self.opts = targets, opts
+        self.step = TokenLossStep(chunk_loss, True, dtype, targets.device)
         self.parts: dict[str, list[Tensor]] = {"logp": [], "lse": [], "entropy": []}
-        self.gradient_sum = torch.zeros((), dtype=torch.float64, device=targets.device)  # finite iff the gradients are
 
-    def __call__(self, rows: slice, logits: Tensor, grad_out: Tensor) -> Tensor:
+    def __call__(self, rows: slice, logp: Tensor, entropy: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
+        self.parts["logp"].append(logp)
+        if entropy is not None:
+            self.parts["entropy"].append(entropy)
+        return self.step(rows, logp, entropy)
+
+    def own_pass(self, rows: slice, logits: Tensor, grad_out: Tensor | None) -> None:
+        """The backend's vocabulary pass on a chunk's raw logits `[c, V]`, then dL/dlogits into `grad_out`."""
         opts, z, targets = self.opts, logits[None], self.targets[None, rows]
+        kernels = backends.kernels_of(opts.backend)
         mask = torch.ones_like(targets, dtype=torch.bool)  # [1, c]: the rows were gathered
-        logp, lse, entropy, _ = self.kernels.token_logprobs_fwd(
+        logp, lse, entropy, _ = kernels.token_logprobs_fwd(
             z, targets, mask, opts.temperature, opts.with_entropy, **opts.transform
         )
-        share, grad_logp, grad_entropy = self.share(rows, logp[0], entropy[0] if opts.with_entropy else None)
-        grad_logp = None if grad_logp is None else grad_logp[None]  # [1, c]
-        grad_entropy = None if grad_entropy is None else grad_entropy[None]
+        self.parts["lse"].append(lse[0])
+        grad_logp, grad_entropy = self(rows, logp[0], entropy[0] if opts.with_entropy else None)
+        if grad_out is None:
+            return
+        one = lambda x: None if x is None else x[None]  # noqa: E731  [1, c]
         read_entropy = entropy if grad_entropy is not None else None
-        self.kernels.token_logprobs_bwd(z, targets, mask, lse, read_entropy, grad_logp, grad_entropy, opts.temperature,
-                                        grad_out[None], **opts.transform)  # fmt: skip
-        for grad in (g for g in (grad_logp, grad_entropy) if g is not None):
-            self.gradient_sum += grad.sum()
-        for name, value in (("logp", logp), ("lse", lse), ("entropy", entropy)):
-            if value is not None:
-                self.parts[name].append(value[0])
-        return share
+        kernels.token_logprobs_bwd(z, targets, mask, lse, read_entropy, one(grad_logp), one(grad_entropy),
+                                   opts.temperature, grad_out[None], **opts.transform)  # fmt: skip
+
+    def loss(self) -> Tensor:
+        return self.step.loss()
 
     def joined(self, name: str, like: Tensor) -> Tensor | None:
         """The chunks' `name` values `[M]` (None for an entropy not computed)."""
@@ -128,10 +137,11 @@ def run_with_teacher(plan: Plan, teacher: Teacher) -> GRPOLossOutput:
     hidden, weight, bias = teacher
     student = (layout.rows[kept.index], source.weight, source.bias)  # [M, H]
     teacher_rows = ((hidden[None] if layout.flat else hidden)[kept.index], weight, bias)  # [M, H_t]
-    weights = options.teacher_kl_coef * omega_at(plan, dtype)  # [M]
+    omega = kept_omega(plan.inputs, kept.index, options, dtype)  # [M]
+    weights = options.teacher_kl_coef * omega
     divergence = divergence_of(plan)
     if plan.route is Route.LINEAR_TOKEN_LOSS and plan.pass_options.replay is None:
-        output, details, logprobs = _one_pass(plan, student, teacher_rows, weights, divergence)
+        output, details, logprobs = _one_pass(plan, student, teacher_rows, (omega, weights), divergence)
     else:
         result = run(plan)
         output, *logprobs = result if plan.return_logprobs else (result,)  # (output, logprobs)
@@ -147,29 +157,23 @@ def run_with_teacher(plan: Plan, teacher: Teacher) -> GRPOLossOutput:
     return (output, logprobs) if plan.return_logprobs else output
 
 
-def omega_at(plan: Plan, dtype: torch.dtype) -> Tensor:
-    """ω (`token_omega`) at the kept rows `[M]`, in `dtype`."""
-    r, c = plan.kept.index
-    index = plan.layout.padded_index
-    at = (r, c) if index is None else (index[0][c], index[1][c])  # the kept rows in the padded view
-    return token_omega(plan.inputs, plan.options, dtype)[at]
-
-
-def _one_pass(plan: Plan, student, teacher_rows, weights: Tensor, divergence) -> tuple[GRPOLossOutput, dict, dict]:
-    """The GRPO loss and the weighted divergence from one chunked pass over both heads (`GRPOChunk`), the pass's
-    details, and its detached log-probs {"logp"} in the caller's layout."""
+def _one_pass(plan: Plan, student, teacher_rows, omega: tuple[Tensor, Tensor], divergence):
+    """The GRPO loss and the weighted divergence from one chunked pass over both heads (`GRPOChunk`; `omega`: ω and
+    the divergence's row weights at the kept rows), the pass's details, and its detached log-probs {"logp"} in the
+    caller's layout. Where the GRPO loss's transform is the divergence's student's, its logp, lse and entropy come
+    from the divergence's sweeps (`shared_sweeps_refusal`), else from its own pass on each chunk."""
     inputs, kept, options, layout, opts = plan.inputs, plan.kept, plan.options, plan.layout, plan.pass_options
     dtype = compute_dtype(plan.source.weight.dtype)
     targets = layout.targets[kept.index]  # [M]
-    term = GRPOChunk(targets, opts, chunk_loss(inputs, kept.index, options, None, dtype))
-    total, details = fused_linear_divergence_rows(student, teacher_rows, None, None, divergence, weights, term)
+    term = GRPOChunk(targets, opts, chunk_loss(inputs, kept.index, options, None, dtype, omega[0]), dtype)
+    total, details = fused_linear_divergence_rows(student, teacher_rows, None, None, divergence, omega[1], term)
     like = student[0]
-    logp = checked_rows(opts.row_check, term.joined("lse", like), term.joined("logp", like), None)
+    lse = term.joined("lse", like) if shared_sweeps_refusal(opts, divergence) else details["lse_s"]
+    logp = checked_rows(opts.row_check, lse, term.joined("logp", like), None)
     scatter = lambda x: None if x is None else x.new_zeros(layout.mask.shape).index_put(kept.index, x)  # noqa: E731
     logp = scatter(logp)
     if layout.invalid is not None:
         logp, total = logp.masked_fill(layout.invalid, float("nan")), poisoned(total, layout.invalid)
-    total = not_finite_to_nan(total, term.gradient_sum.to(total.dtype))
     terms = inputs.terms(logp, scatter(term.joined("entropy", like)), options)
     logprobs = {"logp": (logp[0] if layout.flat else logp).detach()}
     return GRPOLossOutput(total, loss_metrics(terms, options)), details, logprobs

@@ -154,19 +154,35 @@ def token_omega(inputs: LossInputs, options: LossOptions, dtype: torch.dtype) ->
     return token_loss.token_omega(inputs.mask, inputs.token_weights, inputs.sequence_weights, options, dtype)
 
 
-def chunk_loss(
-    inputs: LossInputs, kept: tuple[Tensor, Tensor], options: LossOptions, row_mask: Tensor | None, dtype: torch.dtype
-) -> ChunkLoss:
-    """A token-level loss as `(rows, logp, entropy) -> (that chunk's share of the loss, dL/dlogp, dL/dentropy)` for
-    the fused lm_head, in `dtype`; the rows `row_mask` drops (None: none) are padding to it. In closed form (the
-    torch epilogue's `closed_form_share`) where it computes the loss whole, else by autograd through the algebra
-    (`losses.token_loss.autograd_share`). A sampler correction of the pass's own log-probs
-    (`LossInputs.ratio_reads_pass`) is formed from each chunk's log-probs before its share."""
+def padded_at(inputs: LossInputs, kept: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    """The kept rows' (row, column) indices in the padded view."""
     r, c = kept
     index = inputs.layout.padded_index
-    at = (r, c) if index is None else (index[0][c], index[1][c])  # the kept rows in the padded view
+    return (r, c) if index is None else (index[0][c], index[1][c])
+
+
+def kept_omega(inputs: LossInputs, kept: tuple[Tensor, Tensor], options: LossOptions, dtype: torch.dtype) -> Tensor:
+    """ω (`token_omega`) at the kept rows `[M]`, in `dtype`."""
+    return token_omega(inputs, options, dtype)[padded_at(inputs, kept)]
+
+
+def chunk_loss(
+    inputs: LossInputs,
+    kept: tuple[Tensor, Tensor],
+    options: LossOptions,
+    row_mask: Tensor | None,
+    dtype: torch.dtype,
+    omega: Tensor | None = None,
+) -> ChunkLoss:
+    """A token-level loss as `(rows, logp, entropy) -> (that chunk's share of the loss, dL/dlogp, dL/dentropy)` for
+    the fused lm_head, in `dtype`; the rows `row_mask` drops (None: none) are padding to it; `omega`: each kept row's
+    ω `[M]` where the caller formed it already (`kept_omega`). In closed form (the torch epilogue's
+    `closed_form_share`) where it computes the loss whole, else by autograd through the algebra
+    (`losses.token_loss.autograd_share`). A sampler correction of the pass's own log-probs
+    (`LossInputs.ratio_reads_pass`) is formed from each chunk's log-probs before its share."""
+    at = padded_at(inputs, kept)
     at_kept = lambda x, at=at: None if x is None else (x[at] if x.dim() == 2 else x[at[0]])  # noqa: E731  [M]
-    omega = at_kept(token_omega(inputs, options, dtype))  # [M]
+    omega = at_kept(token_omega(inputs, options, dtype)) if omega is None else omega  # [M]
     side = {name: at_kept(getattr(inputs, name)) for name in ("old_logp", "ref_logp", "advantages", "is_ratio")}
     closed_form = fits_kernel_epilogue(options, CAPABILITIES["torch"].epilogue_kl)
 

@@ -9,8 +9,12 @@ both heads in its backward: 6). The teacher gets no gradient. GEMMs run in the c
 bf16/fp16/fp32, float64 for float64): a half-precision head is upcast once per pass, as TRL projects in float32.
 
 Rows may carry weights (`row_weights`: each row's divergence and gradient scaled), and a `ChunkTerm` may share the
-pass: another loss formed on the student's raw chunk logits before the divergence overwrites them, its dL/dlogits
-added to the divergence's before the gradient GEMMs (the GRPO loss of a step with a teacher term, `teacher_term.py`).
+pass: a token-level loss on the student's own log-probs (the GRPO loss of a step with a teacher term,
+`teacher_term.py`), its dL/dlogits added to the divergence's before the gradient GEMMs. Where its head transform and
+temperature are the divergence's student's and the backend's chunk pass takes it (`shared_sweeps_refusal`), it reads
+its logp and entropy from the divergence's sweeps and its gradient joins the divergence's in the last sweep: one
+student vocabulary pass per chunk. Elsewhere it runs its own vocabulary pass on the student's raw chunk logits
+before the divergence overwrites them, into a third `[rows, V]` buffer.
 
 `memory="lean"` runs `divergence_lean.py` instead (tiles of rows × vocabulary columns, the gradients in the backward).
 `SUPPORT` is the capability record of this pass, one entry per backend: what runs it, or why it is refused.
@@ -29,15 +33,17 @@ from torch import Tensor
 
 from grpo_kernels.kernels import backend as backends
 from grpo_kernels.kernels.divergence_lean import LeanDivergenceFunction
+from grpo_kernels.kernels.pass_options import PassOptions
 from grpo_kernels.kernels.protocol import compute_dtype
-from grpo_kernels.kernels.torch.divergence import Head
+from grpo_kernels.kernels.torch.divergence import Head, TokenGradient
 
 
 @dataclass(frozen=True)
 class DivergenceSupport:
     """A backend's record for the two-head divergence: whether it runs it and why not, the module of its chunk pass
     (`divergence_chunk`, imported on first use; the top-k-plus-tail variant's `topk_divergence_chunk` from the
-    module's `_topk` sibling), and why it refuses float64 heads or memory="lean" ("" where it runs them)."""
+    module's `_topk` sibling), why it refuses float64 heads or memory="lean" ("" where it runs them), and why its
+    chunk pass takes no shared token loss (then a `ChunkTerm` runs its own pass)."""
 
     backend: str
     runs: bool
@@ -45,6 +51,7 @@ class DivergenceSupport:
     module: str = ""
     float64_why_not: str = ""
     lean_why_not: str = ""
+    token_loss_why_not: str = ""
 
     def refusal(self, top_k: int, dtype: torch.dtype, memory: str = "fast") -> str:
         """Why this backend refuses a call with `top_k` on heads of `dtype` in `memory` mode, or "" when it runs it."""
@@ -64,6 +71,8 @@ SUPPORT = {
         float64_why_not="float64 heads: the Triton divergence computes in float32; use backend='torch'",
         lean_why_not="memory='lean' (vocabulary tiles) runs on backend='torch' only: the Triton kernel works on whole "
         "rows of a chunk",
+        token_loss_why_not="the Triton divergence kernel forms its gradient in one launch and takes no token loss's "
+        "dL/dlogp (known only between its sweeps): the loss runs its own vocabulary pass per chunk",
     ),  # fmt: skip
     "cuda": DivergenceSupport(
         "cuda", False, "the two-head divergence has no CUDA extension kernels: use backend='torch' or 'triton'"
@@ -148,11 +157,35 @@ class _StudentGradients:
 
 
 class ChunkTerm(Protocol):
-    """Another loss on the student's chunk logits, sharing the pass (the GRPO loss of a step with a teacher term):
-    called with a chunk's rows, its raw logits `[c, V]` (read only) and a buffer `[c, V]` it fills with its
-    dL/dlogits; returns its share of the loss (a 0-d tensor in the compute dtype, gradient formed already)."""
+    """A token-level loss on the student's rows sharing the pass (the GRPO loss of a step with a teacher term): its
+    sampled tokens `targets` `[M]` and its vocabulary pass's `opts` (backend, head transform, temperature, whether it
+    reads the entropy). Called once per chunk with the rows' logp and entropy `[c]` (None unless `opts.with_entropy`)
+    under its own transform, it adds the chunk's share to `loss()` and returns (dL/dlogp, dL/dentropy or None) `[c]`;
+    `own_pass(rows, logits, grad_out)` runs its own vocabulary pass on a chunk's raw logits `[c, V]` (read only)
+    instead, calling it and writing dL/dlogits into `grad_out` (None: no gradient taken)."""
 
-    def __call__(self, rows: slice, logits: Tensor, grad_out: Tensor) -> Tensor: ...
+    targets: Tensor
+    opts: PassOptions
+
+    def __call__(self, rows: slice, logp: Tensor, entropy: Tensor | None) -> tuple[Tensor | None, Tensor | None]: ...
+
+    def own_pass(self, rows: slice, logits: Tensor, grad_out: Tensor | None) -> None: ...
+
+    def loss(self) -> Tensor: ...
+
+
+def shared_sweeps_refusal(term: PassOptions, opts: DivergenceOptions) -> str:
+    """Why a `ChunkTerm` with vocabulary pass `term` runs its own pass on each chunk instead of sharing the
+    divergence's sweeps ("" where it shares them)."""
+    if opts.top_k:
+        return "top_k > 0: the top-k-plus-tail divergence's chunk pass takes no token loss"
+    if SUPPORT[opts.backend].token_loss_why_not:
+        return SUPPORT[opts.backend].token_loss_why_not
+    head = Head(term.logit_scale, term.final_logit_softcapping)
+    if (term.temperature, head) != (opts.temperature, opts.student):
+        return (f"the loss's temperature {term.temperature} and head {head} are not the divergence's student's "
+                f"({opts.temperature}, {opts.student}): its log-probs come from its own pass")  # fmt: skip
+    return ""
 
 
 class _FusedLinearDivergenceFunction(torch.autograd.Function):
@@ -173,16 +206,19 @@ class _FusedLinearDivergenceFunction(torch.autograd.Function):
         M, V = s_hidden.shape[0], s_weight.shape[0]
         rows = max(1, min(opts.chunk_size, M))
         s_buf, t_buf = ws.new_empty(rows, V), ws.new_empty(rows, V)  # [rows, V] each, reused by every chunk
-        term_buf = ws.new_empty(rows, V) if term is not None else None  # the term's dL/dlogits
-        term_total = torch.zeros((), dtype=dtype, device=s_hidden.device)
+        shared = term is not None and not shared_sweeps_refusal(term.opts, opts)
+        if shared:
+            targets = term.targets  # the divergence's logp is the term's
+        own_pass = term is not None and not shared
+        term_buf = ws.new_empty(rows, V) if own_pass and with_grad else None  # the own pass's dL/dlogits
         outs = {name: [] for name in ("divergence", "entropy", "logp", "lse_s", "lse_t", "ids")}
         for start in range(0, M, rows):
             r = slice(start, min(start + rows, M))
             backends.count_launch(opts.backend)
             zs = _project(s_hidden[r], ws, bs, s_buf[: r.stop - start])
             zt = _project(t_hidden[r], wt, bt, t_buf[: r.stop - start])
-            if term is not None:  # before the divergence overwrites the student's logits
-                term_total += term(r, zs, term_buf[: r.stop - start])
+            if own_pass:  # before the divergence overwrites the student's logits
+                term.own_pass(r, zs, None if term_buf is None else term_buf[: r.stop - start])
             chunk_targets = None if targets is None else targets[r]
             common = dict(beta=opts.beta, temperature=opts.temperature, student=opts.student, teacher=opts.teacher,
                           with_grad=with_grad, block=opts.block)  # fmt: skip
@@ -190,18 +226,21 @@ class _FusedLinearDivergenceFunction(torch.autograd.Function):
                 ids = None if topk_ids is None else topk_ids[r]
                 *values, ids = chunk_pass(opts.backend, True)(zs, zt, chunk_targets, opts.top_k, ids, **common)
                 outs["ids"].append(ids)
+            elif shared:
+                token_loss = functools.partial(_token_gradient, term, r, row_weights)
+                values = chunk_pass(opts.backend)(zs, zt, chunk_targets, **common, token_loss=token_loss)
             else:
                 values = chunk_pass(opts.backend)(zs, zt, chunk_targets, **common)
             for name, value in zip(("divergence", "entropy", "logp", "lse_s", "lse_t"), values, strict=True):
                 if value is not None:
                     outs[name].append(value)
             if grads is not None:
-                grad = zs if row_weights is None else zs.mul_(row_weights[r, None])
-                grads.add(r, grad if term is None else term_buf[: r.stop - start].add_(grad), s_hidden[r], ws)
+                grad = zs if row_weights is None or shared else zs.mul_(row_weights[r, None])  # shared: weighted
+                grads.add(r, term_buf[: r.stop - start].add_(grad) if own_pass else grad, s_hidden[r], ws)
         joined = {name: _cat(parts, s_hidden, dtype) for name, parts in outs.items() if name != "ids"}
         ids = torch.cat(outs["ids"]) if outs["ids"] else s_hidden.new_empty((0,), dtype=torch.long)
         divergence = joined["divergence"] if row_weights is None else joined["divergence"] * row_weights
-        total = divergence.sum() + term_total
+        total = divergence.sum() if term is None else divergence.sum() + term.loss()
         ctx.grads, ctx.like = grads, (s_hidden, s_weight, s_bias)
         details = (*(joined[name] for name in ("divergence", "entropy", "logp", "lse_s", "lse_t")), ids)
         ctx.mark_non_differentiable(*details)
@@ -213,6 +252,13 @@ class _FusedLinearDivergenceFunction(torch.autograd.Function):
         if grads is None or grad_total is None:
             return (None,) * 12
         return (*grads.result(grad_total, ctx.like), *(None,) * 9)
+
+
+def _token_gradient(term: ChunkTerm, rows: slice, row_weights: Tensor | None, logp: Tensor, entropy: Tensor):
+    """The `TokenGradient` of a shared `term` on a chunk's rows from the divergence's logp and entropy `[c]`."""
+    grad_logp, grad_entropy = term(rows, logp, entropy if term.opts.with_entropy else None)
+    weight = None if row_weights is None else row_weights[rows]
+    return TokenGradient(term.targets[rows], grad_logp, grad_entropy, weight)
 
 
 def _cat(parts: list[Tensor], like: Tensor, dtype: torch.dtype) -> Tensor:
@@ -229,14 +275,16 @@ def fused_linear_divergence_rows(
     term: ChunkTerm | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """(Σ divergence over the rows, each times its `row_weights` (`[M]` in the compute dtype; None: 1), plus the
-    shares of `term` (another loss on the same chunk logits), differentiable in the student's hidden, weight and bias;
-    {"divergence", "entropy", "logp" (with targets), "lse_s", "lse_t", "topk_ids" (with top_k)}, `[M]` each,
-    unweighted and detached) for rows already chosen (every row is kept)."""
+    loss of `term` (a token-level loss on the student's rows, `ChunkTerm`), differentiable in the student's hidden,
+    weight and bias; {"divergence", "entropy", "logp" (with targets), "lse_s", "lse_t", "topk_ids" (with top_k)},
+    `[M]` each, unweighted and detached) for rows already chosen (every row is kept)."""
     grad_enabled = torch.is_grad_enabled()
     function = LeanDivergenceFunction if opts.memory == "lean" else _FusedLinearDivergenceFunction
     extra = () if opts.memory == "lean" else (row_weights, term)
     if opts.memory == "lean" and (row_weights is not None or term is not None):
         raise ValueError("row weights and a shared chunk term run on the row-chunked pass (memory='fast') only")
+    if term is not None and targets is not None:
+        raise ValueError("targets with a shared chunk term: the term's own targets give the pass's logp")
     total, *details = function.apply(*student, *teacher, targets, topk_ids, opts, grad_enabled, *extra)
     names = ("divergence", "entropy", "logp", "lse_s", "lse_t", "topk_ids")
     out = dict(zip(names, details, strict=True))

@@ -30,11 +30,12 @@ from torch import Tensor
 
 from grpo_kernels.kernels import backend as backends
 from grpo_kernels.kernels import head_precision, replay
-from grpo_kernels.kernels.logits_driver import checked_rows, nonfinite_rows, not_finite_to_nan, poisoned
+from grpo_kernels.kernels.logits_driver import checked_rows
 from grpo_kernels.kernels.parallel import Placement, VocabShard, reduce_hidden_grad
 from grpo_kernels.kernels.pass_options import PassOptions
 from grpo_kernels.kernels.protocol import compute_dtype
 from grpo_kernels.kernels.replay import RowGrads
+from grpo_kernels.kernels.token_loss_step import ChunkLoss, TokenLossStep
 
 # CPU: each chunk's GEMMs stream all of W (and dW) once, so a chunk needs a few hundred rows to keep them
 # compute-bound. Measured on 2 cores, B·T = 2048, H = 896, fused-linear forward + backward: V = 151,936 took
@@ -167,9 +168,6 @@ def _row_masks(rows: int, mask: Tensor | None, device) -> Callable[[slice], Tens
     return lambda r: ones[:, : r.stop - r.start]
 
 
-ChunkLoss = Callable[[slice, Tensor, Tensor | None], tuple[Tensor, Tensor | None, Tensor | None]]
-
-
 @dataclass(frozen=True)
 class LinearPass:
     """One pass of the fused lm_head: its options; the vocabulary shard (None: the whole weight), whose dH is
@@ -200,13 +198,9 @@ class _FusedLinearFunction(torch.autograd.Function):
         passes = len(chunks) * (2 if in_forward else 1)  # a pass per chunk; with the loss, its backward too
         kernels = backends.launch(opts.backend, passes=passes, also="fused_linear_token_loss" if in_forward else None)
         sink = _GradientSink(hidden, weight, bias, ctx.needs_input_grad[:3]) if in_forward else None
-        checked = opts.row_check is not None
-        if in_forward:
-            loss = torch.zeros((), dtype=compute_dtype(chunks.w.dtype), device=hidden.device)  # float64 stays so
-            # a kept row with a non-finite dL/dlogits makes the loss NaN; when the inputs were checked (and the rows
-            # are below) only the gradients can still overflow, and their sum is finite iff they are
-            bad = torch.zeros((), dtype=torch.bool, device=hidden.device)  # unchecked: a flagged row
-            gradient_sum = torch.zeros_like(loss)  # checked: Σ dL/dlogp + Σ dL/dentropy
+        if in_forward:  # a kept row with a non-finite dL/dlogits makes the loss NaN
+            dtype = compute_dtype(chunks.w.dtype)
+            step = TokenLossStep(spec.chunk_loss, opts.row_check is not None, dtype, hidden.device)
         found: dict[str, list[Tensor]] = {"logp": [], "lse": [], **({"entropy": []} if opts.with_entropy else {})}
         for r in chunks:
             z, mask, rows_targets = (
@@ -220,8 +214,7 @@ class _FusedLinearFunction(torch.autograd.Function):
                     found.setdefault(name, []).append(x[0])
             if not in_forward:
                 continue
-            share, grad_logp, grad_entropy = spec.chunk_loss(r, logp[0], entropy[0] if opts.with_entropy else None)
-            loss += share
+            grad_logp, grad_entropy = step(r, logp[0], entropy[0] if opts.with_entropy else None, lse[0], mask[0])
             one = lambda x: None if x is None else x[None]  # noqa: E731  [1, c]
             grads = RowGrads(
                 targets=rows_targets,
@@ -232,11 +225,6 @@ class _FusedLinearFunction(torch.autograd.Function):
                 grad_entropy=one(grad_entropy),
             )
             sink.add(r, chunks.grad(kernels, z, r, grads, state), hidden[r], weight)
-            if checked:
-                for grad in (g for g in (grad_logp, grad_entropy) if g is not None):
-                    gradient_sum += grad.sum()
-            else:
-                bad |= (nonfinite_rows(lse[0], logp[0], grad_logp, grad_entropy) & mask[0]).any()
         lse, logp, entropy, stats = chunks.merged(found, hidden)
         logp = checked_rows(opts.row_check, lse, logp, row_mask)
         stats = [stats[name] for name in opts.stats]
@@ -244,7 +232,7 @@ class _FusedLinearFunction(torch.autograd.Function):
         if in_forward:
             ctx.sink, ctx.weight_like = sink, (weight, bias)
             ctx.mark_non_differentiable(logp, entropy, *stats)
-            return not_finite_to_nan(loss, gradient_sum) if checked else poisoned(loss, bad), logp, entropy, *stats
+            return step.loss(), logp, entropy, *stats
         ctx.mark_non_differentiable(*stats, *([] if opts.with_entropy else [entropy]))
         ctx.save_for_backward(hidden, weight, bias, targets, row_mask, lse, entropy)
         ctx.spec, ctx.replayed = spec, chunks.saved()

@@ -8,11 +8,17 @@ Forward and reverse KL and the generalized JSD follow `reference_divergence`; th
 - reverse KL: p_s·(log p_s − log p_t − D);
 - JSD: (1 − beta)·p_s·(log p_s − log m − KL(p_s || m)).
 Multiplied by dz/dx = s·(1 − tanh²)/T (softcap c, scale s, temperature T). A product whose probability is 0 is 0.
+
+A token-level loss on the student's own log-probs may share the sweeps (`token_loss`, the GRPO loss of a step with a
+teacher term): it reads the row's logp of `targets` and entropy once the second sweep has them, and its gradient
+g·(onehot − p_s) − g_H·p_s·(log p_s + H) joins the divergence's in the last sweep, so the student's logits are swept
+once for both losses (the forward KL's gradient then moves to that sweep too).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +31,21 @@ class Head:
 
     logit_scale: float = 1.0
     final_logit_softcapping: float | None = None
+
+
+@dataclass(frozen=True)
+class TokenGradient:
+    """A token-level loss's gradients on a chunk's student rows, `[c]` each: dL/dlogp of `targets` and dL/dentropy
+    (None: 0), and the divergence's row weights (None: 1). The gradient sweep writes
+    weight·dD/dz + grad_logp·(onehot − p_s) − grad_entropy·p_s·(log p_s + H), times dz/dx."""
+
+    targets: Tensor
+    grad_logp: Tensor | None
+    grad_entropy: Tensor | None
+    weight: Tensor | None = None
+
+
+TokenLoss = Callable[[Tensor, Tensor], TokenGradient]  # (logp of the targets, entropy) [c] -> its gradients
 
 
 def _blocks(vocab: int, block: int):
@@ -48,11 +69,13 @@ def logsumexp(z: Tensor, block: int) -> Tensor:
     return torch.logsumexp(torch.stack(parts, -1), -1, keepdim=True)  # [c, 1]
 
 
-def log_softmax_(z: Tensor, block: int) -> Tensor:
-    """z ← z − lse(z) in place; returns lse `[c, 1]`."""
-    lse = logsumexp(z, block)
-    z.sub_(lse)
-    return lse
+def log_softmax_(z: Tensor) -> Tensor:
+    """z ← z − lse(z) in place, rows whole (torch's fused kernel: three reads and a write, no temporary; a blocked
+    logsumexp and a subtraction took 2.7× as long on CPU); returns lse `[c, 1]`, as the row's max minus its log-prob
+    there (≥ −log V, so the difference is exact to rounding)."""
+    top, at = z.max(-1, keepdim=True)  # [c, 1] each
+    torch.log_softmax(z, -1, out=z)
+    return top - z.gather(1, at)
 
 
 def has_neg_inf(*xs: Tensor) -> bool:
@@ -93,16 +116,6 @@ def zs_derivative(log_ps: Tensor, lse: Tensor, head: Head, temperature: float) -
     return th.square_().neg_().add_(1.0).mul_(factor)
 
 
-def _row_statistics(z: Tensor, block: int) -> tuple[Tensor, Tensor]:
-    """(lse `[c, 1]`, the smallest value (a 0-d tensor)) of z, one cache-sized block at a time."""
-    lses, lows = [], []
-    for cols in _blocks(z.shape[1], block):
-        zb = z[:, cols]
-        lses.append(torch.logsumexp(zb, -1))
-        lows.append(zb.amin())
-    return torch.logsumexp(torch.stack(lses, -1), -1, keepdim=True), torch.stack(lows).amin()
-
-
 def divergence_chunk(
     zs: Tensor,
     zt: Tensor,
@@ -114,28 +127,33 @@ def divergence_chunk(
     teacher: Head,
     with_grad: bool,
     block: int = 32768,
+    token_loss: TokenLoss | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor]:
     """(divergence, entropy, logp of `targets` or None, student lse, teacher lse), `[c]` each, from the raw logits
     zs, zt `[c, V]` (overwritten: zs with dD/dx_s when `with_grad`, else with the student's log-probs).
 
-    Up to three sweeps over the vocabulary, each block's work done while it is in cache: the two heads' log-sum-exps;
-    the divergence and entropy (zs, zt become log p_s, log p_t; the forward KL's gradient is written here too); the
-    gradient of the reverse KL or the JSD, which needs the row's divergence first."""
+    Up to three sweeps over the vocabulary, the last two a block at a time while it is in cache: the two heads'
+    log-softmaxes (zs, zt become log p_s, log p_t, in place); the divergence and entropy (the forward KL's gradient is
+    written here too); the
+    gradient of the reverse KL or the JSD, which needs the row's divergence first. `token_loss` (with `targets`):
+    called once with the rows' logp and entropy, its `TokenGradient` added in the last sweep."""
     transform_(zs, student, temperature)
     transform_(zt, teacher, temperature)
-    (lse_s, low_s), (lse_t, low_t) = _row_statistics(zs, block), _row_statistics(zt, block)
-    exact = not bool(torch.isneginf(torch.minimum(low_s, low_t)))  # no -inf: no 0·log 0 to mask
-    logp = None if targets is None else zs.gather(1, targets[:, None])[:, 0] - lse_s[:, 0]
+    lse_s, lse_t = log_softmax_(zs), log_softmax_(zt)
+    exact = not has_neg_inf(zs, zt)  # no -inf: no 0·log 0 to mask
+    logp = None if targets is None else zs.gather(1, targets[:, None])[:, 0]
     sums = DivergenceSums.zeros(zs.shape[0], zs)
     for cols in _blocks(zs.shape[1], block):
-        ls, lt = zs[:, cols].sub_(lse_s), zt[:, cols].sub_(lse_t)
+        ls, lt = zs[:, cols], zt[:, cols]
         ps, pt = sums.fold(ls, lt, beta, exact)
-        if with_grad and beta == 0.0:  # the forward KL's gradient needs no row sum: written in this sweep
+        if with_grad and beta == 0.0 and token_loss is None:  # no row sum needed: the gradient is written here
             derivative = zs_derivative(ls, lse_s, student, temperature)
             _scale_(torch.sub(ps, pt, out=ls), derivative)
     divergence, centre = sums.finish(beta)
-    if with_grad and beta > 0.0:
-        student_gradient_(zs, zt, beta, centre, lse_s, student, temperature, block, exact)
+    token = None if token_loss is None else token_loss(logp, sums.entropy)
+    if with_grad and (beta > 0.0 or token is not None):
+        sweep = GradientSweep(beta, centre, lse_s, student, temperature, exact, token, sums.entropy)
+        sweep.run_(zs, zt, block)
     return divergence, sums.entropy, logp, lse_s[:, 0], lse_t[:, 0]
 
 
@@ -181,24 +199,95 @@ class DivergenceSums:
         return self.divergence, self.divergence
 
 
-def student_gradient_(zs, zt, beta, centre, lse_s, student, temperature, block, exact) -> None:
-    """zs (log p_s, given zt = log p_t) ← dD/dx_s, block by block: (p_s − p_t) for the forward KL, p_s·(log p_s −
-    log p_t − D) for the reverse KL, (1 − beta)·p_s·(log p_s − log m − KL(p_s || m)) for the JSD (`centre` = D or
-    KL(p_s || m)), times dz/dx."""
-    centre, log_mix = centre[:, None], log_mixture(beta)  # [c, 1]
-    for cols in _blocks(zs.shape[1], block):
-        ls, lt = zs[:, cols], zt[:, cols]
-        derivative = zs_derivative(ls, lse_s, student, temperature)
-        ps = ls.exp()
+@dataclass(frozen=True)
+class GradientSweep:
+    """The last sweep: zs (log p_s, given zt = log p_t) ← dL/dx_s block by block. dD/dz_s is (p_s − p_t) for the
+    forward KL, p_s·(log p_s − log p_t − D) for the reverse KL, (1 − beta)·p_s·(log p_s − log m − KL(p_s || m)) for
+    the JSD (`centre` = D or KL(p_s || m)); a shared `token` loss adds its weighted sum (`TokenGradient`, formed as
+    one expression per block: `_RowCoefficients`); times dz/dx. zt is scratch to it."""
+
+    beta: float
+    centre: Tensor  # [c]
+    lse_s: Tensor  # [c, 1]
+    student: Head
+    temperature: float
+    exact: bool  # no -inf logit: no 0·log 0 to mask
+    token: TokenGradient | None = None
+    entropy: Tensor | None = None  # [c]: the student's, read by a token loss's dL/dentropy
+
+    def run_(self, zs: Tensor, zt: Tensor, block: int) -> None:
+        beta, centre, log_mix = self.beta, self.centre[:, None], log_mixture(self.beta)  # [c, 1]
+        rows = None if self.token is None else _RowCoefficients.of(self)
+        for cols in _blocks(zs.shape[1], block):
+            ls, lt = zs[:, cols], zt[:, cols]
+            derivative = zs_derivative(ls, self.lse_s, self.student, self.temperature)
+            ps = ls.exp()
+            if rows is not None:
+                rows.gradient_(ls, lt, ps, log_mix, self.exact, self.token.targets, cols)
+            elif beta == 0.0:
+                torch.sub(ps, lt.exp(), out=ls)
+            elif beta == 1.0:
+                weighted(ps, ls.sub_(lt).sub_(centre), self.exact)
+            else:
+                log_m = torch.logaddexp(ls + log_mix[0], lt + log_mix[1])
+                weighted(ps, ls.sub_(log_m).sub_(centre), self.exact)
+                derivative = derivative * (1 - beta)
+            _scale_(ls, derivative)
+
+
+@dataclass(frozen=True)
+class _RowCoefficients:
+    """weight·dD/dz_s + g·(onehot − p_s) − g_H·p_s·(log p_s + H) as p_s·(u·log p_s − a·X − c0) + g·onehot, with
+    X = log p_t (reverse KL) or log m (JSD), and p_s·(u·log p_s − c0) − a·p_t for the forward KL: per-row `[c, 1]`
+    a = weight (times 1 − beta for the JSD), u = a − g_H (−g_H for the forward KL; None: no log p_s term),
+    c0 = a·centre + g + g_H·H (g + g_H·H − a for the forward KL)."""
+
+    beta: float
+    a: Tensor
+    u: Tensor | None
+    c0: Tensor
+    grad_logp: Tensor | None
+
+    @classmethod
+    def of(cls, sweep: GradientSweep) -> _RowCoefficients:
+        token, beta, column = sweep.token, sweep.beta, lambda x: None if x is None else x[:, None]  # noqa: E731
+        a = torch.ones_like(sweep.centre) if token.weight is None else token.weight.to(sweep.centre.dtype)
+        a = a * (1 - beta) if 0.0 < beta < 1.0 else a
+        c0 = -a if beta == 0.0 else a * sweep.centre
+        u = None if beta == 0.0 else a
+        if token.grad_logp is not None:
+            c0 = c0 + token.grad_logp
+        if token.grad_entropy is not None:
+            c0 = c0 + token.grad_entropy * sweep.entropy
+            u = -token.grad_entropy if u is None else u - token.grad_entropy
+        a_column = a[:, None]
+        return cls(beta, a_column, a_column if u is a else column(u), c0[:, None], column(token.grad_logp))
+
+    def gradient_(self, ls, lt, ps, log_mix, exact: bool, targets: Tensor, cols: slice) -> None:
+        """A block's log p_s `ls` ← its dL/dz_s (lt, the block's log p_t, is overwritten)."""
+        beta, a, u, c0 = self.beta, self.a, self.u, self.c0
         if beta == 0.0:
-            torch.sub(ps, lt.exp(), out=ls)
-        elif beta == 1.0:
-            weighted(ps, ls.sub_(lt).sub_(centre), exact)
+            if u is None:
+                torch.mul(ps, -c0, out=ls)
+            else:
+                weighted(ps, ls.mul_(u).sub_(c0), exact)
+            ls.sub_(lt.exp_().mul_(a))
         else:
-            log_m = torch.logaddexp(ls + log_mix[0], lt + log_mix[1])
-            weighted(ps, ls.sub_(log_m).sub_(centre), exact)
-            derivative = derivative * (1 - beta)
-        _scale_(ls, derivative)
+            other = lt if beta == 1.0 else torch.logaddexp(ls + log_mix[0], lt + log_mix[1])  # log p_t or log m
+            if u is a:  # no dL/dentropy: a·(log p_s − X) − c0
+                ls.sub_(other).mul_(a)
+            else:
+                ls.mul_(u).sub_(other.mul_(a))
+            weighted(ps, ls.sub_(c0), exact)
+        if self.grad_logp is not None:
+            local = targets[:, None] - cols.start  # [c, 1]: the target's column in this block
+            inside = (local >= 0) & (local < ls.shape[1])
+            ls.scatter_add_(1, local.clamp(0, ls.shape[1] - 1), torch.where(inside, self.grad_logp, 0.0).to(ls.dtype))
+
+
+def student_gradient_(zs, zt, beta, centre, lse_s, student, temperature, block, exact) -> None:
+    """zs (log p_s, given zt = log p_t) ← dD/dx_s, block by block (`GradientSweep` without a token loss)."""
+    GradientSweep(beta, centre, lse_s, student, temperature, exact).run_(zs, zt, block)
 
 
 def _scale_(grad: Tensor, derivative: Tensor | float) -> None:

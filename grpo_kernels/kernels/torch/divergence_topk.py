@@ -49,7 +49,7 @@ def topk_divergence_chunk(
     teacher's k largest logits."""
     transform_(zs, student, temperature)
     transform_(zt, teacher, temperature)
-    lse_s, lse_t = log_softmax_(zs, block), log_softmax_(zt, block)
+    lse_s, lse_t = log_softmax_(zs), log_softmax_(zt)
     if ids is None:
         ids = zt.topk(k, -1).indices  # [c, k]
     logp = None if targets is None else zs.gather(1, targets[:, None])[:, 0]
