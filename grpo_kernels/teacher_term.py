@@ -32,10 +32,10 @@ from grpo_kernels.engine.plan import Plan, Route
 from grpo_kernels.engine.routes import chunk_loss, kept_omega, run
 from grpo_kernels.kernels import backend as backends
 from grpo_kernels.kernels.divergence import fused_linear_divergence_rows, shared_sweeps_refusal
+from grpo_kernels.kernels.fused_linear import ChunkLoss, TokenLossStep
 from grpo_kernels.kernels.logits_driver import checked_rows, poisoned
 from grpo_kernels.kernels.pass_options import PassOptions
 from grpo_kernels.kernels.protocol import compute_dtype
-from grpo_kernels.kernels.token_loss_step import ChunkLoss, TokenLossStep
 from grpo_kernels.kernels.torch.divergence import Head
 from grpo_kernels.losses.loss import GRPOLossOutput, loss_metrics
 

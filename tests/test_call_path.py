@@ -88,9 +88,7 @@ def test_one_call_enters_each_engine_file_at_most_twice(name, backward):
 
 @pytest.mark.parametrize(
     ("name", "replay", "most"),
-    # the fused lm_head's 25: its driver, the backend's pass, and the token-loss step it shares with the teacher
-    # term's pass (`token_loss_step.py`: made, called per chunk, its loss read)
-    [("grpo_loss", {}, 12), ("fused_linear_grpo_loss", {}, 25), ("grpo_loss", {"top_p": 0.9}, 16)],
+    [("grpo_loss", {}, 12), ("fused_linear_grpo_loss", {}, 22), ("grpo_loss", {"top_p": 0.9}, 16)],
     ids=["grpo_loss", "fused_linear_grpo_loss", "grpo_loss-top_p"],
 )
 def test_one_call_enters_the_kernels_few_times(name, replay, most):

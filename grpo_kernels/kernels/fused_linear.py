@@ -30,12 +30,11 @@ from torch import Tensor
 
 from grpo_kernels.kernels import backend as backends
 from grpo_kernels.kernels import head_precision, replay
-from grpo_kernels.kernels.logits_driver import checked_rows
+from grpo_kernels.kernels.logits_driver import checked_rows, nonfinite_rows, not_finite_to_nan, poisoned
 from grpo_kernels.kernels.parallel import Placement, VocabShard, reduce_hidden_grad
 from grpo_kernels.kernels.pass_options import PassOptions
 from grpo_kernels.kernels.protocol import compute_dtype
 from grpo_kernels.kernels.replay import RowGrads
-from grpo_kernels.kernels.token_loss_step import ChunkLoss, TokenLossStep
 
 # CPU: each chunk's GEMMs stream all of W (and dW) once, so a chunk needs a few hundred rows to keep them
 # compute-bound. Measured on 2 cores, B·T = 2048, H = 896, fused-linear forward + backward: V = 151,936 took
@@ -118,6 +117,42 @@ def chunk_bounds(opts: PassOptions, num_rows: int) -> tuple[int, ...]:
             f"{opts.chunk_size}, got {bounds}"
         )
     return bounds
+
+
+ChunkLoss = Callable[[slice, Tensor, Tensor | None], tuple[Tensor, Tensor | None, Tensor | None]]
+
+
+class TokenLossStep:
+    """A token-level loss formed chunk by chunk in a fused lm_head's forward, shared with the teacher term's two-head
+    pass (`teacher_term.py`): each call adds a chunk's `chunk_loss` share to the loss and returns its (dL/dlogp,
+    dL/dentropy or None) `[c]`; `loss()` is the sum, NaN where a kept row's gradient was not finite (non-finite
+    gradients never hide in a finite loss). `checked`: the pass checks its rows' lse and logp itself (then only the
+    gradients are watched, by their sum); else a flag of any kept row with a non-finite lse, logp or gradient."""
+
+    def __init__(self, chunk_loss: ChunkLoss, checked: bool, dtype: torch.dtype, device: torch.device):
+        self.chunk_loss, self.checked = chunk_loss, checked
+        self.total = torch.zeros((), dtype=dtype, device=device)  # float64 stays so
+        self.gradient_sum = torch.zeros_like(self.total)  # checked: Σ dL/dlogp + Σ dL/dentropy
+        self.bad = torch.zeros((), dtype=torch.bool, device=device)  # unchecked: a flagged kept row
+
+    def __call__(
+        self, rows: slice, logp: Tensor, entropy: Tensor | None, lse: Tensor | None = None, kept: Tensor | None = None
+    ) -> tuple[Tensor | None, Tensor | None]:
+        """The chunk's (dL/dlogp, dL/dentropy), `[c]` each, from its rows' logp and entropy (None when the loss reads
+        none); unchecked, `lse` and the `kept` rows `[c]` (None: all) flag a non-finite row."""
+        share, grad_logp, grad_entropy = self.chunk_loss(rows, logp, entropy)
+        self.total += share
+        if self.checked:
+            for grad in (g for g in (grad_logp, grad_entropy) if g is not None):
+                self.gradient_sum += grad.sum()
+        else:
+            flagged = nonfinite_rows(lse, logp, grad_logp, grad_entropy)
+            self.bad |= (flagged if kept is None else flagged & kept).any()
+        return grad_logp, grad_entropy
+
+    def loss(self) -> Tensor:
+        """The chunks' summed shares (0-d), NaN where a kept row's gradient was not finite; no host sync."""
+        return not_finite_to_nan(self.total, self.gradient_sum) if self.checked else poisoned(self.total, self.bad)
 
 
 def _cat(parts: list[Tensor], like: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
