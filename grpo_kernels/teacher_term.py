@@ -33,7 +33,7 @@ from grpo_kernels.kernels.divergence import fused_linear_divergence_rows
 from grpo_kernels.kernels.fused_linear import ChunkLoss
 from grpo_kernels.kernels.logits_driver import checked_rows, not_finite_to_nan, poisoned
 from grpo_kernels.kernels.pass_options import PassOptions
-from grpo_kernels.kernels.protocol import compute_dtype
+from grpo_kernels.kernels.protocol import RowGrads, compute_dtype, pass_args
 from grpo_kernels.kernels.torch.divergence import Head
 from grpo_kernels.losses.loss import GRPOLossOutput, loss_metrics
 
@@ -54,15 +54,16 @@ class GRPOChunk:
     def __call__(self, rows: slice, logits: Tensor, grad_out: Tensor) -> Tensor:
         opts, z, targets = self.opts, logits[None], self.targets[None, rows]
         mask = torch.ones_like(targets, dtype=torch.bool)  # [1, c]: the rows were gathered
-        logp, lse, entropy, _ = self.kernels.token_logprobs_fwd(
-            z, targets, mask, opts.temperature, opts.with_entropy, **opts.transform
-        )
+        args = pass_args(opts, z, targets, mask, stats=())
+        logp, lse, entropy, _ = self.kernels.token_logprobs_fwd(args)
         share, grad_logp, grad_entropy = self.share(rows, logp[0], entropy[0] if opts.with_entropy else None)
-        grad_logp = None if grad_logp is None else grad_logp[None]  # [1, c]
-        grad_entropy = None if grad_entropy is None else grad_entropy[None]
-        read_entropy = entropy if grad_entropy is not None else None
-        self.kernels.token_logprobs_bwd(z, targets, mask, lse, read_entropy, grad_logp, grad_entropy, opts.temperature,
-                                        grad_out[None], **opts.transform)  # fmt: skip
+        grads = RowGrads(
+            lse=lse[0],
+            entropy=None if grad_entropy is None else entropy[0],
+            grad_logp=grad_logp,
+            grad_entropy=grad_entropy,
+        ).at(None)  # [1, c] each
+        self.kernels.token_logprobs_bwd(args, grads, grad_out[None])
         for grad in (g for g in (grad_logp, grad_entropy) if g is not None):
             self.gradient_sum += grad.sum()
         for name, value in (("logp", logp), ("lse", lse), ("entropy", entropy)):

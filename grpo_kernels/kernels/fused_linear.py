@@ -32,8 +32,8 @@ from grpo_kernels.kernels import head_precision, replay
 from grpo_kernels.kernels.logits_driver import checked_rows, nonfinite_rows, not_finite_to_nan, poisoned
 from grpo_kernels.kernels.parallel import Placement, VocabShard, reduce_hidden_grad
 from grpo_kernels.kernels.pass_options import PassOptions
-from grpo_kernels.kernels.protocol import compute_dtype
-from grpo_kernels.kernels.replay import RowGrads
+from grpo_kernels.kernels.protocol import compute_dtype, pass_args
+from grpo_kernels.kernels.replay import WindowGrads
 
 # CPU: each chunk's GEMMs stream all of W (and dW) once, so a chunk needs a few hundred rows to keep them
 # compute-bound. Measured on 2 cores, B·T = 2048, H = 896, fused-linear forward + backward: V = 151,936 took
@@ -206,7 +206,7 @@ class _FusedLinearFunction(torch.autograd.Function):
             share, grad_logp, grad_entropy = spec.chunk_loss(r, logp[0], entropy[0] if opts.with_entropy else None)
             loss += share
             one = lambda x: None if x is None else x[None]  # noqa: E731  [1, c]
-            grads = RowGrads(
+            grads = WindowGrads(
                 targets=rows_targets,
                 mask=mask,
                 lse=lse,
@@ -249,7 +249,7 @@ class _FusedLinearFunction(torch.autograd.Function):
         for r in chunks:
             z, mask = chunks.logits(r), chunks.masks(r)  # [1, c, V], overwritten by its gradient
             pick = lambda x, r=r: None if x is None else x[None, r]  # noqa: E731  [1, c]
-            grads = RowGrads(
+            grads = WindowGrads(
                 targets=chunks.place.targets[None, r],
                 mask=mask,
                 lse=lse[None, r],
@@ -305,18 +305,10 @@ class _Chunks:
         opts, place = self.opts, self.place
         if self.replay is not None:
             return self.replay.forward(kernels, z, r, mask)
-        logp, lse, entropy, stats = kernels.token_logprobs_fwd(
-            z,
-            targets,
-            mask,
-            opts.temperature,
-            opts.with_entropy,
-            **opts.transform,
-            stats=opts.stats if place.shard is None else (),
-        )
-        return logp, lse, entropy, stats, None
+        args = pass_args(opts, z, targets, mask, stats=opts.stats if place.shard is None else ())
+        return *kernels.token_logprobs_fwd(args), None
 
-    def grad(self, kernels, z: Tensor, r: slice, grads: RowGrads, state=None) -> Tensor:
+    def grad(self, kernels, z: Tensor, r: slice, grads: WindowGrads, state=None) -> Tensor:
         """dL/dlogits [c, V] of the chunk z [1, c, V] (in its buffer, or replay's scratch) from its rows' `grads`
         [1, c]; on a shard without the one-hot of the rows whose target another shard owns."""
         opts, place = self.opts, self.place
@@ -324,18 +316,7 @@ class _Chunks:
             rows = grads.at(0)  # [c] each
             return self.replay.grad(kernels, z, r, rows, state, place.foreign(rows.grad_logp, r))
         x0 = None if place.shard is None else z[..., 0].clone()  # [1, c]: column 0 before the backward writes it
-        kernels.token_logprobs_bwd(
-            z,
-            grads.targets,
-            grads.mask,
-            grads.lse,
-            grads.entropy,
-            grads.grad_logp,
-            grads.grad_entropy,
-            opts.temperature,
-            z,
-            **opts.transform,
-        )
+        kernels.token_logprobs_bwd(pass_args(opts, z, grads.targets, grads.mask), grads, z)
         if x0 is not None:
             place.remove_foreign(z, x0, grads.grad_logp, opts, r)
         return z[0]
