@@ -149,14 +149,13 @@ def _divergence_chunk(beta: float, with_grad: bool = True) -> Callable:
     """The two-head divergence's chunk pass: it reads the driver's float32 logits buffers whatever the heads' dtype."""
 
     def launch(dtype, V, B, T):
-        from grpo_kernels.kernels.torch.divergence import Head
+        from grpo_kernels.kernels.torch.divergence import ChunkSpec, Head
         from grpo_kernels.kernels.triton import divergence as divergence_triton
 
         logits = torch.empty((B * T, V), dtype=torch.float32, device="meta")  # [c, V], each head's
-        divergence_triton.divergence_chunk(
-            logits, torch.empty_like(logits), _inputs(dtype, V, B, T)["targets"].view(-1), beta=beta, temperature=1.0,
-            student=Head(), teacher=Head(final_logit_softcapping=30.0), with_grad=with_grad,
-        )  # fmt: skip
+        spec = ChunkSpec(beta, teacher=Head(final_logit_softcapping=30.0), with_grad=with_grad)
+        targets = _inputs(dtype, V, B, T)["targets"].view(-1)
+        divergence_triton.divergence_chunk(logits, torch.empty_like(logits), targets, spec)
 
     return launch
 

@@ -30,7 +30,7 @@ from torch import Tensor
 from grpo_kernels.kernels import backend as backends
 from grpo_kernels.kernels.divergence_lean import LeanDivergenceFunction
 from grpo_kernels.kernels.protocol import compute_dtype
-from grpo_kernels.kernels.torch.divergence import Head
+from grpo_kernels.kernels.torch.divergence import ChunkSpec, Head
 from grpo_kernels.kernels.torch.divergence_topk import topk_divergence_chunk
 
 
@@ -95,6 +95,10 @@ class DivergenceOptions:
     backend: str = "torch"
     memory: str = "fast"  # "fast": row chunks (this module); "lean": tiles (`divergence_lean.py`)
     tile: tuple[int | None, int | None] = (None, None)  # lean: (rows, columns) per tile; None: from its budget
+
+    def chunk_spec(self, with_grad: bool) -> ChunkSpec:
+        """The record a backend's chunk pass reads (`divergence_chunk`)."""
+        return ChunkSpec(self.beta, self.temperature, self.student, self.teacher, with_grad, self.block)
 
 
 @functools.cache
@@ -179,6 +183,7 @@ class _FusedLinearDivergenceFunction(torch.autograd.Function):
         term_buf = ws.new_empty(rows, V) if term is not None else None  # the term's dL/dlogits
         term_total = torch.zeros((), dtype=dtype, device=s_hidden.device)
         outs = {name: [] for name in ("divergence", "entropy", "logp", "lse_s", "lse_t", "ids")}
+        spec = opts.chunk_spec(with_grad)
         for start in range(0, M, rows):
             r = slice(start, min(start + rows, M))
             backends.count_launch(opts.backend)
@@ -187,14 +192,12 @@ class _FusedLinearDivergenceFunction(torch.autograd.Function):
             if term is not None:  # before the divergence overwrites the student's logits
                 term_total += term(r, zs, term_buf[: r.stop - start])
             chunk_targets = None if targets is None else targets[r]
-            common = dict(beta=opts.beta, temperature=opts.temperature, student=opts.student, teacher=opts.teacher,
-                          with_grad=with_grad, block=opts.block)  # fmt: skip
             if opts.top_k:
                 ids = None if topk_ids is None else topk_ids[r]
-                *values, ids = topk_divergence_chunk(zs, zt, chunk_targets, opts.top_k, ids, **common)
+                *values, ids = topk_divergence_chunk(zs, zt, chunk_targets, opts.top_k, ids, spec)
                 outs["ids"].append(ids)
             else:
-                values = chunk_pass(opts.backend)(zs, zt, chunk_targets, **common)
+                values = chunk_pass(opts.backend)(zs, zt, chunk_targets, spec)
             for name, value in zip(("divergence", "entropy", "logp", "lse_s", "lse_t"), values, strict=True):
                 if value is not None:
                     outs[name].append(value)

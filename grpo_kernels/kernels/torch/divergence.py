@@ -27,6 +27,20 @@ class Head:
     final_logit_softcapping: float | None = None
 
 
+@dataclass(frozen=True)
+class ChunkSpec:
+    """What a backend's chunk pass (`divergence_chunk`) computes, one record for every backend: the divergence
+    (`beta`: 0 forward KL, 1 reverse KL, else the generalized JSD), the temperature shared by both heads, each head's
+    transform, whether the student's gradient is written, and the vocabulary columns per elementwise block."""
+
+    beta: float
+    temperature: float = 1.0
+    student: Head = Head()
+    teacher: Head = Head()
+    with_grad: bool = False
+    block: int = 32768
+
+
 def _blocks(vocab: int, block: int):
     for start in range(0, vocab, block):
         yield slice(start, min(start + block, vocab))
@@ -104,25 +118,17 @@ def _row_statistics(z: Tensor, block: int) -> tuple[Tensor, Tensor]:
 
 
 def divergence_chunk(
-    zs: Tensor,
-    zt: Tensor,
-    targets: Tensor | None,
-    *,
-    beta: float,
-    temperature: float,
-    student: Head,
-    teacher: Head,
-    with_grad: bool,
-    block: int = 32768,
+    zs: Tensor, zt: Tensor, targets: Tensor | None, spec: ChunkSpec
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor]:
     """(divergence, entropy, logp of `targets` or None, student lse, teacher lse), `[c]` each, from the raw logits
-    zs, zt `[c, V]` (overwritten: zs with dD/dx_s when `with_grad`, else with the student's log-probs).
+    zs, zt `[c, V]` (overwritten: zs with dD/dx_s when `spec.with_grad`, else with the student's log-probs).
 
     Up to three sweeps over the vocabulary, each block's work done while it is in cache: the two heads' log-sum-exps;
     the divergence and entropy (zs, zt become log p_s, log p_t; the forward KL's gradient is written here too); the
     gradient of the reverse KL or the JSD, which needs the row's divergence first."""
+    beta, temperature, student, block, with_grad = spec.beta, spec.temperature, spec.student, spec.block, spec.with_grad
     transform_(zs, student, temperature)
-    transform_(zt, teacher, temperature)
+    transform_(zt, spec.teacher, temperature)
     (lse_s, low_s), (lse_t, low_t) = _row_statistics(zs, block), _row_statistics(zt, block)
     exact = not bool(torch.isneginf(torch.minimum(low_s, low_t)))  # no -inf: no 0·log 0 to mask
     logp = None if targets is None else zs.gather(1, targets[:, None])[:, 0] - lse_s[:, 0]
@@ -135,7 +141,7 @@ def divergence_chunk(
             _scale_(torch.sub(ps, pt, out=ls), derivative)
     divergence, centre = sums.finish(beta)
     if with_grad and beta > 0.0:
-        student_gradient_(zs, zt, beta, centre, lse_s, student, temperature, block, exact)
+        student_gradient_(zs, zt, centre=centre, lse_s=lse_s, spec=spec, exact=exact)
     return divergence, sums.entropy, logp, lse_s[:, 0], lse_t[:, 0]
 
 
@@ -181,12 +187,13 @@ class DivergenceSums:
         return self.divergence, self.divergence
 
 
-def student_gradient_(zs, zt, beta, centre, lse_s, student, temperature, block, exact) -> None:
+def student_gradient_(zs: Tensor, zt: Tensor, *, centre: Tensor, lse_s: Tensor, spec: ChunkSpec, exact: bool) -> None:
     """zs (log p_s, given zt = log p_t) ← dD/dx_s, block by block: (p_s − p_t) for the forward KL, p_s·(log p_s −
     log p_t − D) for the reverse KL, (1 − beta)·p_s·(log p_s − log m − KL(p_s || m)) for the JSD (`centre` = D or
     KL(p_s || m)), times dz/dx."""
+    beta, student, temperature = spec.beta, spec.student, spec.temperature
     centre, log_mix = centre[:, None], log_mixture(beta)  # [c, 1]
-    for cols in _blocks(zs.shape[1], block):
+    for cols in _blocks(zs.shape[1], spec.block):
         ls, lt = zs[:, cols], zt[:, cols]
         derivative = zs_derivative(ls, lse_s, student, temperature)
         ps = ls.exp()
