@@ -33,7 +33,7 @@ from grpo_kernels.kernels.divergence import fused_linear_divergence_rows
 from grpo_kernels.kernels.fused_linear import ChunkLoss
 from grpo_kernels.kernels.logits_driver import checked_rows, not_finite_to_nan, poisoned
 from grpo_kernels.kernels.pass_options import PassOptions
-from grpo_kernels.kernels.protocol import RowGrads, compute_dtype, pass_args
+from grpo_kernels.kernels.protocol import RowGrads, VocabPassArgs, compute_dtype
 from grpo_kernels.kernels.torch.divergence import Head
 from grpo_kernels.losses.loss import GRPOLossOutput, loss_metrics
 
@@ -54,7 +54,7 @@ class GRPOChunk:
     def __call__(self, rows: slice, logits: Tensor, grad_out: Tensor) -> Tensor:
         opts, z, targets = self.opts, logits[None], self.targets[None, rows]
         mask = torch.ones_like(targets, dtype=torch.bool)  # [1, c]: the rows were gathered
-        args = pass_args(opts, z, targets, mask, stats=())
+        args = VocabPassArgs(logits=z, targets=targets, mask=mask, **{**opts.pass_fields, "stats": ()})
         logp, lse, entropy, _ = self.kernels.token_logprobs_fwd(args)
         share, grad_logp, grad_entropy = self.share(rows, logp[0], entropy[0] if opts.with_entropy else None)
         grads = RowGrads(

@@ -32,7 +32,7 @@ from grpo_kernels.kernels import head_precision, replay
 from grpo_kernels.kernels.logits_driver import checked_rows, nonfinite_rows, not_finite_to_nan, poisoned
 from grpo_kernels.kernels.parallel import Placement, VocabShard, reduce_hidden_grad
 from grpo_kernels.kernels.pass_options import PassOptions
-from grpo_kernels.kernels.protocol import compute_dtype, pass_args
+from grpo_kernels.kernels.protocol import VocabPassArgs, compute_dtype
 from grpo_kernels.kernels.replay import WindowGrads
 
 # CPU: each chunk's GEMMs stream all of W (and dW) once, so a chunk needs a few hundred rows to keep them
@@ -305,7 +305,8 @@ class _Chunks:
         opts, place = self.opts, self.place
         if self.replay is not None:
             return self.replay.forward(kernels, z, r, mask)
-        args = pass_args(opts, z, targets, mask, stats=opts.stats if place.shard is None else ())
+        stats = opts.stats if place.shard is None else ()
+        args = VocabPassArgs(logits=z, targets=targets, mask=mask, **{**opts.pass_fields, "stats": stats})
         return *kernels.token_logprobs_fwd(args), None
 
     def grad(self, kernels, z: Tensor, r: slice, grads: WindowGrads, state=None) -> Tensor:
@@ -316,7 +317,8 @@ class _Chunks:
             rows = grads.at(0)  # [c] each
             return self.replay.grad(kernels, z, r, rows, state, place.foreign(rows.grad_logp, r))
         x0 = None if place.shard is None else z[..., 0].clone()  # [1, c]: column 0 before the backward writes it
-        kernels.token_logprobs_bwd(pass_args(opts, z, grads.targets, grads.mask), grads, z)
+        args = VocabPassArgs(logits=z, targets=grads.targets, mask=grads.mask, **opts.pass_fields)
+        kernels.token_logprobs_bwd(args, grads, z)
         if x0 is not None:
             place.remove_foreign(z, x0, grads.grad_logp, opts, r)
         return z[0]

@@ -23,7 +23,7 @@ from grpo_kernels.kernels import backend as backends
 from grpo_kernels.kernels import replay
 from grpo_kernels.kernels.parallel import Placement, VocabShard
 from grpo_kernels.kernels.pass_options import PassOptions, RowCheck
-from grpo_kernels.kernels.protocol import LossSides, RowGrads, compute_dtype, pass_args
+from grpo_kernels.kernels.protocol import LossSides, RowGrads, VocabPassArgs, compute_dtype
 
 
 @dataclass(frozen=True)
@@ -91,13 +91,14 @@ def _forward(logits: Tensor, targets: Tensor, mask: Tensor, spec: LogitsPass, si
     loss = saved = None
     if spec.epilogue is not None:  # the whole vocabulary, one process (the plan's route)
         epilogue = backends.launch(opts.backend, "epilogue_module", also="fused_epilogue")
-        args = pass_args(opts, logits, targets, mask, stats=())
+        args = VocabPassArgs(logits=logits, targets=targets, mask=mask, **{**opts.pass_fields, "stats": ()})
         logp, lse, entropy, losses, saved = epilogue.grpo_loss_fwd(args, LossSides(*side), spec.epilogue)
         loss = _checked_loss(losses, logp=logp, lse=lse, dlogp=saved, mask=mask, side=side, row_check=opts.row_check)
         stats = {}
     elif opts.replay is None:
         kernels = backends.launch(opts.backend)
-        args = pass_args(opts, logits, place.targets, mask, stats=opts.stats if place.shard is None else ())
+        stats = opts.stats if place.shard is None else ()
+        args = VocabPassArgs(logits=logits, targets=place.targets, mask=mask, **{**opts.pass_fields, "stats": stats})
         logp, lse, entropy, stats = kernels.token_logprobs_fwd(args)
     else:
         rows = replay.ReplayedRows(logits, place, opts)
@@ -113,7 +114,8 @@ def _whole_backward(kernels, logits, out, place: Placement, opts, *, lse, entrop
     another shard owns taken back out (`parallel.Placement.remove_foreign`)."""
     x0 = None if place.shard is None else logits[..., 0].clone()  # column 0 before an in-place backward writes it
     grads = RowGrads(lse=lse, entropy=entropy, grad_logp=grad_logp, grad_entropy=grad_entropy)
-    kernels.token_logprobs_bwd(pass_args(opts, logits, place.targets, place.mask), grads, out)
+    args = VocabPassArgs(logits=logits, targets=place.targets, mask=place.mask, **opts.pass_fields)
+    kernels.token_logprobs_bwd(args, grads, out)
     if x0 is not None:
         place.remove_foreign(out, x0, grad_logp, opts)
 

@@ -78,13 +78,6 @@ class VocabPassArgs:
     stats: tuple[str, ...] = ()
 
 
-def pass_args(opts, logits: Tensor, targets: Tensor, mask: Tensor, **changes) -> VocabPassArgs:
-    """The record of a pass run with `opts` (a `pass_options.PassOptions`: temperature, transform, entropy,
-    statistics), `changes` overriding its fields."""
-    fields = dict(temperature=opts.temperature, with_entropy=opts.with_entropy, stats=opts.stats, **opts.transform)
-    return VocabPassArgs(logits=logits, targets=targets, mask=mask, **(fields | changes))
-
-
 @dataclass(frozen=True, kw_only=True)
 class RowGrads:
     """What a backward reads per row besides the pass's record, [B, T] each (a window's: [C]): the forward's lse,

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from grpo_kernels.kernels.pass_options import PassOptions, Replay
-from grpo_kernels.kernels.protocol import RowGrads, VocabPassArgs, compute_dtype, pass_args
+from grpo_kernels.kernels.protocol import RowGrads, VocabPassArgs, compute_dtype
 from grpo_kernels.kernels.transform import chain_rule_, transform_
 
 REPLAY_STATS = ("log_kept_mass", "outside_support")  # per-token statistics of a replayed pass (float32, bool)
@@ -338,6 +338,11 @@ class WindowGrads(RowGrads):
     targets: Tensor
     mask: Tensor
 
+    def at(self, rows: slice | int | None) -> WindowGrads:
+        """`RowGrads.at`, kept in this module: a replayed backward takes one per window, and its path stays here."""
+        pick = lambda x: None if x is None else x[rows]  # noqa: E731
+        return WindowGrads(**{field: pick(getattr(self, field)) for field in self.__dataclass_fields__})
+
 
 def window_grad_(kernels, window: Window, x: Tensor, grads: WindowGrads, opts: PassOptions, scratch: Scratch,
                  foreign: Tensor | None = None) -> Tensor:  # fmt: skip
@@ -425,7 +430,12 @@ class ReplayedChunks(_Replayed):
         entropy, full_lse = None if entropy is None else entropy[None], None
         if full:  # the ordinary pass for the entropy
             _, full_lse, entropy, _ = kernels.token_logprobs_fwd(
-                pass_args(opts, z, self.targets[None, r], mask, with_entropy=True, stats=())
+                VocabPassArgs(
+                    logits=z,
+                    targets=self.targets[None, r],
+                    mask=mask,
+                    **{**opts.pass_fields, "with_entropy": True, "stats": ()},
+                )
             )
             self._kept[1].append(full_lse)
         if window.theta is not None:
@@ -453,7 +463,8 @@ class ReplayedChunks(_Replayed):
         grad = window_grad_(kernels, window, z[0], support if full else grads, self.opts, self.scratch, foreign)
         if full and grads.grad_entropy is not None:
             entropy_grads = RowGrads(lse=full_lse, entropy=grads.entropy[None], grad_entropy=grads.grad_entropy[None])
-            kernels.token_logprobs_bwd(pass_args(self.opts, z, grads.targets[None], grads.mask[None]), entropy_grads, z)
+            args = VocabPassArgs(logits=z, targets=grads.targets[None], mask=grads.mask[None], **self.opts.pass_fields)
+            kernels.token_logprobs_bwd(args, entropy_grads, z)
             grad.add_(z[0])
         return grad
 
