@@ -66,7 +66,8 @@ class VocabPassArgs:
     """What every backend's vocabulary pass reads, one record for all of them: logits [B, T, V] (rows of a chunk of
     the fused lm_head come as [1, c, V]), targets [B, T] ids, mask [B, T] bool (masked rows give 0 and are never read
     for their target); the transform z = c·tanh(s·x/c) / temperature (s `logit_scale`, c `softcap`, None: no cap);
-    whether the forward computes the entropy, and which of `TOKEN_STATS` it adds (the backward reads neither)."""
+    whether the forward computes the entropy, and which of `TOKEN_STATS` it adds (the backward reads neither). A
+    pass's fields besides its tensors are formed once per call (`pass_options.PassOptions.pass_fields`)."""
 
     logits: Tensor
     targets: Tensor
@@ -89,18 +90,17 @@ class RowGrads:
     grad_logp: Tensor | None = None
     grad_entropy: Tensor | None = None
 
-    def at(self, rows: slice | int | tuple) -> RowGrads:
-        """The record of `rows` of these rows (an index: of the rows along the first dimension; None: a new one)."""
+    def at(self, rows: slice | int | None) -> RowGrads:
+        """The record of `rows` of these rows (an index of the rows along the first dimension; None adds one)."""
         pick = lambda x: None if x is None else x[rows]  # noqa: E731
         return dataclasses.replace(self, **{field: pick(getattr(self, field)) for field in self.__dataclass_fields__})
 
 
 @dataclass(frozen=True)
 class LossSides:
-    """A token-level loss's tensors besides the logits, in the order the compiled ops take them, which the backends'
-    `grpo_loss_fwd` reads: weights [B, T]
-    (the normaliser's per-token weights), advantages [B, 1] or [B, T], old_logp / ref_logp [B, T] and is_ratio
-    [B, 1] or [B, T] (None: not used)."""
+    """A token-level loss's tensors besides the logits, which the backends' `grpo_loss_fwd` reads, in the order the
+    compiled ops take them: weights [B, T] (the normaliser's per-token weights), advantages [B, 1] or [B, T],
+    old_logp / ref_logp [B, T] and is_ratio [B, 1] or [B, T] (None: not used)."""
 
     weights: Tensor
     advantages: Tensor
