@@ -115,7 +115,7 @@ def _operands(weight: Tensor, bias: Tensor | None, dtype: torch.dtype) -> tuple[
     return weight.to(dtype), None if bias is None else bias.to(dtype)
 
 
-def _project(hidden: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor) -> Tensor:
+def _project(hidden: Tensor, weight: Tensor, bias: Tensor | None, *, out: Tensor) -> Tensor:
     """out `[c, V]` = hidden @ weight.T (+ bias), in out's dtype."""
     hidden = hidden.to(out.dtype)
     if bias is None:
@@ -187,14 +187,14 @@ class _FusedLinearDivergenceFunction(torch.autograd.Function):
         for start in range(0, M, rows):
             r = slice(start, min(start + rows, M))
             backends.count_launch(opts.backend)
-            zs = _project(s_hidden[r], ws, bs, s_buf[: r.stop - start])
-            zt = _project(t_hidden[r], wt, bt, t_buf[: r.stop - start])
+            zs = _project(s_hidden[r], ws, bs, out=s_buf[: r.stop - start])
+            zt = _project(t_hidden[r], wt, bt, out=t_buf[: r.stop - start])
             if term is not None:  # before the divergence overwrites the student's logits
                 term_total += term(r, zs, term_buf[: r.stop - start])
             chunk_targets = None if targets is None else targets[r]
             if opts.top_k:
                 ids = None if topk_ids is None else topk_ids[r]
-                *values, ids = topk_divergence_chunk(zs, zt, chunk_targets, opts.top_k, ids, spec)
+                *values, ids = topk_divergence_chunk(zs, zt, chunk_targets, spec, k=opts.top_k, ids=ids)
                 outs["ids"].append(ids)
             else:
                 values = chunk_pass(opts.backend)(zs, zt, chunk_targets, spec)

@@ -294,8 +294,9 @@ class _Chunks:
     def logits(self, r: slice) -> Tensor:
         """The chunk's logits [1, c, V] for its hidden rows, in the buffer (a fresh allocation per chunk pays its
         page faults again on CPU each time)."""
+        out = self.buffer[: r.stop - r.start]
         return head_precision.logits_gemm(
-            self.hidden[r], self.w, self.b, self.buffer[: r.stop - r.start], self.opts.head_precision
+            self.hidden[r], self.w, self.b, out=out, head_precision=self.opts.head_precision
         )[None]
 
     def forward(self, kernels, z: Tensor, r: slice, targets: Tensor, mask: Tensor):
@@ -332,7 +333,9 @@ class _Chunks:
         }
         lse, logp, entropy = joined.pop("lse"), joined.pop("logp"), joined.pop("entropy", None)
         if self.place.shard is not None:
-            lse, logp, entropy, joined = self.place.merge(lse, logp, entropy, joined, self.opts)
+            lse, logp, entropy, joined = self.place.merge(
+                lse=lse, logp=logp, entropy=entropy, stats=joined, opts=self.opts
+            )
         for name in self.opts.stats:  # no chunks (every row dropped): empty statistics
             joined.setdefault(name, _cat([], like, torch.bool if name in bools else torch.float32))
         return lse, logp, logp.new_empty(0) if entropy is None else entropy, joined

@@ -111,12 +111,12 @@ def _tiles(n: int, step: int):
         yield slice(start, min(start + step, n))
 
 
-def _tile_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, buffer: Tensor, precision: str) -> Tensor:
+def _tile_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, *, buffer: Tensor, precision: str) -> Tensor:
     """hidden [c, H] @ weight[v].T (+ bias[v]) as a contiguous [c, w] view of `buffer` (one buffer for every tile),
     in the buffer's dtype: `precision`'s (`head_precision`), the tile of the weight cast to it here."""
     out = buffer[: hidden.shape[0] * weight.shape[0]].view(hidden.shape[0], weight.shape[0])
     weight, bias = head_precision.operands(weight, bias, precision)
-    return head_precision.logits_gemm(hidden, weight, bias, out, precision)
+    return head_precision.logits_gemm(hidden, weight, bias, out=out, head_precision=precision)
 
 
 def _tile_pass(backend: str):
@@ -151,7 +151,9 @@ class _LeanLinearLogprobsFunction(torch.autograd.Function):
             h_r = head_precision.cast(hidden[r], dtype)
             for v in _tiles(V, vocab):
                 backends.count_launch(opts.backend)
-                z = _tile_logits(h_r, weight[v], None if bias is None else bias[v], buffer, opts.head_precision)
+                z = _tile_logits(
+                    h_r, weight[v], None if bias is None else bias[v], buffer=buffer, precision=opts.head_precision
+                )
                 running.add(z, v.start)
             logp, lse, entropy, tile_stats = running.finish(V)
             logps.append(logp)
@@ -197,7 +199,9 @@ class _LeanLinearLogprobsFunction(torch.autograd.Function):
             w_v, b_v = weight[v], None if bias is None else bias[v]
             for i, r in enumerate(_tiles(M, rows)):
                 backends.count_launch(opts.backend)
-                g = _tile_logits(hidden[r], w_v, b_v, buffer, opts.head_precision)  # [c, w], overwritten by
+                g = _tile_logits(
+                    hidden[r], w_v, b_v, buffer=buffer, precision=opts.head_precision
+                )  # [c, w], overwritten by
                 tile_mask = None if row_mask is None else row_mask[r]
                 sigma = tiles.tile_grad_(g, v.start, targets[r], tile_mask, grads.at(r), opts)  # dL/dlogits (up to σ)
                 if g.dtype != weight.dtype:  # a head_precision's logits: the gradient GEMMs run in the weight's dtype

@@ -104,7 +104,7 @@ def _forward(logits: Tensor, targets: Tensor, mask: Tensor, spec: LogitsPass, si
         rows = replay.ReplayedRows(logits, place, opts)
         logp, lse, entropy, stats, saved = rows.forward(backends.launch(opts.backend))
     if place.shard is not None:
-        lse, logp, entropy, stats = place.merge(lse, logp, entropy, stats, opts)
+        lse, logp, entropy, stats = place.merge(lse=lse, logp=logp, entropy=entropy, stats=stats, opts=opts)
     logp = checked_rows(opts.row_check, lse, logp, None if place.shard is None else mask)
     return logits, place, loss, logp, lse, entropy, [stats[name] for name in opts.stats], saved
 

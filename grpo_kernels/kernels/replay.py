@@ -359,7 +359,9 @@ def window_grad_(kernels, window: Window, x: Tensor, grads: WindowGrads, opts: P
         return grad
     cap = opts.final_logit_softcapping
     buffer = None if cap is None else scratch.get("temp", x.shape[0])  # sech², soft-capped only
-    return chain_rule_(grad, x, grads.mask, opts.temperature, opts.logit_scale, cap, buffer)
+    return chain_rule_(
+        grad, x, mask=grads.mask, temperature=opts.temperature, logit_scale=opts.logit_scale, softcap=cap, buffer=buffer
+    )
 
 
 class _Replayed:

@@ -32,7 +32,7 @@ def _with_tail(log_p: Tensor, ids: Tensor, block: int) -> Tensor:
 
 
 def topk_divergence_chunk(
-    zs: Tensor, zt: Tensor, targets: Tensor | None, k: int, ids: Tensor | None, spec: ChunkSpec
+    zs: Tensor, zt: Tensor, targets: Tensor | None, spec: ChunkSpec, *, k: int, ids: Tensor | None
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor, Tensor]:
     """`divergence_chunk`'s outputs for the top-k-plus-tail divergence, then the ids `[c, k]`: `ids` given, or the
     teacher's k largest logits."""

@@ -53,7 +53,7 @@ def _clip(ratio: Tensor, d_ratio: Tensor, adv: Tensor, epilogue) -> tuple[Tensor
     return loss, dlogp
 
 
-def _policy(logp: Tensor, ratio: Tensor, d_ratio: Tensor, adv: Tensor, epilogue) -> tuple[Tensor, Tensor]:
+def _policy(logp: Tensor, *, ratio: Tensor, d_ratio: Tensor, adv: Tensor, epilogue) -> tuple[Tensor, Tensor]:
     """The policy term of `epilogue.kind` and its derivative w.r.t. logp."""
     if epilogue.kind == "clip":
         return _clip(ratio, d_ratio, adv, epilogue)
@@ -98,7 +98,7 @@ def token_loss(logp: Tensor, mask: Tensor | None, sides: LossSides, epilogue) ->
     """Each token's weighted loss and weighted dL/dlogp, [B, T], 0 at masked tokens (whatever padding holds);
     `mask` None: every token is kept."""
     ratio, d_ratio = _ratio(logp, sides.old_logp)
-    loss, dlogp = _policy(logp, ratio, d_ratio, sides.advantages, epilogue)
+    loss, dlogp = _policy(logp, ratio=ratio, d_ratio=d_ratio, adv=sides.advantages, epilogue=epilogue)
     if sides.is_ratio is not None:
         loss, dlogp = loss * sides.is_ratio, dlogp * sides.is_ratio
     if epilogue.beta != 0.0:
