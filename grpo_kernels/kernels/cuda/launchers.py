@@ -1,6 +1,6 @@
-"""Vocabulary pass in CUDA C++ (the extension grpo_kernels._C, built from csrc/): launchers with the signatures of
-triton/token_logprobs.py's token_logprobs_fwd / token_logprobs_bwd and triton/grpo_loss.py's grpo_loss_fwd, calling
-torch.ops.grpo_kernels.*.
+"""Vocabulary pass in CUDA C++ (the extension grpo_kernels._C, built from csrc/): the protocol's token_logprobs_fwd /
+token_logprobs_bwd and grpo_loss_fwd (over the records of `protocol.py`), each unpacking its records into the
+arguments of one of torch.ops.grpo_kernels.*.
 
 The extension is loaded on first use, never at import; without it `ops()` raises an error naming the build command.
 """
