@@ -94,28 +94,33 @@ def _inputs(dtype: torch.dtype, V: int, B: int, T: int) -> dict:
     }
 
 
+def _pass_args(x: dict, **fields):
+    """The pass's record (`protocol.VocabPassArgs`) over `_inputs`' logits, targets and mask."""
+    from grpo_kernels.kernels.protocol import VocabPassArgs
+
+    return VocabPassArgs(logits=x["logits"], targets=x["targets"], mask=x["mask"], **fields)
+
+
 def _token_logprobs_fwd(with_entropy: bool, softcap: float | None = None, stats: tuple[str, ...] = ()) -> Callable:
     def launch(dtype, V, B, T):
         from grpo_kernels.kernels.triton import token_logprobs as token_logprobs_triton
 
         x = _inputs(dtype, V, B, T)
-        token_logprobs_triton.token_logprobs_fwd(
-            x["logits"], x["targets"], x["mask"], 1.0, with_entropy, softcap=softcap, stats=stats
-        )
+        token_logprobs_triton.token_logprobs_fwd(_pass_args(x, with_entropy=with_entropy, softcap=softcap, stats=stats))
 
     return launch
 
 
 def _token_logprobs_bwd(with_entropy: bool, softcap: float | None = None) -> Callable:
     def launch(dtype, V, B, T):
+        from grpo_kernels.kernels.protocol import RowGrads
         from grpo_kernels.kernels.triton import token_logprobs as token_logprobs_triton
 
         x = _inputs(dtype, V, B, T)
         entropy = x["row"] if with_entropy else None
-        row, logits = x["row"], x["logits"]
-        token_logprobs_triton.token_logprobs_bwd(
-            logits, x["targets"], x["mask"], row, entropy, row, entropy, 1.0, logits, softcap=softcap
-        )  # in place, as the autograd Function does
+        grads = RowGrads(lse=x["row"], entropy=entropy, grad_logp=x["row"], grad_entropy=entropy)
+        args = _pass_args(x, softcap=softcap)
+        token_logprobs_triton.token_logprobs_bwd(args, grads, args.logits)  # in place, as the autograd Function does
 
     return launch
 
@@ -124,17 +129,18 @@ def _grpo_loss_fwd(
     kind: str, with_entropy: bool = False, softcap: float | None = None, is_ratio: bool = False, **epilogue
 ) -> Callable:
     def launch(dtype, V, B, T):
+        from grpo_kernels.kernels.protocol import LossSides
         from grpo_kernels.kernels.triton import grpo_loss as grpo_loss_triton
         from grpo_kernels.losses.epilogue import TokenEpilogue
         from grpo_kernels.options import LossOptions
 
         x = _inputs(dtype, V, B, T)
         spec = dataclasses.replace(TokenEpilogue.from_options(LossOptions()), kind=kind, **epilogue)
-        grpo_loss_triton.grpo_loss_fwd(
-            x["logits"], x["targets"], x["mask"], x["row"], x["per_sequence"], x["row"],
-            x["row"] if spec.beta else None, x["per_sequence"] if is_ratio else None,
-            spec, 1.0, with_entropy, softcap=softcap,
+        sides = LossSides(
+            weights=x["row"], advantages=x["per_sequence"], old_logp=x["row"], ref_logp=x["row"] if spec.beta else None,
+            is_ratio=x["per_sequence"] if is_ratio else None,
         )  # fmt: skip
+        grpo_loss_triton.grpo_loss_fwd(_pass_args(x, with_entropy=with_entropy, softcap=softcap), sides, spec)
 
     return launch
 
@@ -144,18 +150,17 @@ def _divergence_chunk(beta: float, with_grad: bool = True, top_k: int = 0) -> Ca
     driver's float32 logits buffers whatever the heads' dtype."""
 
     def launch(dtype, V, B, T):
-        from grpo_kernels.kernels.torch.divergence import Head
+        from grpo_kernels.kernels.torch.divergence import ChunkSpec, Head
         from grpo_kernels.kernels.triton import divergence as divergence_triton
         from grpo_kernels.kernels.triton import divergence_topk
 
         logits = torch.empty((B * T, V), dtype=torch.float32, device="meta")  # [c, V], each head's
         chunk = (logits, torch.empty_like(logits), _inputs(dtype, V, B, T)["targets"].view(-1))
-        options = dict(beta=beta, temperature=1.0, student=Head(), teacher=Head(final_logit_softcapping=30.0),
-                       with_grad=with_grad)  # fmt: skip
+        spec = ChunkSpec(beta, teacher=Head(final_logit_softcapping=30.0), with_grad=with_grad)
         if top_k:
-            divergence_topk.topk_divergence_chunk(*chunk, top_k, None, **options)
+            divergence_topk.topk_divergence_chunk(*chunk, spec, k=top_k, ids=None)
         else:
-            divergence_triton.divergence_chunk(*chunk, **options)
+            divergence_triton.divergence_chunk(*chunk, spec)
 
     return launch
 

@@ -35,7 +35,7 @@ from grpo_kernels.kernels.divergence import fused_linear_divergence_rows, shared
 from grpo_kernels.kernels.fused_linear import ChunkLoss, TokenLossStep
 from grpo_kernels.kernels.logits_driver import checked_rows, poisoned
 from grpo_kernels.kernels.pass_options import PassOptions
-from grpo_kernels.kernels.protocol import compute_dtype
+from grpo_kernels.kernels.protocol import RowGrads, VocabPassArgs, compute_dtype
 from grpo_kernels.kernels.torch.divergence import Head
 from grpo_kernels.losses.loss import GRPOLossOutput, loss_metrics
 
@@ -64,17 +64,19 @@ class GRPOChunk:
         opts, z, targets = self.opts, logits[None], self.targets[None, rows]
         kernels = backends.kernels_of(opts.backend)
         mask = torch.ones_like(targets, dtype=torch.bool)  # [1, c]: the rows were gathered
-        logp, lse, entropy, _ = kernels.token_logprobs_fwd(
-            z, targets, mask, opts.temperature, opts.with_entropy, **opts.transform
-        )
+        args = VocabPassArgs(logits=z, targets=targets, mask=mask, **{**opts.pass_fields, "stats": ()})
+        logp, lse, entropy, _ = kernels.token_logprobs_fwd(args)
         self.parts["lse"].append(lse[0])
         grad_logp, grad_entropy = self(rows, logp[0], entropy[0] if opts.with_entropy else None)
         if grad_out is None:
             return
-        one = lambda x: None if x is None else x[None]  # noqa: E731  [1, c]
-        read_entropy = entropy if grad_entropy is not None else None
-        kernels.token_logprobs_bwd(z, targets, mask, lse, read_entropy, one(grad_logp), one(grad_entropy),
-                                   opts.temperature, grad_out[None], **opts.transform)  # fmt: skip
+        grads = RowGrads(
+            lse=lse[0],
+            entropy=None if grad_entropy is None else entropy[0],
+            grad_logp=grad_logp,
+            grad_entropy=grad_entropy,
+        ).at(None)  # [1, c] each
+        kernels.token_logprobs_bwd(args, grads, grad_out[None])
 
     def loss(self) -> Tensor:
         return self.step.loss()

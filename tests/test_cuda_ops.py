@@ -3,6 +3,7 @@ the out-of-place backward only `out`, the in-place one the logits), fake/meta ke
 `torch.compile` relies on them. Needs a CUDA GPU and the built extension (`GRPO_KERNELS_BUILD_CUDA=1 pip install
 --no-build-isolation .`); skipped with the reason otherwise. And `backend="auto"` stays Triton on CUDA."""
 
+import dataclasses
 import importlib.util
 import re
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from grpo_kernels.kernels import backend as backends
+from grpo_kernels.kernels.protocol import RowGrads, VocabPassArgs
 from grpo_kernels.losses.epilogue import TokenEpilogue
 from grpo_kernels.options import LossOptions
 
@@ -95,10 +97,12 @@ def test_inplace_backward_writes_what_the_out_of_place_one_writes():
     from grpo_kernels.kernels.cuda import launchers as cuda
 
     x = _inputs(torch.float32)
+    args = VocabPassArgs(logits=x["logits"], targets=x["targets"], mask=x["mask"])
+    grads = RowGrads(lse=x["lse"], grad_logp=x["grad"])
     out = torch.empty_like(x["logits"])
-    cuda.token_logprobs_bwd(x["logits"], x["targets"], x["mask"], x["lse"], None, x["grad"], None, 1.0, out)
+    cuda.token_logprobs_bwd(args, grads, out)
     logits = x["logits"].clone()
-    cuda.token_logprobs_bwd(logits, x["targets"], x["mask"], x["lse"], None, x["grad"], None, 1.0, logits)
+    cuda.token_logprobs_bwd(dataclasses.replace(args, logits=logits), grads, logits)
     torch.testing.assert_close(logits, out, rtol=0, atol=0)
 
 

@@ -13,7 +13,7 @@ from grpo_kernels import FusedLinearDivergence, fused_linear_divergence
 from grpo_kernels import reference_divergence as ref
 from grpo_kernels.kernels import divergence_lean
 from grpo_kernels.kernels.divergence import DivergenceOptions, fused_linear_divergence_rows
-from grpo_kernels.kernels.torch.divergence import Head
+from grpo_kernels.kernels.torch.divergence import ChunkSpec, Head
 from tests.conftest import DTYPES, assert_close
 
 B, T, HS, HT, V = 2, 5, 16, 24, 301  # V prime: no chunk or block divides it
@@ -159,10 +159,10 @@ def test_triton_topk_ids_follow_a_negative_teacher_scale():
 
     g = torch.Generator().manual_seed(0)
     zs, zt = torch.randn(4, V, generator=g), torch.randn(4, V, generator=g)
-    options = dict(beta=0.5, temperature=0.7, student=Head(), teacher=Head(-1.5, 3.0), with_grad=True)
+    spec = ChunkSpec(beta=0.5, temperature=0.7, student=Head(), teacher=Head(-1.5, 3.0), with_grad=True)
     grad_torch, grad_triton = zs.clone(), zs.clone()  # each pass writes dD/dx over its student logits
-    want = chunk_pass("torch", True)(grad_torch, zt.clone(), None, 5, None, **options)
-    got = chunk_pass("triton", True)(grad_triton, zt.clone(), None, 5, None, **options)
+    want = chunk_pass("torch", True)(grad_torch, zt.clone(), None, spec, k=5, ids=None)
+    got = chunk_pass("triton", True)(grad_triton, zt.clone(), None, spec, k=5, ids=None)
     assert torch.equal(got[-1], want[-1])
     for name, a, b in zip(("divergence", "entropy", "lse_s", "lse_t"), (*got[:2], *got[3:5]), (*want[:2], *want[3:5]),
                           strict=True):  # fmt: skip
@@ -179,8 +179,8 @@ def test_topk_nan_teacher_logit_outside_the_ids_is_not_hidden(backend):
     zs, zt = torch.randn(3, V, generator=g), torch.randn(3, V, generator=g)
     zt[1, 40] = math.nan
     ids = torch.tensor([[3, 7], [3, 7], [3, 7]])
-    divergence, *_ = chunk_pass(backend, True)(zs, zt, None, 2, ids, beta=0.5, temperature=1.0, student=Head(),
-                                               teacher=Head(), with_grad=True)  # fmt: skip
+    spec = ChunkSpec(beta=0.5, temperature=1.0, student=Head(), teacher=Head(), with_grad=True)
+    divergence, *_ = chunk_pass(backend, True)(zs, zt, None, spec, k=2, ids=ids)
     assert torch.isnan(divergence[1]) and torch.isfinite(divergence[[0, 2]]).all()
 
 
@@ -238,11 +238,11 @@ def test_triton_chunk_pass_on_strided_logits():
     g = torch.Generator().manual_seed(3)
     zs, zt = (torch.randn(V, 4, generator=g).mul_(3).T for _ in range(2))  # [4, V], strides (1, 4)
     targets = torch.randint(0, V, (4,), generator=g)
-    kw = dict(beta=0.5, temperature=0.7, student=Head(1.5, 4.0), teacher=Head(0.8, 6.0), with_grad=True)
-    want = torch_pass.divergence_chunk(zs.contiguous(), zt.contiguous(), targets, **kw)
+    spec = torch_pass.ChunkSpec(0.5, 0.7, student=Head(1.5, 4.0), teacher=Head(0.8, 6.0), with_grad=True)
+    want = torch_pass.divergence_chunk(zs.contiguous(), zt.contiguous(), targets, spec)
     grad = zs.contiguous()
-    torch_pass.divergence_chunk(grad, zt.contiguous(), targets, **kw)
-    got = triton_pass.divergence_chunk(zs, zt, targets, **kw)
+    torch_pass.divergence_chunk(grad, zt.contiguous(), targets, spec)
+    got = triton_pass.divergence_chunk(zs, zt, targets, spec)
     for name, a, b in zip(triton_pass.OUTPUTS, got, want, strict=True):
         assert_close(a, b, torch.float32, name)
     assert_close(zs, grad, torch.float32, "gradient")

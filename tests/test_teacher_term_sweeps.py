@@ -13,7 +13,7 @@ from grpo_kernels.kernels.divergence import DivergenceOptions, shared_sweeps_ref
 from grpo_kernels.kernels.pass_options import PassOptions
 from grpo_kernels.kernels.torch import divergence as torch_divergence
 from grpo_kernels.kernels.torch import token_logprobs
-from grpo_kernels.kernels.torch.divergence import Head, TokenGradient
+from grpo_kernels.kernels.torch.divergence import ChunkSpec, Head, TokenGradient
 from tests.conftest import assert_close
 from tests.test_teacher_term import COEF, check, make
 
@@ -106,9 +106,8 @@ def test_the_chunk_pass_adds_the_token_loss_gradient(beta, with_entropy):
         seen.update(logp=logp.clone(), entropy=entropy.clone())
         return TokenGradient(targets, grad_logp, grad_entropy if with_entropy else None, weight)
 
-    values = torch_divergence.divergence_chunk(got, zt.clone(), targets, beta=beta, temperature=temperature,
-                                               student=head, teacher=Head(), with_grad=True, block=16,
-                                               token_loss=token_loss)  # fmt: skip
+    spec = ChunkSpec(beta=beta, temperature=temperature, student=head, teacher=Head(), with_grad=True, block=16)
+    values = torch_divergence.divergence_chunk(got, zt.clone(), targets, spec, token_loss=token_loss)
     assert_close(values[0], per_row.detach(), torch.float64, "divergence")
     assert_close(seen["entropy"], entropy.detach(), torch.float64, "entropy")
     assert_close(got, x.grad, torch.float64, "dL/dx")

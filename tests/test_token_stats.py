@@ -9,7 +9,7 @@ import torch
 import grpo_kernels as gk
 from grpo_kernels.engine import validate
 from grpo_kernels.kernels.cuda import launchers as cuda
-from grpo_kernels.kernels.protocol import TOKEN_STATS
+from grpo_kernels.kernels.protocol import TOKEN_STATS, VocabPassArgs
 from tests.cases import CASE_IDS, CASES, Case, make_inputs
 from tests.conftest import BACKENDS, DEVICE, DTYPES, assert_close
 from tests.helpers import oracle_logits
@@ -187,4 +187,4 @@ def test_cuda_backend_refuses_stats():
     logits = torch.zeros(1, 2, 5)
     ids, mask = torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.bool)
     with pytest.raises(ValueError, match="backend='cuda' does not compute"):
-        cuda.token_logprobs_fwd(logits, ids, mask, 1.0, False, stats=("mean_logits",))
+        cuda.token_logprobs_fwd(VocabPassArgs(logits=logits, targets=ids, mask=mask, stats=("mean_logits",)))

@@ -4,9 +4,13 @@ real op, the op through AOT dispatch with dynamic shapes), and the one check opc
 partial statistics unwritten) is made on the fake directly under FakeTensorMode. The protocol functions over the ops
 give what the launchers give."""
 
+import dataclasses
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+
+from grpo_kernels.kernels.protocol import RowGrads, VocabPassArgs
 
 pytest.importorskip("triton")
 
@@ -98,19 +102,19 @@ def test_protocol_functions_match_the_launchers():
     """The functions the drivers call return the launchers' values, None where nothing was asked."""
     x = _inputs()
     stats = ("mean_logits", "is_top1")
-    want = launch.token_logprobs_fwd(x["logits"], x["targets"], x["mask"], 0.7, False, softcap=30.0, stats=stats)
-    got = ops.token_logprobs_fwd(x["logits"], x["targets"], x["mask"], 0.7, False, softcap=30.0, stats=stats)
+    args = VocabPassArgs(logits=x["logits"], targets=x["targets"], mask=x["mask"], temperature=0.7, softcap=30.0)
+    want = launch.token_logprobs_fwd(dataclasses.replace(args, stats=stats))
+    got = ops.token_logprobs_fwd(dataclasses.replace(args, stats=stats))
     assert got[2] is None and want[2] is None and set(got[3]) == set(stats)
     for a, b in zip((*got[:2], *got[3].values()), (*want[:2], *want[3].values()), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     grad = torch.randn(B, T)
     want_grad = torch.empty_like(x["logits"])
-    launch.token_logprobs_bwd(
-        x["logits"], x["targets"], x["mask"], got[1], None, grad, None, 0.7, want_grad, softcap=30.0
-    )
+    grads = RowGrads(lse=got[1], grad_logp=grad)
+    launch.token_logprobs_bwd(args, grads, want_grad)
     out = torch.empty_like(x["logits"])
-    ops.token_logprobs_bwd(x["logits"], x["targets"], x["mask"], got[1], None, grad, None, 0.7, out, softcap=30.0)
+    ops.token_logprobs_bwd(args, grads, out)
     in_place = x["logits"].clone()
-    ops.token_logprobs_bwd(in_place, x["targets"], x["mask"], got[1], None, grad, None, 0.7, in_place, softcap=30.0)
+    ops.token_logprobs_bwd(dataclasses.replace(args, logits=in_place), grads, in_place)
     torch.testing.assert_close(out, want_grad, rtol=0, atol=0)
     torch.testing.assert_close(in_place, want_grad, rtol=0, atol=0)

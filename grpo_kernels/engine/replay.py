@@ -1,5 +1,6 @@
-"""Sampling replay in a call's plan: the sampler's rule (top_k, top_p, min_p) or its kept-token mask, checked and
-turned into the pass's `kernels.replay.Replay`, its kept ids in the order of the rows the pass runs.
+"""Sampling replay in a call's plan: the sampler's rule (top_k, top_p, min_p) or its kept-token mask (checked by
+`validate.check_replay`) turned into the pass's `kernels.replay.Replay`, its kept ids in the order of the rows the
+pass runs.
 
 `SamplingMask` is vLLM's CSR form of the kept sets (`return_sampling_mask`): position i keeps
 token_ids[offsets[i]:offsets[i + 1]]. The padded form is an int tensor of the targets' shape then K, `[B, T, K]` (packed
@@ -11,7 +12,6 @@ its set may be empty.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,7 +52,7 @@ def replay_of(
     (`validate.check_replay`, whose checks have passed: this only builds)."""
     if not replays and not any(name in REPLAY_STATS for name in stats):
         return None
-    ids = None if sampling_mask is None else kept_ids(sampling_mask, leading, mask, vocab).to(device)  # [R·C, K]
+    ids = None if sampling_mask is None else kept_ids(sampling_mask, leading, mask).to(device)  # [R·C, K]
     if ids is not None and kept is not None:
         if kept.row_mask is None:  # only the kept rows run (every row runs, masked, inside a capture)
             ids = ids.view(*mask.shape, ids.shape[-1])[kept.index]  # [M, K]: the fused lm_head's rows
@@ -62,15 +62,15 @@ def replay_of(
     )
 
 
-def kept_ids(sampling_mask: Any, leading: tuple[int, ...], mask: Tensor, vocab: int) -> Tensor:
+def kept_ids(sampling_mask: Any, leading: tuple[int, ...], mask: Tensor) -> Tensor:
     """The kept ids as [R·C, K] int64 with -1 padding, from a `SamplingMask` or a padded tensor of the targets'
-    shape `leading` ([B, T] or [N]) then K; ids checked inside [0, V), and every position `mask` keeps ([R, C]
-    bool) given at least one id (a few host reads). Duplicate ids count once: a position's ids are a set."""
+    shape `leading` ([B, T] or [N]) then K (its type, shape and ids checked by `validate.check_sampling_mask`), and
+    every position `mask` keeps ([R, C] bool) given at least one id (a host read). Duplicate ids count once: a
+    position's ids are a set."""
     positions = mask.numel()
-    if isinstance(sampling_mask, SamplingMask):
-        ids = _from_csr(sampling_mask, positions, vocab)
-    else:
-        ids = _from_padded(sampling_mask, leading, vocab)
+    ids = (
+        _from_csr(sampling_mask, positions) if isinstance(sampling_mask, SamplingMask) else _from_padded(sampling_mask)
+    )
     empty = (ids < 0).all(dim=-1) & mask.reshape(-1).to(ids.device)  # [R·C]
     if bool(empty.any()):
         first = int(empty.nonzero()[0])
@@ -83,57 +83,16 @@ def kept_ids(sampling_mask: Any, leading: tuple[int, ...], mask: Tensor, vocab: 
     return ids
 
 
-def _from_padded(sampling_mask: Any, leading: tuple[int, ...], vocab: int) -> Tensor:
-    """A padded `[*leading, K]` (or flattened `[positions, K]`) integer tensor with -1 padding, checked, as
-    [positions, K] int64: the leading dimensions are the targets', not only their count, so that no position
-    takes another's kept set."""
-    if not isinstance(sampling_mask, Tensor) or sampling_mask.is_floating_point() or sampling_mask.dtype == torch.bool:
-        raise TypeError(
-            "sampling_mask must be a grpo_kernels.SamplingMask or an integer tensor [B, T, K] / [N, K] with -1 "
-            f"padding, got {type(sampling_mask).__name__}"
-            + (f" of {sampling_mask.dtype}" if isinstance(sampling_mask, Tensor) else "")
-        )
-    _check_readable("sampling_mask", sampling_mask)
-    positions = math.prod(leading)
-    flattened = sampling_mask.dim() == 2 and sampling_mask.shape[0] == positions
-    if tuple(sampling_mask.shape[:-1]) != leading and not flattened:
-        expected = f"[N, K] = [{positions}, K]"
-        if len(leading) == 2:
-            expected = f"[B, T, K] = [{leading[0]}, {leading[1]}, K] (or flattened: {expected.replace('N', 'B·T')})"
-        raise ValueError(
-            f"sampling_mask must be {expected}: the targets' shape, then the kept ids; got {list(sampling_mask.shape)}"
-        )
-    ids = sampling_mask.reshape(-1, sampling_mask.shape[-1]).long()
-    _refuse_if(
-        ((ids < -1) | (ids >= vocab)).any(), f"sampling_mask ids must lie in [0, V) = [0, {vocab}), with -1 as padding"
-    )
-    return ids
+def _from_padded(sampling_mask: Tensor) -> Tensor:
+    """A padded `[*leading, K]` (or flattened `[positions, K]`) integer tensor with -1 padding
+    (`validate.check_sampling_mask` checked it) as [positions, K] int64."""
+    return sampling_mask.reshape(-1, sampling_mask.shape[-1]).long()
 
 
-def _check_readable(name: str, x: Tensor) -> None:
-    """A ValueError naming `name` for a tensor on the meta device: it has no values to read."""
-    if x.device.type == "meta":
-        raise ValueError(f"{name} must hold values, got a tensor on the meta device of shape {list(x.shape)}")
-
-
-def _from_csr(mask: SamplingMask, positions: int, vocab: int) -> Tensor:
-    """A CSR SamplingMask, checked, as padded ids [positions, K] (K the largest kept set)."""
-    ids, offsets = mask.token_ids, mask.offsets
-    for name, x in (("token_ids", ids), ("offsets", offsets)):
-        if not isinstance(x, Tensor) or x.dim() != 1 or x.is_floating_point() or x.dtype == torch.bool:
-            raise TypeError(f"sampling_mask.{name} must be a 1-D integer tensor, got {_described(x)}")
-        _check_readable(f"sampling_mask.{name}", x)
-    if offsets.shape[0] != positions + 1:
-        raise ValueError(
-            f"sampling_mask.offsets must have positions + 1 = {positions + 1} entries (one per target position, "
-            f"and the end), got {offsets.shape[0]}"
-        )
-    offsets, ids = offsets.long().to(ids.device), ids.long()
-    _refuse_if(
-        (offsets[0] != 0) | (offsets[-1] != ids.shape[0]) | (offsets.diff() < 0).any(),
-        f"sampling_mask.offsets must start at 0, never decrease and end at len(token_ids) = {ids.shape[0]}",
-    )
-    _refuse_if(((ids < 0) | (ids >= vocab)).any(), f"sampling_mask.token_ids must lie in [0, V) = [0, {vocab})")
+def _from_csr(mask: SamplingMask, positions: int) -> Tensor:
+    """A CSR SamplingMask (`validate.check_sampling_mask` checked it) as padded ids [positions, K] (K the largest
+    kept set)."""
+    offsets, ids = mask.offsets.long().to(mask.token_ids.device), mask.token_ids.long()
     counts = offsets.diff()  # [positions]
     width = max(int(counts.max()) if positions else 0, 1)
     position = torch.repeat_interleave(torch.arange(positions, device=ids.device), counts)  # [nnz]
@@ -141,10 +100,6 @@ def _from_csr(mask: SamplingMask, positions: int, vocab: int) -> Tensor:
     padded = torch.full((positions, width), -1, dtype=torch.long, device=ids.device)
     padded[position, column] = ids
     return padded
-
-
-def _described(x: Any) -> str:
-    return f"{x.dtype} tensor of shape {list(x.shape)}" if isinstance(x, Tensor) else type(x).__name__
 
 
 def pass_stats(stats: tuple[str, ...], replay: Replay | None, loss: bool, checked: bool) -> tuple[str, ...]:
@@ -155,10 +110,3 @@ def pass_stats(stats: tuple[str, ...], replay: Replay | None, loss: bool, checke
     if loss:
         return tuple(dict.fromkeys((*stats, *REPLAY_STATS)))
     return tuple(dict.fromkeys((*stats, "log_kept_mass"))) if checked and replay.kept_ids is not None else stats
-
-
-def _refuse_if(flag: Tensor, message: str) -> None:
-    """A ValueError when the 0-dim `flag` is set: the kept ids are read to be padded, so this host read is paid
-    anyway, checks on or off."""
-    if bool(flag):
-        raise ValueError(message)

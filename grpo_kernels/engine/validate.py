@@ -21,6 +21,7 @@ from torch import Tensor
 
 from grpo_kernels.engine.finite import FINITE_AT_KEPT, nonfinite
 from grpo_kernels.engine.memory import lean_backends
+from grpo_kernels.engine.replay import SamplingMask
 from grpo_kernels.engine.sync import ValueCheck
 from grpo_kernels.kernels.backend import CAPABILITIES
 from grpo_kernels.kernels.head_precision import check_head_precision
@@ -317,18 +318,29 @@ def check_normalisers(options: LossOptions, *, values: bool) -> list[ValueCheck]
 
 
 def check_replay(
-    rule, sampling_mask: Any, stats: tuple[str, ...], *, vocab: int, linear: bool, request, full_entropy: bool
+    rule,
+    sampling_mask: Any,
+    stats: tuple[str, ...],
+    *,
+    leading: tuple[int, ...],
+    vocab: int,
+    linear: bool,
+    request,
+    full_entropy: bool,
 ) -> bool:
     """The sampler's rule (top_k, top_p, min_p: the Request or the LossOptions) or kept-token mask against the rest
-    of the call, before any kernel runs: not both; not with memory="lean" (or a tile) on the fused lm_head
-    (`linear`); not with the whole vocabulary's statistics; on vocabulary shards (`request.process_group`) top_p
-    within top-k's candidates, and the whole entropy only with logits in. Values range-checked by the options.
-    Returns whether the call replays a truncated sampler."""
+    of the call, before any kernel runs: not both; the mask itself (`check_sampling_mask`, for targets of shape
+    `leading`); not with memory="lean" (or a tile) on the fused lm_head (`linear`); not with the whole vocabulary's
+    statistics; on vocabulary shards (`request.process_group`) top_p within top-k's candidates, and the whole
+    entropy only with logits in. Values range-checked by the options. Returns whether the call replays a truncated
+    sampler."""
     if sampling_mask is not None and (rule.top_k != 0 or rule.top_p != 1.0 or rule.min_p != 0.0):
         raise ValueError(
             "sampling_mask gives the kept tokens itself: pass it or the rule options (top_k, top_p, min_p), not both; "
             f"got top_k={rule.top_k}, top_p={rule.top_p}, min_p={rule.min_p}"
         )
+    if sampling_mask is not None:
+        check_sampling_mask(sampling_mask, leading, vocab)
     replays = 0 < rule.top_k < vocab or rule.top_p < 1.0 or rule.min_p > 0.0 or sampling_mask is not None
     if not replays:
         return False
@@ -351,6 +363,64 @@ def check_replay(
                 "replay_entropy='support', or logits in"
             )
     return True
+
+
+def check_sampling_mask(sampling_mask: Any, leading: tuple[int, ...], vocab: int) -> None:
+    """The kept-token mask: a `SamplingMask` (CSR: 1-D integer token_ids inside [0, V), offsets of one entry per
+    position and the end, from 0, never decreasing, to len(token_ids)) or a padded integer tensor of the targets'
+    shape `leading` (or flattened) then K, ids inside [0, V) or -1; its values on the device (not meta). The ids
+    are read on the host: replay reads them anyway to pad them. Whether a kept position has an id is checked when
+    the pass's mask is known (`replay.kept_ids`)."""
+    if isinstance(sampling_mask, SamplingMask):
+        _check_csr(sampling_mask, math.prod(leading), vocab)
+        return
+    if not isinstance(sampling_mask, Tensor) or sampling_mask.is_floating_point() or sampling_mask.dtype == torch.bool:
+        raise TypeError(
+            "sampling_mask must be a grpo_kernels.SamplingMask or an integer tensor [B, T, K] / [N, K] with -1 "
+            f"padding, got {type(sampling_mask).__name__}"
+            + (f" of {sampling_mask.dtype}" if isinstance(sampling_mask, Tensor) else "")
+        )
+    _check_readable("sampling_mask", sampling_mask)
+    positions = math.prod(leading)
+    flattened = sampling_mask.dim() == 2 and sampling_mask.shape[0] == positions
+    if tuple(sampling_mask.shape[:-1]) != leading and not flattened:
+        expected = f"[N, K] = [{positions}, K]"
+        if len(leading) == 2:
+            expected = f"[B, T, K] = [{leading[0]}, {leading[1]}, K] (or flattened: {expected.replace('N', 'B·T')})"
+        raise ValueError(
+            f"sampling_mask must be {expected}: the targets' shape, then the kept ids; got {list(sampling_mask.shape)}"
+        )
+    ids = sampling_mask.long()
+    if bool(((ids < -1) | (ids >= vocab)).any()):
+        raise ValueError(f"sampling_mask ids must lie in [0, V) = [0, {vocab}), with -1 as padding")
+
+
+def _check_csr(mask: SamplingMask, positions: int, vocab: int) -> None:
+    """`check_sampling_mask` of the CSR form, for `positions` target positions."""
+    ids, offsets = mask.token_ids, mask.offsets
+    for name, x in (("token_ids", ids), ("offsets", offsets)):
+        if not isinstance(x, Tensor) or x.dim() != 1 or x.is_floating_point() or x.dtype == torch.bool:
+            got = f"{x.dtype} tensor of shape {list(x.shape)}" if isinstance(x, Tensor) else type(x).__name__
+            raise TypeError(f"sampling_mask.{name} must be a 1-D integer tensor, got {got}")
+        _check_readable(f"sampling_mask.{name}", x)
+    if offsets.shape[0] != positions + 1:
+        raise ValueError(
+            f"sampling_mask.offsets must have positions + 1 = {positions + 1} entries (one per target position, "
+            f"and the end), got {offsets.shape[0]}"
+        )
+    offsets = offsets.long().to(ids.device)
+    if bool((offsets[0] != 0) | (offsets[-1] != ids.shape[0]) | (offsets.diff() < 0).any()):
+        raise ValueError(
+            f"sampling_mask.offsets must start at 0, never decrease and end at len(token_ids) = {ids.shape[0]}"
+        )
+    if bool(((ids < 0) | (ids >= vocab)).any()):
+        raise ValueError(f"sampling_mask.token_ids must lie in [0, V) = [0, {vocab})")
+
+
+def _check_readable(name: str, x: Tensor) -> None:
+    """A ValueError naming `name` for a tensor on the meta device: it has no values to read."""
+    if x.device.type == "meta":
+        raise ValueError(f"{name} must hold values, got a tensor on the meta device of shape {list(x.shape)}")
 
 
 SHARD_TOP_K = 1024  # top_p on vocabulary shards: the largest top_k whose candidates the shards all-gather
@@ -429,6 +499,7 @@ def check_call(
         rule,
         tensors.sampling_mask,
         stats,
+        leading=token[0],
         vocab=vocab,
         linear=weight is not None,
         request=request,

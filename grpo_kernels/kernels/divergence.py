@@ -35,7 +35,7 @@ from grpo_kernels.kernels import backend as backends
 from grpo_kernels.kernels.divergence_lean import LeanDivergenceFunction
 from grpo_kernels.kernels.pass_options import PassOptions
 from grpo_kernels.kernels.protocol import compute_dtype
-from grpo_kernels.kernels.torch.divergence import Head, TokenGradient
+from grpo_kernels.kernels.torch.divergence import ChunkSpec, Head, TokenGradient
 
 
 @dataclass(frozen=True)
@@ -99,6 +99,10 @@ class DivergenceOptions:
     memory: str = "fast"  # "fast": row chunks (this module); "lean": tiles (`divergence_lean.py`)
     tile: tuple[int | None, int | None] = (None, None)  # lean: (rows, columns) per tile; None: from its budget
 
+    def chunk_spec(self, with_grad: bool) -> ChunkSpec:
+        """The record a backend's chunk pass reads (`divergence_chunk`)."""
+        return ChunkSpec(self.beta, self.temperature, self.student, self.teacher, with_grad, self.block)
+
 
 @functools.cache
 def chunk_pass(backend: str, top_k: bool = False) -> Callable:
@@ -117,7 +121,7 @@ def _operands(weight: Tensor, bias: Tensor | None, dtype: torch.dtype) -> tuple[
     return weight.to(dtype), None if bias is None else bias.to(dtype)
 
 
-def _project(hidden: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor) -> Tensor:
+def _project(hidden: Tensor, weight: Tensor, bias: Tensor | None, *, out: Tensor) -> Tensor:
     """out `[c, V]` = hidden @ weight.T (+ bias), in out's dtype."""
     hidden = hidden.to(out.dtype)
     if bias is None:
@@ -212,25 +216,24 @@ class _FusedLinearDivergenceFunction(torch.autograd.Function):
         own_pass = term is not None and not shared
         term_buf = ws.new_empty(rows, V) if own_pass and with_grad else None  # the own pass's dL/dlogits
         outs = {name: [] for name in ("divergence", "entropy", "logp", "lse_s", "lse_t", "ids")}
+        spec = opts.chunk_spec(with_grad)
         for start in range(0, M, rows):
             r = slice(start, min(start + rows, M))
             backends.count_launch(opts.backend)
-            zs = _project(s_hidden[r], ws, bs, s_buf[: r.stop - start])
-            zt = _project(t_hidden[r], wt, bt, t_buf[: r.stop - start])
+            zs = _project(s_hidden[r], ws, bs, out=s_buf[: r.stop - start])
+            zt = _project(t_hidden[r], wt, bt, out=t_buf[: r.stop - start])
             if own_pass:  # before the divergence overwrites the student's logits
                 term.own_pass(r, zs, None if term_buf is None else term_buf[: r.stop - start])
             chunk_targets = None if targets is None else targets[r]
-            common = dict(beta=opts.beta, temperature=opts.temperature, student=opts.student, teacher=opts.teacher,
-                          with_grad=with_grad, block=opts.block)  # fmt: skip
             if opts.top_k:
                 ids = None if topk_ids is None else topk_ids[r]
-                *values, ids = chunk_pass(opts.backend, True)(zs, zt, chunk_targets, opts.top_k, ids, **common)
+                *values, ids = chunk_pass(opts.backend, True)(zs, zt, chunk_targets, spec, k=opts.top_k, ids=ids)
                 outs["ids"].append(ids)
             elif shared:
                 token_loss = functools.partial(_token_gradient, term, r, row_weights)
-                values = chunk_pass(opts.backend)(zs, zt, chunk_targets, **common, token_loss=token_loss)
+                values = chunk_pass(opts.backend)(zs, zt, chunk_targets, spec, token_loss=token_loss)
             else:
-                values = chunk_pass(opts.backend)(zs, zt, chunk_targets, **common)
+                values = chunk_pass(opts.backend)(zs, zt, chunk_targets, spec)
             for name, value in zip(("divergence", "entropy", "logp", "lse_s", "lse_t"), values, strict=True):
                 if value is not None:
                     outs[name].append(value)

@@ -13,6 +13,8 @@ take several tiles or the weight is bf16/fp16).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import Tensor
 
@@ -118,8 +120,9 @@ class LeanDivergenceFunction(torch.autograd.Function):
         *inputs, lse_s, lse_t, centre = ctx.saved_tensors
         heads = _Heads(tuple(inputs[:3]), tuple(inputs[3:]), ctx.opts, lse_s.dtype)
         lse_s, lse_t, centre = lse_s[:, None], lse_t[:, None], centre[:, None]  # [M, 1] each
-        return (*_student_gradients(heads, lse_s, lse_t, centre, grad_total, ctx.tile, ctx.exact, ctx.needs),
-                *(None,) * 7)  # fmt: skip
+        grads = _student_gradients(heads, lse_s=lse_s, lse_t=lse_t, centre=centre, scale=grad_total, tile=ctx.tile,
+                                   exact=ctx.exact, needs=ctx.needs)  # fmt: skip
+        return (*grads, *(None,) * 7)
 
 
 def _gather_targets(logp: Tensor, ls: Tensor, targets: Tensor, cols: slice) -> None:
@@ -129,7 +132,7 @@ def _gather_targets(logp: Tensor, ls: Tensor, targets: Tensor, cols: slice) -> N
     logp.copy_(torch.where(inside, ls.gather(1, at[:, None])[:, 0], logp))
 
 
-def _student_gradients(heads: _Heads, lse_s, lse_t, centre, scale, tile, exact, needs) -> list[Tensor | None]:
+def _student_gradients(heads: _Heads, *, lse_s, lse_t, centre, scale, tile, exact, needs) -> list[Tensor | None]:
     """dH, dW, db (those `needs` asks for) of Σ divergence times `scale`, vocabulary tile by vocabulary tile, from the
     rows' statistics `[M, 1]`."""
     (hidden, weight, bias), opts, dtype = heads.student, heads.opts, heads.dtype
@@ -138,6 +141,7 @@ def _student_gradients(heads: _Heads, lse_s, lse_t, centre, scale, tile, exact, 
     d_hidden = hidden.new_zeros(hidden.shape, dtype=dtype) if needs[0] else None
     d_weight = weight.new_empty(weight.shape) if needs[1] else None
     d_bias = bias.new_empty(bias.shape) if needs[2] else None
+    spec = dataclasses.replace(opts.chunk_spec(True), block=columns)  # a tile's columns in one block
     in_place = d_weight is not None and weight.dtype == dtype and r >= M > 0  # one GEMM per tile straight into dW
     scale = scale.to(dtype)
     for cols in _spans(V, columns):
@@ -148,8 +152,7 @@ def _student_gradients(heads: _Heads, lse_s, lse_t, centre, scale, tile, exact, 
         d_b = None if d_bias is None else w.new_zeros(cols.stop - cols.start)
         for rows in _spans(M, r):
             ls, lt = _log_probs(heads, rows, cols, lse_s[rows], lse_t[rows])
-            student_gradient_(ls, lt, opts.beta, centre[rows, 0], lse_s[rows], opts.student, opts.temperature,
-                              ls.shape[1], exact)  # fmt: skip
+            student_gradient_(ls, lt, centre=centre[rows, 0], lse_s=lse_s[rows], spec=spec, exact=exact)
             grad = ls.mul_(scale)  # [r, w]: dL/dx_s of the tile
             if d_hidden is not None:
                 d_hidden[rows].addmm_(grad, w)

@@ -33,8 +33,8 @@ from grpo_kernels.kernels import head_precision, replay
 from grpo_kernels.kernels.logits_driver import checked_rows, nonfinite_rows, not_finite_to_nan, poisoned
 from grpo_kernels.kernels.parallel import Placement, VocabShard, reduce_hidden_grad
 from grpo_kernels.kernels.pass_options import PassOptions
-from grpo_kernels.kernels.protocol import compute_dtype
-from grpo_kernels.kernels.replay import RowGrads
+from grpo_kernels.kernels.protocol import VocabPassArgs, compute_dtype
+from grpo_kernels.kernels.replay import WindowGrads
 
 # CPU: each chunk's GEMMs stream all of W (and dW) once, so a chunk needs a few hundred rows to keep them
 # compute-bound. Measured on 2 cores, B·T = 2048, H = 896, fused-linear forward + backward: V = 151,936 took
@@ -251,7 +251,7 @@ class _FusedLinearFunction(torch.autograd.Function):
                 continue
             grad_logp, grad_entropy = step(r, logp[0], entropy[0] if opts.with_entropy else None, lse[0], mask[0])
             one = lambda x: None if x is None else x[None]  # noqa: E731  [1, c]
-            grads = RowGrads(
+            grads = WindowGrads(
                 targets=rows_targets,
                 mask=mask,
                 lse=lse,
@@ -289,7 +289,7 @@ class _FusedLinearFunction(torch.autograd.Function):
         for r in chunks:
             z, mask = chunks.logits(r), chunks.masks(r)  # [1, c, V], overwritten by its gradient
             pick = lambda x, r=r: None if x is None else x[None, r]  # noqa: E731  [1, c]
-            grads = RowGrads(
+            grads = WindowGrads(
                 targets=chunks.place.targets[None, r],
                 mask=mask,
                 lse=lse[None, r],
@@ -334,8 +334,9 @@ class _Chunks:
     def logits(self, r: slice) -> Tensor:
         """The chunk's logits [1, c, V] for its hidden rows, in the buffer (a fresh allocation per chunk pays its
         page faults again on CPU each time)."""
+        out = self.buffer[: r.stop - r.start]
         return head_precision.logits_gemm(
-            self.hidden[r], self.w, self.b, self.buffer[: r.stop - r.start], self.opts.head_precision
+            self.hidden[r], self.w, self.b, out=out, head_precision=self.opts.head_precision
         )[None]
 
     def forward(self, kernels, z: Tensor, r: slice, targets: Tensor, mask: Tensor):
@@ -345,18 +346,11 @@ class _Chunks:
         opts, place = self.opts, self.place
         if self.replay is not None:
             return self.replay.forward(kernels, z, r, mask)
-        logp, lse, entropy, stats = kernels.token_logprobs_fwd(
-            z,
-            targets,
-            mask,
-            opts.temperature,
-            opts.with_entropy,
-            **opts.transform,
-            stats=opts.stats if place.shard is None else (),
-        )
-        return logp, lse, entropy, stats, None
+        stats = opts.stats if place.shard is None else ()
+        args = VocabPassArgs(logits=z, targets=targets, mask=mask, **{**opts.pass_fields, "stats": stats})
+        return *kernels.token_logprobs_fwd(args), None
 
-    def grad(self, kernels, z: Tensor, r: slice, grads: RowGrads, state=None) -> Tensor:
+    def grad(self, kernels, z: Tensor, r: slice, grads: WindowGrads, state=None) -> Tensor:
         """dL/dlogits [c, V] of the chunk z [1, c, V] (in its buffer, or replay's scratch) from its rows' `grads`
         [1, c]; on a shard without the one-hot of the rows whose target another shard owns."""
         opts, place = self.opts, self.place
@@ -364,18 +358,8 @@ class _Chunks:
             rows = grads.at(0)  # [c] each
             return self.replay.grad(kernels, z, r, rows, state, place.foreign(rows.grad_logp, r))
         x0 = None if place.shard is None else z[..., 0].clone()  # [1, c]: column 0 before the backward writes it
-        kernels.token_logprobs_bwd(
-            z,
-            grads.targets,
-            grads.mask,
-            grads.lse,
-            grads.entropy,
-            grads.grad_logp,
-            grads.grad_entropy,
-            opts.temperature,
-            z,
-            **opts.transform,
-        )
+        args = VocabPassArgs(logits=z, targets=grads.targets, mask=grads.mask, **opts.pass_fields)
+        kernels.token_logprobs_bwd(args, grads, z)
         if x0 is not None:
             place.remove_foreign(z, x0, grads.grad_logp, opts, r)
         return z[0]
@@ -389,7 +373,9 @@ class _Chunks:
         }
         lse, logp, entropy = joined.pop("lse"), joined.pop("logp"), joined.pop("entropy", None)
         if self.place.shard is not None:
-            lse, logp, entropy, joined = self.place.merge(lse, logp, entropy, joined, self.opts)
+            lse, logp, entropy, joined = self.place.merge(
+                lse=lse, logp=logp, entropy=entropy, stats=joined, opts=self.opts
+            )
         for name in self.opts.stats:  # no chunks (every row dropped): empty statistics
             joined.setdefault(name, _cat([], like, torch.bool if name in bools else torch.float32))
         return lse, logp, logp.new_empty(0) if entropy is None else entropy, joined

@@ -23,7 +23,7 @@ from grpo_kernels.kernels import head_precision
 from grpo_kernels.kernels.fused_linear import accumulate, gemm_mode, named_outputs
 from grpo_kernels.kernels.logits_driver import checked_rows
 from grpo_kernels.kernels.pass_options import PassOptions
-from grpo_kernels.kernels.protocol import compute_dtype
+from grpo_kernels.kernels.protocol import RowGrads, compute_dtype
 
 # Tile budget: the [rows, vocab] logits in the weight's dtype (plus their float32 copy where `gemm_mode` upcasts, and
 # the [vocab, H] float32 dW tile for bf16/fp16 when the rows take several tiles). CPU: 32 MiB (the CPU bar, extra
@@ -111,12 +111,12 @@ def _tiles(n: int, step: int):
         yield slice(start, min(start + step, n))
 
 
-def _tile_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, buffer: Tensor, precision: str) -> Tensor:
+def _tile_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, *, buffer: Tensor, precision: str) -> Tensor:
     """hidden [c, H] @ weight[v].T (+ bias[v]) as a contiguous [c, w] view of `buffer` (one buffer for every tile),
     in the buffer's dtype: `precision`'s (`head_precision`), the tile of the weight cast to it here."""
     out = buffer[: hidden.shape[0] * weight.shape[0]].view(hidden.shape[0], weight.shape[0])
     weight, bias = head_precision.operands(weight, bias, precision)
-    return head_precision.logits_gemm(hidden, weight, bias, out, precision)
+    return head_precision.logits_gemm(hidden, weight, bias, out=out, head_precision=precision)
 
 
 def _tile_pass(backend: str):
@@ -151,7 +151,9 @@ class _LeanLinearLogprobsFunction(torch.autograd.Function):
             h_r = head_precision.cast(hidden[r], dtype)
             for v in _tiles(V, vocab):
                 backends.count_launch(opts.backend)
-                z = _tile_logits(h_r, weight[v], None if bias is None else bias[v], buffer, opts.head_precision)
+                z = _tile_logits(
+                    h_r, weight[v], None if bias is None else bias[v], buffer=buffer, precision=opts.head_precision
+                )
                 running.add(z, v.start)
             logp, lse, entropy, tile_stats = running.finish(V)
             logps.append(logp)
@@ -180,6 +182,8 @@ class _LeanLinearLogprobsFunction(torch.autograd.Function):
             grad_logp = torch.zeros_like(lse)
         if not opts.with_entropy:
             grad_entropy = None
+        read_entropy = None if grad_entropy is None else entropy
+        grads = RowGrads(lse=lse, entropy=read_entropy, grad_logp=grad_logp, grad_entropy=grad_entropy)  # [M] each
         mode = gemm_mode(weight.device)
         acc_dtype = compute_dtype(weight.dtype)
         d_hidden = torch.zeros(M, H, dtype=acc_dtype, device=hidden.device) if needs_h else None  # [M, H]
@@ -195,12 +199,11 @@ class _LeanLinearLogprobsFunction(torch.autograd.Function):
             w_v, b_v = weight[v], None if bias is None else bias[v]
             for i, r in enumerate(_tiles(M, rows)):
                 backends.count_launch(opts.backend)
-                g = _tile_logits(hidden[r], w_v, b_v, buffer, opts.head_precision)  # [c, w], overwritten by
-                sigma = tiles.tile_grad_(  # dL/dlogits (up to σ)
-                    g, v.start, targets[r], None if row_mask is None else row_mask[r], lse[r],
-                    None if grad_entropy is None else entropy[r], grad_logp[r],
-                    None if grad_entropy is None else grad_entropy[r], opts,
-                )  # fmt: skip
+                g = _tile_logits(
+                    hidden[r], w_v, b_v, buffer=buffer, precision=opts.head_precision
+                )  # [c, w], overwritten by
+                tile_mask = None if row_mask is None else row_mask[r]
+                sigma = tiles.tile_grad_(g, v.start, targets[r], tile_mask, grads.at(r), opts)  # dL/dlogits (up to σ)
                 if g.dtype != weight.dtype:  # a head_precision's logits: the gradient GEMMs run in the weight's dtype
                     if sigma is not None:
                         g.mul_(sigma[:, None].to(g.dtype))

@@ -59,7 +59,7 @@ def operands(weight: Tensor, bias: Tensor | None, head_precision: str) -> tuple[
     return cast(weight, dtype), cast(bias, dtype)
 
 
-def logits_gemm(hidden: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor, head_precision: str) -> Tensor:
+def logits_gemm(hidden: Tensor, weight: Tensor, bias: Tensor | None, *, out: Tensor, head_precision: str) -> Tensor:
     """out [c, w] = hidden [c, H] @ weight [w, H].T (+ bias [w]): hidden cast to out's dtype, the one `operands`
     gave weight and bias; CUDA float32 GEMM flags as `head_precision` says."""
     hidden = cast(hidden, out.dtype)

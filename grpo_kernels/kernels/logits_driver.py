@@ -23,7 +23,7 @@ from grpo_kernels.kernels import backend as backends
 from grpo_kernels.kernels import replay
 from grpo_kernels.kernels.parallel import Placement, VocabShard
 from grpo_kernels.kernels.pass_options import PassOptions, RowCheck
-from grpo_kernels.kernels.protocol import compute_dtype
+from grpo_kernels.kernels.protocol import LossSides, RowGrads, VocabPassArgs, compute_dtype
 
 
 @dataclass(frozen=True)
@@ -91,27 +91,20 @@ def _forward(logits: Tensor, targets: Tensor, mask: Tensor, spec: LogitsPass, si
     loss = saved = None
     if spec.epilogue is not None:  # the whole vocabulary, one process (the plan's route)
         epilogue = backends.launch(opts.backend, "epilogue_module", also="fused_epilogue")
-        logp, lse, entropy, losses, saved = epilogue.grpo_loss_fwd(
-            logits, targets, mask, *side, spec.epilogue, opts.temperature, opts.with_entropy, **opts.transform
-        )
+        args = VocabPassArgs(logits=logits, targets=targets, mask=mask, **{**opts.pass_fields, "stats": ()})
+        logp, lse, entropy, losses, saved = epilogue.grpo_loss_fwd(args, LossSides(*side), spec.epilogue)
         loss = _checked_loss(losses, logp=logp, lse=lse, dlogp=saved, mask=mask, side=side, row_check=opts.row_check)
         stats = {}
     elif opts.replay is None:
         kernels = backends.launch(opts.backend)
-        logp, lse, entropy, stats = kernels.token_logprobs_fwd(
-            logits,
-            place.targets,
-            mask,
-            opts.temperature,
-            opts.with_entropy,
-            **opts.transform,
-            stats=opts.stats if place.shard is None else (),
-        )
+        stats = opts.stats if place.shard is None else ()
+        args = VocabPassArgs(logits=logits, targets=place.targets, mask=mask, **{**opts.pass_fields, "stats": stats})
+        logp, lse, entropy, stats = kernels.token_logprobs_fwd(args)
     else:
         rows = replay.ReplayedRows(logits, place, opts)
         logp, lse, entropy, stats, saved = rows.forward(backends.launch(opts.backend))
     if place.shard is not None:
-        lse, logp, entropy, stats = place.merge(lse, logp, entropy, stats, opts)
+        lse, logp, entropy, stats = place.merge(lse=lse, logp=logp, entropy=entropy, stats=stats, opts=opts)
     logp = checked_rows(opts.row_check, lse, logp, None if place.shard is None else mask)
     return logits, place, loss, logp, lse, entropy, [stats[name] for name in opts.stats], saved
 
@@ -120,18 +113,9 @@ def _whole_backward(kernels, logits, out, place: Placement, opts, *, lse, entrop
     """The backend's backward over the whole logits into `out`; on a shard the one-hot of the rows whose target
     another shard owns taken back out (`parallel.Placement.remove_foreign`)."""
     x0 = None if place.shard is None else logits[..., 0].clone()  # column 0 before an in-place backward writes it
-    kernels.token_logprobs_bwd(
-        logits,
-        place.targets,
-        place.mask,
-        lse,
-        entropy,
-        grad_logp,
-        grad_entropy,
-        opts.temperature,
-        out,
-        **opts.transform,
-    )
+    grads = RowGrads(lse=lse, entropy=entropy, grad_logp=grad_logp, grad_entropy=grad_entropy)
+    args = VocabPassArgs(logits=logits, targets=place.targets, mask=place.mask, **opts.pass_fields)
+    kernels.token_logprobs_bwd(args, grads, out)
     if x0 is not None:
         place.remove_foreign(out, x0, grad_logp, opts)
 
@@ -167,19 +151,6 @@ def logits_pass(
     out = {"logp": logp} | ({"entropy": outputs[0]} if opts.with_entropy else {})
     out |= dict(zip(opts.stats, outputs[1:], strict=True))
     return out | ({"entropy": entropy} if full else {})
-
-
-@dataclass(frozen=True)
-class LossSides:
-    """A token-level loss's tensors besides the logits, in the order the backends' `grpo_loss_fwd` takes them:
-    weights [B, T] (the normaliser's per-token weights), advantages [B, 1] or [B, T], old_logp / ref_logp [B, T] and
-    is_ratio [B, 1] or [B, T] (None: not used)."""
-
-    weights: Tensor
-    advantages: Tensor
-    old_logp: Tensor | None = None
-    ref_logp: Tensor | None = None
-    is_ratio: Tensor | None = None
 
 
 def fused_token_loss(

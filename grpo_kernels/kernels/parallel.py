@@ -95,7 +95,7 @@ class Placement:
         """How a row's values combine: whole here (`vocab` its length), or over the shard's group."""
         return RowReduce(vocab) if self.shard is None else RowReduce(self.shard.vocab, self.shard.group)
 
-    def merge(self, lse: Tensor, logp: Tensor, entropy: Tensor | None, stats: dict[str, Tensor], opts):
+    def merge(self, *, lse: Tensor, logp: Tensor, entropy: Tensor | None, stats: dict[str, Tensor], opts):
         """The whole vocabulary's (lse, logp, entropy, {statistic}) from this shard's: `merge_stats`, or with replay
         `merge_replay` (`stats` the shard's "lse_full" and "outside")."""
         if opts.replay is None:
@@ -115,7 +115,7 @@ class Placement:
 
     def remove_foreign(self, grad: Tensor, x0: Tensor, grad_logp: Tensor | None, opts, rows=slice(None)) -> None:
         """`remove_foreign_onehot` on this shard's gradient `rows` (`x0` column 0 of their raw logits)."""
-        remove_foreign_onehot(grad, x0, (self.owned | ~self.mask)[rows], grad_logp, opts)
+        remove_foreign_onehot(grad, x0=x0, owned=(self.owned | ~self.mask)[rows], grad_logp=grad_logp, opts=opts)
 
 
 def vocab_shard(process_group: Any, local_size: int, vocab_start: int | None, stats: tuple[str, ...] = ()):
@@ -200,7 +200,7 @@ def merge_replay(found: dict[str, Tensor], owned: Tensor, mask: Tensor, opts, gr
     return lse, logp, entropy, stats
 
 
-def remove_foreign_onehot(grad: Tensor, x0: Tensor, owned: Tensor, grad_logp: Tensor | None, opts) -> None:
+def remove_foreign_onehot(grad: Tensor, *, x0: Tensor, owned: Tensor, grad_logp: Tensor | None, opts) -> None:
     """In place: take g·dz/dx back out of column 0 of the gradient rows whose target another shard owns (the
     shard's backward put the one-hot there, for the column its forward stood in with). grad [..., V_r], x0 the raw
     logits of column 0 before the backward overwrote them, owned / grad_logp [...]."""

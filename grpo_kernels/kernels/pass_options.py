@@ -57,7 +57,9 @@ class PassOptions:
     replay: Replay | None = None  # the sampler's support the pass renormalises over (kernels/replay.py); None: V
 
     def __post_init__(self) -> None:
-        """`transform`: the backends' keyword arguments for the logit transform, formed once (not a field)."""
-        object.__setattr__(
-            self, "transform", {"logit_scale": self.logit_scale, "softcap": self.final_logit_softcapping}
-        )
+        """Formed once (not fields): `transform`, the keyword arguments of the logit transform, and `pass_fields`,
+        those of a backend's pass record (`protocol.VocabPassArgs`) besides its tensors."""
+        transform = {"logit_scale": self.logit_scale, "softcap": self.final_logit_softcapping}
+        object.__setattr__(self, "transform", transform)
+        fields = dict(temperature=self.temperature, with_entropy=self.with_entropy, stats=self.stats, **transform)
+        object.__setattr__(self, "pass_fields", fields)

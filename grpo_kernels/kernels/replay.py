@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from grpo_kernels.kernels.pass_options import PassOptions, Replay
-from grpo_kernels.kernels.protocol import compute_dtype
+from grpo_kernels.kernels.protocol import RowGrads, VocabPassArgs, compute_dtype
 from grpo_kernels.kernels.transform import chain_rule_, transform_
 
 REPLAY_STATS = ("log_kept_mass", "outside_support")  # per-token statistics of a replayed pass (float32, bool)
@@ -310,12 +310,13 @@ def window_forward(kernels, window: Window, targets: Tensor, mask: Tensor, with_
     """The backend's plain pass over the masked window: (logp, lse of the support, entropy or None, the statistics
     by name), [C] each; masked rows 0 (False). Without truncation the log kept mass is 0 exactly."""
     logp, lse, entropy, kernel_stats = kernels.token_logprobs_fwd(
-        window.z[None],
-        targets[None],
-        mask[None],
-        1.0,
-        with_entropy,
-        stats=tuple(s for s in stats if s not in REPLAY_STATS),
+        VocabPassArgs(
+            logits=window.z[None],
+            targets=targets[None],
+            mask=mask[None],
+            with_entropy=with_entropy,
+            stats=tuple(s for s in stats if s not in REPLAY_STATS),
+        )
     )
     logp, lse = logp[0], lse[0]
     found = {name: x[0] for name, x in kernel_stats.items()}
@@ -329,42 +330,28 @@ def window_forward(kernels, window: Window, targets: Tensor, mask: Tensor, with_
 
 
 @dataclass(frozen=True, kw_only=True)
-class RowGrads:
+class WindowGrads(RowGrads):
     """What the backward of a window's rows reads, [C] each (a fused lm_head chunk's: [1, C]): the targets (inside
-    [0, V)), the kept rows, the lse of the support, and the entropy and upstream gradients (None where not taken)."""
+    [0, V)), the kept rows, and the backend's `RowGrads` (the lse of the support, the entropy and upstream
+    gradients)."""
 
     targets: Tensor
     mask: Tensor
-    lse: Tensor
-    entropy: Tensor | None = None
-    grad_logp: Tensor | None = None
-    grad_entropy: Tensor | None = None
 
-    def at(self, rows: slice | int) -> RowGrads:
-        """The record of `rows` of these rows (an index: of the rows along the first dimension)."""
+    def at(self, rows: slice | int | None) -> WindowGrads:
+        """`RowGrads.at`, kept in this module: a replayed backward takes one per window, and its path stays here."""
         pick = lambda x: None if x is None else x[rows]  # noqa: E731
-        return RowGrads(**{field: pick(getattr(self, field)) for field in self.__dataclass_fields__})
+        return WindowGrads(**{field: pick(getattr(self, field)) for field in self.__dataclass_fields__})
 
 
-def window_grad_(kernels, window: Window, x: Tensor, grads: RowGrads, opts: PassOptions, scratch: Scratch,
+def window_grad_(kernels, window: Window, x: Tensor, grads: WindowGrads, opts: PassOptions, scratch: Scratch,
                  foreign: Tensor | None = None) -> Tensor:  # fmt: skip
     """dL/dx [C, V] (in the window's buffer) of the masked window's logp / entropy: the backend's backward on z in
     place, then the transform's chain rule (`transform.chain_rule_`). Outside the support 0. On a vocabulary shard
     `foreign` [C] is the one-hot the backward put in column 0 for rows whose target another shard owns
     (`parallel.remove_foreign_onehot`), taken back out before the chain rule."""
-    z = window.z[None]
-    one = lambda x: None if x is None else x[None]  # noqa: E731  [1, C]
-    kernels.token_logprobs_bwd(
-        z,
-        grads.targets[None],
-        grads.mask[None],
-        grads.lse[None],
-        one(grads.entropy),
-        one(grads.grad_logp),
-        one(grads.grad_entropy),
-        1.0,
-        z,
-    )
+    z, rows = window.z[None], grads.at(None)  # [1, C, V], [1, C] each
+    kernels.token_logprobs_bwd(VocabPassArgs(logits=z, targets=rows.targets, mask=rows.mask), rows, z)
     grad = window.z
     if foreign is not None:
         grad[:, 0].sub_(foreign.to(grad.dtype))
@@ -372,7 +359,9 @@ def window_grad_(kernels, window: Window, x: Tensor, grads: RowGrads, opts: Pass
         return grad
     cap = opts.final_logit_softcapping
     buffer = None if cap is None else scratch.get("temp", x.shape[0])  # sech², soft-capped only
-    return chain_rule_(grad, x, grads.mask, opts.temperature, opts.logit_scale, cap, buffer)
+    return chain_rule_(
+        grad, x, mask=grads.mask, temperature=opts.temperature, logit_scale=opts.logit_scale, softcap=cap, buffer=buffer
+    )
 
 
 class _Replayed:
@@ -443,7 +432,12 @@ class ReplayedChunks(_Replayed):
         entropy, full_lse = None if entropy is None else entropy[None], None
         if full:  # the ordinary pass for the entropy
             _, full_lse, entropy, _ = kernels.token_logprobs_fwd(
-                z, self.targets[None, r], mask, opts.temperature, True, **opts.transform
+                VocabPassArgs(
+                    logits=z,
+                    targets=self.targets[None, r],
+                    mask=mask,
+                    **{**opts.pass_fields, "with_entropy": True, "stats": ()},
+                )
             )
             self._kept[1].append(full_lse)
         if window.theta is not None:
@@ -455,7 +449,9 @@ class ReplayedChunks(_Replayed):
         thetas, full_lses = self._kept
         return (torch.cat(thetas) if thetas else None), (torch.cat(full_lses, 1) if full_lses else None)
 
-    def grad(self, kernels, z: Tensor, r: slice, grads: RowGrads, state=None, foreign: Tensor | None = None) -> Tensor:
+    def grad(
+        self, kernels, z: Tensor, r: slice, grads: WindowGrads, state=None, foreign: Tensor | None = None
+    ) -> Tensor:
         """dL/dlogits [c, V] (compute dtype, in the chunk's buffer or the scratch) of one chunk z [1, c, V], from its
         forward's `state`, or (None) masked again from the saved θ; z is overwritten with the full entropy's
         gradient when that is asked. `grads` its rows' [c]; `foreign` as `window_grad_`'s."""
@@ -465,21 +461,12 @@ class ReplayedChunks(_Replayed):
             state = (self._window(z[0], r, theta, False, masks_in_place(z[0], self.opts)), full_lse)
         window, full_lse = state
         full = full_lse is not None
-        support = RowGrads(targets=grads.targets, mask=grads.mask, lse=grads.lse, grad_logp=grads.grad_logp)
+        support = WindowGrads(targets=grads.targets, mask=grads.mask, lse=grads.lse, grad_logp=grads.grad_logp)
         grad = window_grad_(kernels, window, z[0], support if full else grads, self.opts, self.scratch, foreign)
         if full and grads.grad_entropy is not None:
-            kernels.token_logprobs_bwd(
-                z,
-                grads.targets[None],
-                grads.mask[None],
-                full_lse,
-                grads.entropy[None],
-                None,
-                grads.grad_entropy[None],
-                self.opts.temperature,
-                z,
-                **self.opts.transform,
-            )
+            entropy_grads = RowGrads(lse=full_lse, entropy=grads.entropy[None], grad_entropy=grads.grad_entropy[None])
+            args = VocabPassArgs(logits=z, targets=grads.targets[None], mask=grads.mask[None], **self.opts.pass_fields)
+            kernels.token_logprobs_bwd(args, entropy_grads, z)
             grad.add_(z[0])
         return grad
 
@@ -564,7 +551,7 @@ class ReplayedRows(_Replayed):
         each row's saved θ (or the kept ids); `lse`, `entropy`, the upstream gradients [B, T] (None: not taken)."""
         flat = lambda x: None if x is None else x.reshape(-1)  # noqa: E731
         g = flat(grad_logp)
-        grads = RowGrads(
+        grads = WindowGrads(
             targets=self.targets,
             mask=self.mask,
             lse=flat(lse),

@@ -25,7 +25,7 @@ def slope(x: Tensor, temperature: float, logit_scale: float, softcap: float | No
     return constant / torch.cosh(x.float() * (logit_scale / softcap)).square()
 
 
-def chain_rule_(grad: Tensor, x: Tensor, mask: Tensor, temperature: float, logit_scale: float,
+def chain_rule_(grad: Tensor, x: Tensor, *, mask: Tensor, temperature: float, logit_scale: float,
                 softcap: float | None, buffer: Tensor) -> Tensor:  # fmt: skip
     """grad [C, V] ← dL/dx from dL/dz in place, x [C, V] the raw logits, mask [C] the kept rows (a soft-capped
     row that is masked may hold NaN logits: its 0 stays 0); `buffer` [C, V] in grad's dtype holds sech²."""

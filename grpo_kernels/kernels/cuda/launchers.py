@@ -1,6 +1,6 @@
-"""Vocabulary pass in CUDA C++ (the extension grpo_kernels._C, built from csrc/): launchers with the signatures of
-triton/token_logprobs.py's token_logprobs_fwd / token_logprobs_bwd and triton/grpo_loss.py's grpo_loss_fwd, calling
-torch.ops.grpo_kernels.*.
+"""Vocabulary pass in CUDA C++ (the extension grpo_kernels._C, built from csrc/): the protocol's token_logprobs_fwd /
+token_logprobs_bwd and grpo_loss_fwd (over the records of `protocol.py`), each unpacking its records into the
+arguments of one of torch.ops.grpo_kernels.*.
 
 The extension is loaded on first use, never at import; without it `ops()` raises an error naming the build command.
 """
@@ -13,7 +13,7 @@ import importlib
 import torch
 from torch import Tensor
 
-from grpo_kernels.kernels.protocol import writes_in_place
+from grpo_kernels.kernels.protocol import LossSides, RowGrads, VocabPassArgs, epilogue_fields, writes_in_place
 
 BUILD_COMMAND = "GRPO_KERNELS_BUILD_CUDA=1 pip install --no-build-isolation ."
 
@@ -51,107 +51,49 @@ def _f32(x: Tensor | None) -> Tensor | None:
     return None if x is None else x.to(torch.float32).contiguous()
 
 
-def _ids_and_mask(targets: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-    return targets.to(torch.int64).contiguous(), mask.to(torch.bool).contiguous()
+def _ids_and_mask(args: VocabPassArgs) -> tuple[Tensor, Tensor]:
+    return args.targets.to(torch.int64).contiguous(), args.mask.to(torch.bool).contiguous()
 
 
-def _softcap(softcap: float | None) -> float | None:
-    return None if softcap is None else float(softcap)
+def _transform(args: VocabPassArgs) -> tuple[float, float | None]:
+    """(logit_scale, softcap) as the ops take them, after the temperature."""
+    return float(args.logit_scale), None if args.softcap is None else float(args.softcap)
 
 
-def token_logprobs_fwd(
-    logits: Tensor,
-    targets: Tensor,
-    mask: Tensor,
-    temperature: float,
-    with_entropy: bool,
-    *,
-    logit_scale: float = 1.0,
-    softcap: float | None = None,
-    stats: tuple[str, ...] = (),
-) -> tuple[Tensor, Tensor, Tensor | None, dict[str, Tensor]]:
-    """logits [B, T, V] (last stride 1), targets [B, T], mask [B, T] bool -> logp, lse, entropy|None, [B, T] fp32,
-    and no statistics: asking for any (`stats`) is an error on this backend."""
-    if stats:
-        raise ValueError(f"backend='cuda' does not compute {list(stats)}; use backend='triton' or 'torch'")
-    targets, mask = _ids_and_mask(targets, mask)
+def token_logprobs_fwd(args: VocabPassArgs) -> tuple[Tensor, Tensor, Tensor | None, dict[str, Tensor]]:
+    """logits (last stride 1) -> logp, lse, entropy|None, [B, T] fp32, and no statistics: asking for any
+    (`args.stats`) is an error on this backend."""
+    if args.stats:
+        raise ValueError(f"backend='cuda' does not compute {list(args.stats)}; use backend='triton' or 'torch'")
     logp, lse, entropy = ops().token_logprobs_fwd(
-        logits, targets, mask, float(temperature), bool(with_entropy), float(logit_scale), _softcap(softcap)
+        args.logits, *_ids_and_mask(args), float(args.temperature), bool(args.with_entropy), *_transform(args)
     )
-    return logp, lse, (entropy if with_entropy else None), {}
+    return logp, lse, (entropy if args.with_entropy else None), {}
 
 
-def token_logprobs_bwd(
-    logits: Tensor,
-    targets: Tensor,
-    mask: Tensor,
-    lse: Tensor,
-    entropy: Tensor | None,
-    grad_logp: Tensor | None,
-    grad_entropy: Tensor | None,
-    temperature: float,
-    out: Tensor,
-    *,
-    logit_scale: float = 1.0,
-    softcap: float | None = None,
-) -> None:
-    """Write dL/dlogits into `out` (may be `logits` itself; last strides 1); masked rows get 0. Into the logits, it
-    is the op whose schema says it mutates them (`token_logprobs_bwd_inplace`, `Tensor(a!) logits`): under
-    `torch.compile` the other one's would claim the logits unchanged."""
-    targets, mask = _ids_and_mask(targets, mask)
-    args = (targets, mask, _f32(lse), _f32(entropy), _f32(grad_logp), _f32(grad_entropy), float(temperature))
-    transform = (float(logit_scale), _softcap(softcap))
-    if writes_in_place(out, logits):
-        ops().token_logprobs_bwd_inplace(logits, *args, *transform)
+def token_logprobs_bwd(args: VocabPassArgs, grads: RowGrads, out: Tensor) -> None:
+    """Write dL/dlogits into `out` (may be the logits themselves; last strides 1); masked rows get 0. Into the
+    logits, it is the op whose schema says it mutates them (`token_logprobs_bwd_inplace`, `Tensor(a!) logits`):
+    under `torch.compile` the other one's would claim the logits unchanged."""
+    rows = (*_ids_and_mask(args), _f32(grads.lse), _f32(grads.entropy), _f32(grads.grad_logp), _f32(grads.grad_entropy))
+    if writes_in_place(out, args.logits):
+        ops().token_logprobs_bwd_inplace(args.logits, *rows, float(args.temperature), *_transform(args))
     else:
-        ops().token_logprobs_bwd(logits, *args, *transform, out)
+        ops().token_logprobs_bwd(args.logits, *rows, float(args.temperature), *_transform(args), out)
 
 
 def grpo_loss_fwd(
-    logits: Tensor,
-    targets: Tensor,
-    mask: Tensor,
-    weights: Tensor,
-    advantages: Tensor,
-    old_logp: Tensor | None,
-    ref_logp: Tensor | None,
-    is_ratio: Tensor | None,
-    epilogue,
-    temperature: float,
-    with_entropy: bool,
-    *,
-    logit_scale: float = 1.0,
-    softcap: float | None = None,
+    args: VocabPassArgs, sides: LossSides, epilogue
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor]:
     """One pass: logp, lse, entropy|None, weighted per-token loss, weighted dL/dlogp, each [B, T] float32.
 
-    weights, old/ref [B, T]; advantages / is_ratio [B, T] float32 views (stride 0 in T for per-sequence values);
-    `epilogue` a `TokenEpilogue` (the policy kind and its hyperparameters).
+    The sides' weights, old/ref [B, T]; advantages / is_ratio [B, T] float32 views (stride 0 in T for per-sequence
+    values); `epilogue` a `TokenEpilogue` (the policy kind and its hyperparameters).
     """
-    targets, mask = _ids_and_mask(targets, mask)
+    is_ratio = None if sides.is_ratio is None else sides.is_ratio.to(torch.float32)
     logp, lse, entropy, loss, dlogp = ops().grpo_loss_fwd(
-        logits,
-        targets,
-        mask,
-        _f32(weights),
-        advantages.to(torch.float32),
-        _f32(old_logp),
-        _f32(ref_logp),
-        None if is_ratio is None else is_ratio.to(torch.float32),
-        epilogue.kind,
-        float(epilogue.eps_low),
-        float(epilogue.eps_high),
-        None if epilogue.delta is None else float(epilogue.delta),
-        None if epilogue.clip_ratio_c is None else float(epilogue.clip_ratio_c),
-        bool(epilogue.cispo_two_sided),
-        float(epilogue.beta),
-        epilogue.kl_estimator,
-        bool(epilogue.bias_correction),
-        float(epilogue.tau_pos),
-        float(epilogue.tau_neg),
-        float(temperature),
-        bool(with_entropy),
-        float(logit_scale),
-        _softcap(softcap),
-    )
-    return logp, lse, (entropy if with_entropy else None), loss, dlogp
+        args.logits, *_ids_and_mask(args), _f32(sides.weights), sides.advantages.to(torch.float32),
+        _f32(sides.old_logp), _f32(sides.ref_logp), is_ratio, *epilogue_fields(epilogue), float(args.temperature),
+        bool(args.with_entropy), *_transform(args),
+    )  # fmt: skip
+    return logp, lse, (entropy if args.with_entropy else None), loss, dlogp

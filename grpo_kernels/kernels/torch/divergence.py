@@ -34,6 +34,20 @@ class Head:
 
 
 @dataclass(frozen=True)
+class ChunkSpec:
+    """What a backend's chunk pass (`divergence_chunk`) computes, one record for every backend: the divergence
+    (`beta`: 0 forward KL, 1 reverse KL, else the generalized JSD), the temperature shared by both heads, each head's
+    transform, whether the student's gradient is written, and the vocabulary columns per elementwise block."""
+
+    beta: float
+    temperature: float = 1.0
+    student: Head = Head()
+    teacher: Head = Head()
+    with_grad: bool = False
+    block: int = 32768
+
+
+@dataclass(frozen=True)
 class TokenGradient:
     """A token-level loss's gradients on a chunk's student rows, `[c]` each: dL/dlogp of `targets` and dL/dentropy
     (None: 0), and the divergence's row weights (None: 1). The gradient sweep writes
@@ -117,28 +131,19 @@ def zs_derivative(log_ps: Tensor, lse: Tensor, head: Head, temperature: float) -
 
 
 def divergence_chunk(
-    zs: Tensor,
-    zt: Tensor,
-    targets: Tensor | None,
-    *,
-    beta: float,
-    temperature: float,
-    student: Head,
-    teacher: Head,
-    with_grad: bool,
-    block: int = 32768,
-    token_loss: TokenLoss | None = None,
+    zs: Tensor, zt: Tensor, targets: Tensor | None, spec: ChunkSpec, *, token_loss: TokenLoss | None = None
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor]:
     """(divergence, entropy, logp of `targets` or None, student lse, teacher lse), `[c]` each, from the raw logits
-    zs, zt `[c, V]` (overwritten: zs with dD/dx_s when `with_grad`, else with the student's log-probs).
+    zs, zt `[c, V]` (overwritten: zs with dD/dx_s when `spec.with_grad`, else with the student's log-probs).
 
     Up to three sweeps over the vocabulary, the last two a block at a time while it is in cache: the two heads'
     log-softmaxes (zs, zt become log p_s, log p_t, in place); the divergence and entropy (the forward KL's gradient is
-    written here too); the
-    gradient of the reverse KL or the JSD, which needs the row's divergence first. `token_loss` (with `targets`):
-    called once with the rows' logp and entropy, its `TokenGradient` added in the last sweep."""
+    written here too); the gradient of the reverse KL or the JSD, which needs the row's divergence first.
+    `token_loss` (with `targets`): called once with the rows' logp and entropy, its `TokenGradient` added in the last
+    sweep."""
+    beta, temperature, student, block, with_grad = spec.beta, spec.temperature, spec.student, spec.block, spec.with_grad
     transform_(zs, student, temperature)
-    transform_(zt, teacher, temperature)
+    transform_(zt, spec.teacher, temperature)
     lse_s, lse_t = log_softmax_(zs), log_softmax_(zt)
     exact = not has_neg_inf(zs, zt)  # no -inf: no 0·log 0 to mask
     logp = None if targets is None else zs.gather(1, targets[:, None])[:, 0]
@@ -285,9 +290,9 @@ class _RowCoefficients:
             ls.scatter_add_(1, local.clamp(0, ls.shape[1] - 1), torch.where(inside, self.grad_logp, 0.0).to(ls.dtype))
 
 
-def student_gradient_(zs, zt, beta, centre, lse_s, student, temperature, block, exact) -> None:
+def student_gradient_(zs: Tensor, zt: Tensor, *, centre: Tensor, lse_s: Tensor, spec: ChunkSpec, exact: bool) -> None:
     """zs (log p_s, given zt = log p_t) ← dD/dx_s, block by block (`GradientSweep` without a token loss)."""
-    GradientSweep(beta, centre, lse_s, student, temperature, exact).run_(zs, zt, block)
+    GradientSweep(spec.beta, centre, lse_s, spec.student, spec.temperature, exact).run_(zs, zt, spec.block)
 
 
 def _scale_(grad: Tensor, derivative: Tensor | float) -> None:

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from grpo_kernels.kernels.torch.divergence import (
-    Head,
+    ChunkSpec,
     divergence_chunk,
     entropy_of,
     has_neg_inf,
@@ -32,23 +32,13 @@ def _with_tail(log_p: Tensor, ids: Tensor, block: int) -> Tensor:
 
 
 def topk_divergence_chunk(
-    zs: Tensor,
-    zt: Tensor,
-    targets: Tensor | None,
-    k: int,
-    ids: Tensor | None,
-    *,
-    beta: float,
-    temperature: float,
-    student: Head,
-    teacher: Head,
-    with_grad: bool,
-    block: int = 32768,
+    zs: Tensor, zt: Tensor, targets: Tensor | None, spec: ChunkSpec, *, k: int, ids: Tensor | None
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor, Tensor]:
     """`divergence_chunk`'s outputs for the top-k-plus-tail divergence, then the ids `[c, k]`: `ids` given, or the
     teacher's k largest logits."""
+    student, temperature, block, with_grad = spec.student, spec.temperature, spec.block, spec.with_grad
     transform_(zs, student, temperature)
-    transform_(zt, teacher, temperature)
+    transform_(zt, spec.teacher, temperature)
     lse_s, lse_t = log_softmax_(zs), log_softmax_(zt)
     if ids is None:
         ids = zt.topk(k, -1).indices  # [c, k]
@@ -56,9 +46,8 @@ def topk_divergence_chunk(
     entropy = entropy_of(zs, block, exact=not has_neg_inf(zs))
     ys, yt = _with_tail(zs, ids, block), _with_tail(zt, ids, block)  # [c, k + 1] each
     kept_s, tail_s = ys[:, :-1].clone(), ys[:, -1:].clone()
-    identity = Head()
-    divergence, *_ = divergence_chunk(ys, yt, None, beta=beta, temperature=1.0, student=identity, teacher=identity,
-                                      with_grad=with_grad, block=block)  # fmt: skip
+    outcomes = ChunkSpec(spec.beta, with_grad=with_grad, block=block)  # the k + 1 log-probs: no transform
+    divergence, *_ = divergence_chunk(ys, yt, None, outcomes)
     if with_grad:  # ys now holds dD/dy
         scale = torch.where(torch.isfinite(tail_s), ys[:, -1:], torch.zeros_like(tail_s))  # [c, 1]
         tail_s = torch.where(torch.isfinite(tail_s), tail_s, torch.zeros_like(tail_s))

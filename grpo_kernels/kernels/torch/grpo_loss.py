@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from grpo_kernels.kernels.protocol import EPILOGUE_KL
+from grpo_kernels.kernels.protocol import EPILOGUE_KL, LossSides, VocabPassArgs
 from grpo_kernels.kernels.torch.token_logprobs import token_logprobs_fwd
 
 KL_KINDS = EPILOGUE_KL  # the estimators `_kl` implements
@@ -53,7 +53,7 @@ def _clip(ratio: Tensor, d_ratio: Tensor, adv: Tensor, epilogue) -> tuple[Tensor
     return loss, dlogp
 
 
-def _policy(logp: Tensor, ratio: Tensor, d_ratio: Tensor, adv: Tensor, epilogue) -> tuple[Tensor, Tensor]:
+def _policy(logp: Tensor, *, ratio: Tensor, d_ratio: Tensor, adv: Tensor, epilogue) -> tuple[Tensor, Tensor]:
     """The policy term of `epilogue.kind` and its derivative w.r.t. logp."""
     if epilogue.kind == "clip":
         return _clip(ratio, d_ratio, adv, epilogue)
@@ -94,28 +94,19 @@ def _kl(logp: Tensor, ref_logp: Tensor, estimator: str) -> tuple[Tensor, Tensor]
     return kl, d_kl
 
 
-def token_loss(
-    logp: Tensor,
-    mask: Tensor | None,
-    weights: Tensor,
-    advantages: Tensor,
-    old_logp: Tensor | None,
-    ref_logp: Tensor | None,
-    is_ratio: Tensor | None,
-    epilogue,
-) -> tuple[Tensor, Tensor]:
+def token_loss(logp: Tensor, mask: Tensor | None, sides: LossSides, epilogue) -> tuple[Tensor, Tensor]:
     """Each token's weighted loss and weighted dL/dlogp, [B, T], 0 at masked tokens (whatever padding holds);
     `mask` None: every token is kept."""
-    ratio, d_ratio = _ratio(logp, old_logp)
-    loss, dlogp = _policy(logp, ratio, d_ratio, advantages, epilogue)
-    if is_ratio is not None:
-        loss, dlogp = loss * is_ratio, dlogp * is_ratio
+    ratio, d_ratio = _ratio(logp, sides.old_logp)
+    loss, dlogp = _policy(logp, ratio=ratio, d_ratio=d_ratio, adv=sides.advantages, epilogue=epilogue)
+    if sides.is_ratio is not None:
+        loss, dlogp = loss * sides.is_ratio, dlogp * sides.is_ratio
     if epilogue.beta != 0.0:
-        kl, d_kl = _kl(logp, ref_logp, epilogue.kl_estimator)
+        kl, d_kl = _kl(logp, sides.ref_logp, epilogue.kl_estimator)
         if epilogue.bias_correction:  # KL·ρ, ρ not detached
             kl, d_kl = kl * ratio, d_kl * ratio + kl * d_ratio
         loss, dlogp = loss.add(kl, alpha=epilogue.beta), dlogp.add(d_kl, alpha=epilogue.beta)
-    loss, dlogp = loss * weights, dlogp * weights
+    loss, dlogp = loss * sides.weights, dlogp * sides.weights
     if mask is None:
         return loss, dlogp
     dropped = ~mask
@@ -123,28 +114,13 @@ def token_loss(
 
 
 def grpo_loss_fwd(
-    logits: Tensor,
-    targets: Tensor,
-    mask: Tensor,
-    weights: Tensor,
-    advantages: Tensor,
-    old_logp: Tensor | None,
-    ref_logp: Tensor | None,
-    is_ratio: Tensor | None,
-    epilogue,
-    temperature: float,
-    with_entropy: bool,
-    *,
-    logit_scale: float = 1.0,
-    softcap: float | None = None,
+    args: VocabPassArgs, sides: LossSides, epilogue
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor]:
     """The pass (`token_logprobs_fwd`), then the epilogue: logp, lse, entropy|None, each token's weighted loss and
-    weighted dL/dlogp, [B, T] in the compute dtype. The side inputs come in that dtype too; advantages / is_ratio
-    may be [B, T] views of per-sequence values."""
-    logp, lse, entropy, _ = token_logprobs_fwd(
-        logits, targets, mask, temperature, with_entropy, logit_scale=logit_scale, softcap=softcap
-    )
-    loss, dlogp = token_loss(logp, mask, weights, advantages, old_logp, ref_logp, is_ratio, epilogue)
+    weighted dL/dlogp, [B, T] in the compute dtype. The sides come in that dtype too; advantages / is_ratio may be
+    [B, T] views of per-sequence values."""
+    logp, lse, entropy, _ = token_logprobs_fwd(args)
+    loss, dlogp = token_loss(logp, args.mask, sides, epilogue)
     return logp, lse, entropy, loss, dlogp
 
 
@@ -159,10 +135,8 @@ def closed_form_share(
     def share(rows: slice, logp: Tensor, entropy: Tensor | None) -> tuple[Tensor, Tensor, None]:
         pick = lambda x: None if x is None else x[rows]  # noqa: E731  [c]
         mask = None if row_mask is None else row_mask[rows]
-        loss, dlogp = token_loss(
-            logp, mask, omega[rows], *(pick(side[k]) for k in ("advantages", "old_logp", "ref_logp", "is_ratio")),
-            epilogue,
-        )  # fmt: skip
+        sides = LossSides(weights=omega[rows], **{name: pick(x) for name, x in side.items()})
+        loss, dlogp = token_loss(logp, mask, sides, epilogue)
         return loss.sum(), dlogp, None
 
     return share

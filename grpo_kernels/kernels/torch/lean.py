@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from grpo_kernels.kernels.protocol import compute_dtype
+from grpo_kernels.kernels.protocol import RowGrads, compute_dtype
 from grpo_kernels.kernels.transform import transform_
 
 WINDOW_ELEMENTS = 1 << 20  # float32 scratch per window: 4 MiB
@@ -136,12 +136,13 @@ def row_scale(x: Tensor, mask: Tensor | None, grad_entropy: Tensor | None, opts)
     return plain and x.dtype == compute_dtype(x.dtype)
 
 
-def tile_grad_(x: Tensor, v0: Tensor | int, targets: Tensor, mask: Tensor | None, lse: Tensor, entropy: Tensor | None,
-               grad_logp: Tensor, grad_entropy: Tensor | None, opts) -> Tensor | None:  # fmt: skip
+def tile_grad_(x: Tensor, v0: Tensor | int, targets: Tensor, mask: Tensor | None, grads: RowGrads,
+               opts) -> Tensor | None:  # fmt: skip
     """Overwrite the tile x [rows, w] of logits (columns v0 .. v0 + w) with dL/dx: per row
     (g·(onehot − q) − g_H·q·(log q + H))·dz/dx, q = softmax of the whole row (its lse), z the transformed logits;
-    rows that `mask` drops (None: none) get 0. grad_logp [rows] (zeros when absent), grad_entropy / entropy
-    [rows] or None. Returns None, or, where `row_scale` says, the per-row factor σ [rows] that dL/dx still needs."""
+    rows that `mask` drops (None: none) get 0. `grads` [rows] each, grad_logp given (zeros when absent). Returns
+    None, or, where `row_scale` says, the per-row factor σ [rows] that dL/dx still needs."""
+    lse, entropy, grad_logp, grad_entropy = grads.lse, grads.entropy, grads.grad_logp, grads.grad_entropy
     dtype = compute_dtype(x.dtype)
     in_place = x.dtype == dtype
     softcap, scale, temperature = opts.final_logit_softcapping, opts.logit_scale, opts.temperature

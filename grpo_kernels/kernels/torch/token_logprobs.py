@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from grpo_kernels.kernels.protocol import compute_dtype
+from grpo_kernels.kernels.protocol import RowGrads, VocabPassArgs, compute_dtype
 from grpo_kernels.kernels.transform import transform_
 
 CHUNK_ELEMENTS = {"cpu": 1 << 20, "other": 1 << 22}  # logits per chunk: 4 MiB of float32 (cache-sized) on CPU
@@ -82,22 +82,16 @@ def _scratch(logits: Tensor) -> Tensor:
     return torch.empty(rows, logits.shape[-1], dtype=compute_dtype(logits.dtype), device=logits.device)
 
 
-def token_logprobs_fwd(
-    logits: Tensor,
-    targets: Tensor,
-    mask: Tensor,
-    temperature: float,
-    with_entropy: bool,
-    *,
-    logit_scale: float = 1.0,
-    softcap: float | None = None,
-    stats: tuple[str, ...] = (),
-) -> tuple[Tensor, Tensor, Tensor | None, dict[str, Tensor]]:
-    """logits [B, T, V], targets [B, T], mask [B, T] bool -> logp, lse, entropy (or None), each [B, T], and the
-    requested `stats` by name ([B, T] each; `is_top1` bool), all of the transformed logits (`transform_`).
-
-    Masked rows get 0 (False).
-    """
+def token_logprobs_fwd(args: VocabPassArgs) -> tuple[Tensor, Tensor, Tensor | None, dict[str, Tensor]]:
+    """logp, lse, entropy (or None), each [B, T], and the requested `stats` by name ([B, T] each; `is_top1` bool),
+    all of the transformed logits (`transform_`), in the compute dtype. Masked rows get 0 (False)."""
+    logits, targets, mask, stats = args.logits, args.targets, args.mask, args.stats
+    temperature, logit_scale, softcap, with_entropy = (
+        args.temperature,
+        args.logit_scale,
+        args.softcap,
+        args.with_entropy,
+    )
     dtype = compute_dtype(logits.dtype)
     flat_targets, dropped = _kept_targets(targets, logits.shape[-1]), ~mask.reshape(-1, 1)  # [B·T, 1] each
     identity = temperature == 1.0 and logit_scale == 1.0 and softcap is None
@@ -150,31 +144,20 @@ def token_logprobs_fwd(
     return out.pop("logp"), out.pop("lse"), out.pop("entropy", None), out
 
 
-def token_logprobs_bwd(
-    logits: Tensor,
-    targets: Tensor,
-    mask: Tensor,
-    lse: Tensor,
-    entropy: Tensor | None,
-    grad_logp: Tensor | None,
-    grad_entropy: Tensor | None,
-    temperature: float,
-    out: Tensor,
-    *,
-    logit_scale: float = 1.0,
-    softcap: float | None = None,
-) -> None:
-    """Write dL/dlogits into `out` (which may be `logits` itself): per kept row
+def token_logprobs_bwd(args: VocabPassArgs, grads: RowGrads, out: Tensor) -> None:
+    """Write dL/dlogits into `out` (which may be the logits themselves): per kept row
 
     (g·(onehot − q) + g_H·(−q·(log q + H)))·dz/dx,  q = softmax(z),  z = transform(x) (`transform_`),
     dz/dx = s/T, or s/T·sech²(s·x/c) when soft-capped;  masked rows get 0.
     When `out` is the logits in float32 (or float64), each window is rewritten in place.
     """
+    logits, targets, mask = args.logits, args.targets, args.mask
+    temperature, logit_scale, softcap = args.temperature, args.logit_scale, args.softcap
     dtype = compute_dtype(logits.dtype)
     in_place = out is logits and logits.dtype == dtype
     flat = lambda x: None if x is None else x.reshape(-1, 1).to(dtype)  # noqa: E731  [B·T, 1]
-    lse, entropy, grad_entropy = flat(lse), flat(entropy), flat(grad_entropy)
-    g_all = torch.zeros_like(lse) if grad_logp is None else flat(grad_logp)  # [B·T, 1]
+    lse, entropy, grad_entropy = flat(grads.lse), flat(grads.entropy), flat(grads.grad_entropy)
+    g_all = torch.zeros_like(lse) if grads.grad_logp is None else flat(grads.grad_logp)  # [B·T, 1]
     flat_targets = _kept_targets(targets, logits.shape[-1])  # [B·T, 1]
     log_q_buf = None if in_place else _scratch(logits)  # [C, V]
     out_flat = _flat(out)  # [B·T, V] (out is the logits or a contiguous buffer), or None for strided logits

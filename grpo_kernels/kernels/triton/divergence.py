@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from grpo_kernels.kernels.torch.divergence import Head
+from grpo_kernels.kernels.torch.divergence import ChunkSpec
 from grpo_kernels.kernels.triton.token_logprobs import softcapped, transform_coefficients
 
 KINDS = {"forward_kl": 0, "reverse_kl": 1, "jsd": 2}
@@ -177,13 +177,14 @@ def store_outputs(out_ptr, rows, row, divergence, entropy, logp, lse_s, lse_t):
     tl.store(out_ptr + 4 * rows + row, lse_t)
 
 
-def scalar_arguments(zs: Tensor, zt: Tensor, beta: float, temperature: float, student: Head, teacher: Head):
+def scalar_arguments(zs: Tensor, zt: Tensor, spec: ChunkSpec):
     """(the heads' transforms (a_s, b_s, capped_s, a_t, b_t, capped_t), the divergence's (beta, log(1 − β), log β),
     KIND): the kernels' run-time scalars, after checking that the logits buffers are float32."""
     if zs.dtype != torch.float32 or zt.dtype != torch.float32:
         raise TypeError(f"the Triton divergence pass reads float32 logits, got {zs.dtype} and {zt.dtype}")
-    a_s, b_s = transform_coefficients(temperature, student.logit_scale, student.final_logit_softcapping)
-    a_t, b_t = transform_coefficients(temperature, teacher.logit_scale, teacher.final_logit_softcapping)
+    beta, student, teacher = spec.beta, spec.student, spec.teacher
+    a_s, b_s = transform_coefficients(spec.temperature, student.logit_scale, student.final_logit_softcapping)
+    a_t, b_t = transform_coefficients(spec.temperature, teacher.logit_scale, teacher.final_logit_softcapping)
     capped_s, capped_t = student.final_logit_softcapping is not None, teacher.final_logit_softcapping is not None
     kind = kind_of(beta)
     log_1mb, log_b = (math.log1p(-beta), math.log(beta)) if kind == KINDS["jsd"] else (0.0, 0.0)
@@ -191,28 +192,20 @@ def scalar_arguments(zs: Tensor, zt: Tensor, beta: float, temperature: float, st
 
 
 def divergence_chunk(
-    zs: Tensor,
-    zt: Tensor,
-    targets: Tensor | None,
-    *,
-    beta: float,
-    temperature: float,
-    student: Head,
-    teacher: Head,
-    with_grad: bool,
-    block: int = 32768,
+    zs: Tensor, zt: Tensor, targets: Tensor | None, spec: ChunkSpec
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor]:
     """`kernels/torch/divergence.divergence_chunk` in one launch: (divergence, entropy, logp of `targets` or None,
     student lse, teacher lse), `[c]` float32 each, from the raw float32 logits zs, zt `[c, V]` (any strides); zs is
-    overwritten with dD/dx_s when `with_grad` (else left as it is)."""
-    heads, divergence_args, kind = scalar_arguments(zs, zt, beta, temperature, student, teacher)
+    overwritten with dD/dx_s when `spec.with_grad` (else left as it is)."""
+    heads, divergence_args, kind = scalar_arguments(zs, zt, spec)
     rows, V = zs.shape
     out = torch.empty((len(OUTPUTS), rows), dtype=torch.float32, device=zs.device)  # [5, c]
     if rows:
         _divergence_chunk_kernel[(rows,)](
             zs, zs.stride(0), zs.stride(1), zt, zt.stride(0), zt.stride(1), out if targets is None else targets, out,
             rows, V, *heads, targets is not None, *divergence_args,
-            KIND=kind, WITH_GRAD=with_grad, BLOCK_V=block_v_for(V, block), num_warps=NUM_WARPS, enable_fp_fusion=True,
+            KIND=kind, WITH_GRAD=spec.with_grad, BLOCK_V=block_v_for(V, spec.block), num_warps=NUM_WARPS,
+            enable_fp_fusion=True,
         )  # fmt: skip
     divergence, entropy, logp, lse_s, lse_t = out.unbind(0)
     return divergence, entropy, None if targets is None else logp, lse_s, lse_t

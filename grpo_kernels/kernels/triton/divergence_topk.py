@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from grpo_kernels.kernels.torch.divergence import Head
+from grpo_kernels.kernels.torch.divergence import ChunkSpec
 from grpo_kernels.kernels.triton.divergence import (
     _FLOAT32_LOWEST,
     NUM_WARPS,
@@ -132,27 +132,16 @@ def _topk_divergence_chunk_kernel(
 
 
 def topk_divergence_chunk(
-    zs: Tensor,
-    zt: Tensor,
-    targets: Tensor | None,
-    k: int,
-    ids: Tensor | None,
-    *,
-    beta: float,
-    temperature: float,
-    student: Head,
-    teacher: Head,
-    with_grad: bool,
-    block: int = 32768,
+    zs: Tensor, zt: Tensor, targets: Tensor | None, spec: ChunkSpec, *, k: int, ids: Tensor | None
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor, Tensor]:
     """`kernels/torch/divergence_topk.topk_divergence_chunk` in one launch: (divergence, entropy, logp of `targets` or
     None, student lse, teacher lse) `[c]` float32 each and the ids `[c, k]` (`ids` given, or the teacher's top k),
     from the raw float32 logits zs, zt `[c, V]`; zt is overwritten (NaN at the ids), zs with dD/dx_s when
-    `with_grad`."""
-    heads, divergence_args, kind = scalar_arguments(zs, zt, beta, temperature, student, teacher)
+    `spec.with_grad`."""
+    heads, divergence_args, kind = scalar_arguments(zs, zt, spec)
     rows, V = zs.shape
     if ids is None:  # the transform is monotonic: increasing unless the logit scale is negative
-        ids = zt.topk(k, -1, largest=teacher.logit_scale >= 0).indices
+        ids = zt.topk(k, -1, largest=spec.teacher.logit_scale >= 0).indices
     ids = ids.contiguous()
     kept_s, kept_t = zs.gather(1, ids), zt.gather(1, ids)  # [c, k] each
     zt.scatter_(1, ids, math.nan)  # marks the ids' columns for the kernel
@@ -161,8 +150,8 @@ def topk_divergence_chunk(
         _topk_divergence_chunk_kernel[(rows,)](
             zs, zs.stride(0), zs.stride(1), zt, zt.stride(0), zt.stride(1), kept_s, kept_t, ids,
             out if targets is None else targets, out, rows, V, k, *heads, targets is not None, *divergence_args,
-            KIND=kind, WITH_GRAD=with_grad, BLOCK_V=block_v_for(V, block), BLOCK_K=triton.next_power_of_2(k + 1),
-            num_warps=NUM_WARPS, enable_fp_fusion=True,
+            KIND=kind, WITH_GRAD=spec.with_grad, BLOCK_V=block_v_for(V, spec.block),
+            BLOCK_K=triton.next_power_of_2(k + 1), num_warps=NUM_WARPS, enable_fp_fusion=True,
         )  # fmt: skip
     divergence, entropy, logp, lse_s, lse_t = out.unbind(0)
     return divergence, entropy, None if targets is None else logp, lse_s, lse_t, ids

@@ -12,14 +12,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from grpo_kernels.kernels.protocol import EPILOGUE_KL
+from grpo_kernels.kernels.protocol import EPILOGUE_KL, LossSides, VocabPassArgs
 from grpo_kernels.kernels.triton.row_stats import row_logprob_stats
-from grpo_kernels.kernels.triton.token_logprobs import (
-    launch_partials,
-    merged_partials,
-    transform_coefficients,
-    vocab_plan,
-)
+from grpo_kernels.kernels.triton.token_logprobs import coefficients_of, launch_partials, merged_partials, vocab_plan
 
 EPILOGUES = {"clip": 0, "cispo": 1, "sapo": 2, "gpg": 3}  # PolicyLoss.epilogue -> the kernel's POLICY constant
 KL_KINDS = {kind: i for i, kind in enumerate(EPILOGUE_KL)}  # estimator -> the kernel's KL_KIND constant
@@ -182,32 +177,21 @@ def _store_loss_row(row, logp, lse, entropy, loss, dlogp, logp_ptr, lse_ptr, ent
 
 
 def grpo_loss_fwd(
-    logits: Tensor,
-    targets: Tensor,
-    mask: Tensor,
-    weights: Tensor,
-    advantages: Tensor,
-    old_logp: Tensor | None,
-    ref_logp: Tensor | None,
-    is_ratio: Tensor | None,
-    epilogue,
-    temperature: float,
-    with_entropy: bool,
-    *,
-    logit_scale: float = 1.0,
-    softcap: float | None = None,
+    args: VocabPassArgs, sides: LossSides, epilogue
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor]:
     """One pass: logp, lse, entropy|None, weighted per-token loss, weighted dL/dlogp, each [B, T] float32.
 
-    weights, old/ref [B, T] float32 contiguous; advantages / is_ratio [B, T] views (stride 0 in T for per-sequence
-    values); `epilogue` a `TokenEpilogue` (the policy kind and its hyperparameters).
+    The sides' weights, old/ref float32 contiguous, advantages / is_ratio [B, T] views (stride 0 in T for
+    per-sequence values); `epilogue` a `TokenEpilogue` (the policy kind and its hyperparameters).
     """
+    logits, with_entropy, weights, advantages = args.logits, args.with_entropy, sides.weights, sides.advantages
+    old_logp, ref_logp, is_ratio = sides.old_logp, sides.ref_logp, sides.is_ratio
     B, T, V = logits.shape
-    targets, mask = targets.contiguous(), mask.contiguous()
+    targets, mask = args.targets.contiguous(), args.mask.contiguous()
     logp = weights.new_empty((B, T))  # [B, T]
     lse, loss, dlogp = (weights.new_empty((B, T)) for _ in range(3))  # [B, T] each
     entropy = weights.new_empty((B, T)) if with_entropy else None  # [B, T]
-    a, b = transform_coefficients(temperature, logit_scale, softcap)
+    a, b = coefficients_of(args)
     plan = vocab_plan(logits)
     token_inputs = (
         weights, advantages, advantages.stride(0), advantages.stride(1),
@@ -221,7 +205,7 @@ def grpo_loss_fwd(
         epilogue.beta, epilogue.tau_pos, epilogue.tau_neg,
     )  # fmt: skip
     flags = dict(
-        HAS_SOFTCAP=softcap is not None,
+        HAS_SOFTCAP=args.softcap is not None,
         POLICY=EPILOGUES[epilogue.kind],
         HAS_OLD=old_logp is not None,
         HAS_DELTA=epilogue.delta is not None,
@@ -239,7 +223,7 @@ def grpo_loss_fwd(
             BLOCK_V=plan["block_v"], VEC=plan["vec"], num_warps=plan["warps"], enable_fp_fusion=True,
         )  # fmt: skip
     else:
-        pass_flags = dict(HAS_SOFTCAP=softcap is not None, WITH_ENTROPY=with_entropy)
+        pass_flags = dict(HAS_SOFTCAP=args.softcap is not None, WITH_ENTROPY=with_entropy)
         pass_flags |= dict(WITH_SUM_SQ=False, WITH_MEAN=False, WITH_TOP1=False)
         partial = launch_partials(logits, targets, mask, a, b, pass_flags, plan)
         _grpo_loss_merge_kernel[(B * T,)](

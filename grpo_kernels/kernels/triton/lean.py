@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from grpo_kernels.kernels.protocol import RowGrads, VocabPassArgs
 from grpo_kernels.kernels.triton import ops
 
 
@@ -26,10 +27,8 @@ class TileStats:
         """Fold the tile x [rows, w] (last stride 1), columns v0 .. v0 + w of the vocabulary."""
         opts = self.opts
         rel = (self.targets - v0).to(torch.int32)[None]  # [1, rows]
-        partial = ops.token_logprobs_partials(
-            x[None], rel.contiguous(), self.mask[None], opts.temperature, opts.with_entropy, **opts.transform,
-            stats=opts.stats,
-        )  # fmt: skip
+        args = VocabPassArgs(logits=x[None], targets=rel.contiguous(), mask=self.mask[None], **opts.pass_fields)
+        partial = ops.token_logprobs_partials(args)
         inside = (rel[0] >= 0) & (rel[0] < x.shape[1])
         self.v_t = torch.where(inside, partial[7, :, 0], self.v_t)  # written only where the target is in the tile
         self.parts.append(partial)
@@ -44,14 +43,11 @@ class TileStats:
         )
 
 
-def tile_grad_(x: Tensor, v0: int, targets: Tensor, mask: Tensor, lse: Tensor, entropy: Tensor | None,
-               grad_logp: Tensor, grad_entropy: Tensor | None, opts) -> None:  # fmt: skip
+def tile_grad_(x: Tensor, v0: int, targets: Tensor, mask: Tensor | None, grads: RowGrads, opts) -> None:
     """Overwrite the tile x [rows, w] (last stride 1) with dL/dx, as torch/lean.tile_grad_ (no row factor left)."""
     rel = (targets - v0).to(torch.int32)[None]
     if mask is None:
         mask = torch.ones(targets.shape, dtype=torch.bool, device=targets.device)
     tile = x[None]  # [1, rows, w]: the logits and the buffer the gradient is written into (the in-place op)
-    ops.token_logprobs_bwd(
-        tile, rel, mask[None], lse[None], None if entropy is None else entropy[None], grad_logp[None],
-        None if grad_entropy is None else grad_entropy[None], opts.temperature, tile, **opts.transform,
-    )  # fmt: skip
+    args = VocabPassArgs(logits=tile, targets=rel, mask=mask[None], **opts.pass_fields)
+    ops.token_logprobs_bwd(args, grads.at(None), tile)

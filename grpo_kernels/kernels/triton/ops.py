@@ -21,7 +21,7 @@ import torch
 import triton
 from torch import Tensor
 
-from grpo_kernels.kernels.protocol import writes_in_place
+from grpo_kernels.kernels.protocol import LossSides, RowGrads, VocabPassArgs, epilogue_fields, writes_in_place
 from grpo_kernels.kernels.triton import grpo_loss as loss_launch
 from grpo_kernels.kernels.triton import token_logprobs as launch
 
@@ -97,8 +97,9 @@ def _token_logprobs_fwd(
     asked = dict(zip(STATS, (log_sum_sq_probs, mean_logits, is_top1), strict=True))
     stats = tuple(name for name, on in asked.items() if on)
     logp, lse, entropy, out = launch.token_logprobs_fwd(
-        logits, targets, mask, temperature, with_entropy, logit_scale=logit_scale, softcap=softcap, stats=stats
-    )
+        VocabPassArgs(logits=logits, targets=targets, mask=mask, temperature=temperature, logit_scale=logit_scale,
+                      softcap=softcap, with_entropy=with_entropy, stats=stats)
+    )  # fmt: skip
     entropy = _row(logp, (0,)) if entropy is None else entropy
     return logp, lse, entropy, *(out[name] if name in out else _row(logp, (0,)) for name in STATS)
 
@@ -108,24 +109,20 @@ def _(logits, targets, mask, temperature, with_entropy, logit_scale, softcap, lo
     return _pass_outputs(logits, tuple(logits.shape[:2]), with_entropy, log_sum_sq_probs, mean_logits, is_top1)
 
 
-def token_logprobs_fwd(
-    logits: Tensor,
-    targets: Tensor,
-    mask: Tensor,
-    temperature: float,
-    with_entropy: bool,
-    *,
-    logit_scale: float = 1.0,
-    softcap: float | None = None,
-    stats: tuple[str, ...] = (),
-) -> tuple[Tensor, Tensor, Tensor | None, dict[str, Tensor]]:
-    """`protocol.VocabPass.token_logprobs_fwd` as one op: logits [B, T, V] (last stride 1), targets [B, T], mask
-    [B, T] bool -> logp, lse, entropy|None, [B, T] float32, and the asked `stats` by name."""
-    logp, lse, entropy, *values = _token_logprobs_fwd(
-        logits, targets, mask, float(temperature), bool(with_entropy), float(logit_scale), _softcap(softcap),
-        *(name in stats for name in STATS),
+def _flat_pass(args: VocabPassArgs) -> tuple:
+    """A pass's record as the ops take it (their schema has no records): logits, targets, mask, temperature,
+    with_entropy, logit_scale, softcap, then one flag per `STATS`."""
+    return (
+        args.logits, args.targets, args.mask, float(args.temperature), bool(args.with_entropy),
+        float(args.logit_scale), _softcap(args.softcap), *(name in args.stats for name in STATS),
     )  # fmt: skip
-    return logp, lse, entropy if with_entropy else None, _asked(values, stats)
+
+
+def token_logprobs_fwd(args: VocabPassArgs) -> tuple[Tensor, Tensor, Tensor | None, dict[str, Tensor]]:
+    """`protocol.VocabPass.token_logprobs_fwd` as one op: logits (last stride 1) -> logp, lse, entropy|None,
+    [B, T] float32, and the asked `stats` by name."""
+    logp, lse, entropy, *values = _token_logprobs_fwd(*_flat_pass(args))
+    return logp, lse, entropy if args.with_entropy else None, _asked(values, args.stats)
 
 
 @_op(mutates_args=("out",))
@@ -143,8 +140,10 @@ def _token_logprobs_bwd(
     out: Tensor,
 ) -> None:
     launch.token_logprobs_bwd(
-        logits, targets, mask, lse, entropy, grad_logp, grad_entropy, temperature, out,
-        logit_scale=logit_scale, softcap=softcap,
+        VocabPassArgs(logits=logits, targets=targets, mask=mask, temperature=temperature, logit_scale=logit_scale,
+                      softcap=softcap),
+        RowGrads(lse=lse, entropy=entropy, grad_logp=grad_logp, grad_entropy=grad_entropy),
+        out,
     )  # fmt: skip
 
 
@@ -167,8 +166,10 @@ def _token_logprobs_bwd_inplace(
     softcap: float | None,
 ) -> None:
     launch.token_logprobs_bwd(
-        logits, targets, mask, lse, entropy, grad_logp, grad_entropy, temperature, logits,
-        logit_scale=logit_scale, softcap=softcap,
+        VocabPassArgs(logits=logits, targets=targets, mask=mask, temperature=temperature, logit_scale=logit_scale,
+                      softcap=softcap),
+        RowGrads(lse=lse, entropy=entropy, grad_logp=grad_logp, grad_entropy=grad_entropy),
+        logits,
     )  # fmt: skip
 
 
@@ -177,27 +178,15 @@ def _(logits, targets, mask, lse, entropy, grad_logp, grad_entropy, temperature,
     return None
 
 
-def token_logprobs_bwd(
-    logits: Tensor,
-    targets: Tensor,
-    mask: Tensor,
-    lse: Tensor,
-    entropy: Tensor | None,
-    grad_logp: Tensor | None,
-    grad_entropy: Tensor | None,
-    temperature: float,
-    out: Tensor,
-    *,
-    logit_scale: float = 1.0,
-    softcap: float | None = None,
-) -> None:
+def token_logprobs_bwd(args: VocabPassArgs, grads: RowGrads, out: Tensor) -> None:
     """`protocol.VocabPass.token_logprobs_bwd` as one op: dL/dlogits into `out`, which may be the logits (then the
     op that declares the logits mutated)."""
-    args = (targets, mask, lse, entropy, grad_logp, grad_entropy, float(temperature), float(logit_scale))
-    if writes_in_place(out, logits):
-        _token_logprobs_bwd_inplace(logits, *args, _softcap(softcap))
+    rows = (args.targets, args.mask, grads.lse, grads.entropy, grads.grad_logp, grads.grad_entropy)
+    transform = (float(args.temperature), float(args.logit_scale), _softcap(args.softcap))
+    if writes_in_place(out, args.logits):
+        _token_logprobs_bwd_inplace(args.logits, *rows, *transform)
     else:
-        _token_logprobs_bwd(logits, *args, _softcap(softcap), out)
+        _token_logprobs_bwd(args.logits, *rows, *transform, out)
 
 
 # --- the fused loss epilogue -----------------------------------------------------------------------------------------
@@ -235,8 +224,10 @@ def _grpo_loss_fwd(
         tau_pos=tau_pos, tau_neg=tau_neg,
     )  # fmt: skip
     logp, lse, entropy, loss, dlogp = loss_launch.grpo_loss_fwd(
-        logits, targets, mask, weights, advantages, old_logp, ref_logp, is_ratio, epilogue, temperature,
-        with_entropy, logit_scale=logit_scale, softcap=softcap,
+        VocabPassArgs(logits=logits, targets=targets, mask=mask, temperature=temperature, logit_scale=logit_scale,
+                      softcap=softcap, with_entropy=with_entropy),
+        LossSides(weights=weights, advantages=advantages, old_logp=old_logp, ref_logp=ref_logp, is_ratio=is_ratio),
+        epilogue,
     )  # fmt: skip
     return logp, lse, _row(logp, (0,), dtype=logp.dtype) if entropy is None else entropy, loss, dlogp
 
@@ -251,31 +242,16 @@ def _(logits, targets, mask, weights, advantages, old_logp, ref_logp, is_ratio, 
 
 
 def grpo_loss_fwd(
-    logits: Tensor,
-    targets: Tensor,
-    mask: Tensor,
-    weights: Tensor,
-    advantages: Tensor,
-    old_logp: Tensor | None,
-    ref_logp: Tensor | None,
-    is_ratio: Tensor | None,
-    epilogue,
-    temperature: float,
-    with_entropy: bool,
-    *,
-    logit_scale: float = 1.0,
-    softcap: float | None = None,
+    args: VocabPassArgs, sides: LossSides, epilogue
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor]:
     """`protocol.Epilogue.grpo_loss_fwd` as one op: logp, lse, entropy|None, weighted per-token loss, weighted
     dL/dlogp, each [B, T] float32; `epilogue` a `TokenEpilogue`, passed to the op field by field."""
     logp, lse, entropy, loss, dlogp = _grpo_loss_fwd(
-        logits, targets, mask, weights, advantages, old_logp, ref_logp, is_ratio, epilogue.kind,
-        float(epilogue.eps_low), float(epilogue.eps_high), None if epilogue.delta is None else float(epilogue.delta),
-        None if epilogue.clip_ratio_c is None else float(epilogue.clip_ratio_c), bool(epilogue.cispo_two_sided),
-        float(epilogue.beta), epilogue.kl_estimator, bool(epilogue.bias_correction), float(epilogue.tau_pos),
-        float(epilogue.tau_neg), float(temperature), bool(with_entropy), float(logit_scale), _softcap(softcap),
+        args.logits, args.targets, args.mask, sides.weights, sides.advantages, sides.old_logp, sides.ref_logp,
+        sides.is_ratio, *epilogue_fields(epilogue), float(args.temperature), bool(args.with_entropy),
+        float(args.logit_scale), _softcap(args.softcap),
     )  # fmt: skip
-    return logp, lse, entropy if with_entropy else None, loss, dlogp
+    return logp, lse, entropy if args.with_entropy else None, loss, dlogp
 
 
 # --- the lean fused lm_head's tiles (`lean.py`) ----------------------------------------------------------------------
@@ -307,23 +283,10 @@ def _(logits, targets, mask, temperature, with_entropy, logit_scale, softcap, lo
     return logits.new_empty((launch.PARTIAL_FIELDS, B * T, splits), dtype=torch.float32)
 
 
-def token_logprobs_partials(
-    logits: Tensor,
-    targets: Tensor,
-    mask: Tensor,
-    temperature: float,
-    with_entropy: bool,
-    *,
-    logit_scale: float = 1.0,
-    softcap: float | None = None,
-    stats: tuple[str, ...] = (),
-) -> Tensor:
-    """The V-blocks' partial statistics [PARTIAL_FIELDS, B·T, V-blocks] of logits [B, T, V] (last stride 1; targets
-    int32 and mask contiguous) as one op: a split pass, merged by `token_logprobs_merge`."""
-    return _token_logprobs_partials(
-        logits, targets, mask, float(temperature), bool(with_entropy), float(logit_scale), _softcap(softcap),
-        *(name in stats for name in STATS),
-    )  # fmt: skip
+def token_logprobs_partials(args: VocabPassArgs) -> Tensor:
+    """The V-blocks' partial statistics [PARTIAL_FIELDS, B·T, V-blocks] of the logits (last stride 1; targets int32
+    and mask contiguous) as one op: a split pass, merged by `token_logprobs_merge`."""
+    return _token_logprobs_partials(*_flat_pass(args))
 
 
 @_op()

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from grpo_kernels.kernels.protocol import RowGrads, VocabPassArgs
 from grpo_kernels.kernels.triton.row_stats import (
     EXP_FLOOR,
     FLOAT32_LOWEST,
@@ -76,6 +77,11 @@ def transform_coefficients(temperature: float, logit_scale: float, softcap: floa
     if softcap is None:
         return logit_scale / temperature, 1.0
     return logit_scale / softcap, softcap / temperature
+
+
+def coefficients_of(args: VocabPassArgs) -> tuple[float, float]:
+    """`transform_coefficients` of a pass's record."""
+    return transform_coefficients(args.temperature, args.logit_scale, args.softcap)
 
 
 def v_splits(rows: int, vocab: int, sm_count: int) -> int:
@@ -330,28 +336,19 @@ def launch_partials(logits: Tensor, targets: Tensor, mask: Tensor, a: float, b: 
     return partial
 
 
-def token_logprobs_fwd(
-    logits: Tensor,
-    targets: Tensor,
-    mask: Tensor,
-    temperature: float,
-    with_entropy: bool,
-    *,
-    logit_scale: float = 1.0,
-    softcap: float | None = None,
-    stats: tuple[str, ...] = (),
-) -> tuple[Tensor, Tensor, Tensor | None, dict[str, Tensor]]:
-    """logits [B, T, V] (last stride 1), targets [B, T], mask [B, T] bool -> logp, lse, entropy|None, [B, T] fp32,
-    and the requested `stats` by name ([B, T]; `is_top1` bool)."""
+def token_logprobs_fwd(args: VocabPassArgs) -> tuple[Tensor, Tensor, Tensor | None, dict[str, Tensor]]:
+    """logits (last stride 1) -> logp, lse, entropy|None, [B, T] fp32, and the requested `stats` by name ([B, T];
+    `is_top1` bool)."""
+    logits, with_entropy = args.logits, args.with_entropy
     B, T, V = logits.shape
-    targets, mask = targets.contiguous(), mask.contiguous()
+    targets, mask = args.targets.contiguous(), args.mask.contiguous()
     logp = torch.empty((B, T), dtype=torch.float32, device=logits.device)  # [B, T]
     lse = torch.empty_like(logp)  # [B, T]
     entropy = torch.empty_like(logp) if with_entropy else None  # [B, T]
-    out = {name: torch.empty_like(logp, dtype=torch.int8 if name == "is_top1" else None) for name in stats}
+    out = {name: torch.empty_like(logp, dtype=torch.int8 if name == "is_top1" else None) for name in args.stats}
     outputs = (logp, lse, logp if entropy is None else entropy, *(out.get(n, logp) for n in _STATS))
-    a, b = transform_coefficients(temperature, logit_scale, softcap)
-    flags, plan = _flags(with_entropy, softcap, out), vocab_plan(logits)
+    a, b = coefficients_of(args)
+    flags, plan = _flags(with_entropy, args.softcap, out), vocab_plan(logits)
     if plan["splits"] == 1:
         _token_logprobs_fwd_kernel[(B * T,)](
             logits, logits.stride(0), logits.stride(1), targets, mask, *outputs, logp, T, V, V, a, b, **flags,
@@ -380,32 +377,21 @@ def _same_alignment(out: Tensor, logits: Tensor) -> bool:
     return all(d % 16 == 0 for d in (out.data_ptr() - logits.data_ptr(), *steps))
 
 
-def token_logprobs_bwd(
-    logits: Tensor,
-    targets: Tensor,
-    mask: Tensor,
-    lse: Tensor,
-    entropy: Tensor | None,
-    grad_logp: Tensor | None,
-    grad_entropy: Tensor | None,
-    temperature: float,
-    out: Tensor,
-    *,
-    logit_scale: float = 1.0,
-    softcap: float | None = None,
-) -> None:
-    """Write dL/dlogits into `out` (may be `logits` itself; last strides 1); masked rows get 0."""
+def token_logprobs_bwd(args: VocabPassArgs, grads: RowGrads, out: Tensor) -> None:
+    """Write dL/dlogits into `out` (may be the logits themselves; last strides 1); masked rows get 0."""
+    logits, lse, entropy = args.logits, grads.lse, grads.entropy
     B, T, V = logits.shape
-    targets, mask = targets.contiguous(), mask.contiguous()
-    grad_logp = None if grad_logp is None else grad_logp.contiguous()
-    grad_entropy = None if grad_entropy is None else grad_entropy.contiguous()
-    a, b = transform_coefficients(temperature, logit_scale, softcap)
+    targets, mask = args.targets.contiguous(), args.mask.contiguous()
+    grad_logp = None if grads.grad_logp is None else grads.grad_logp.contiguous()
+    grad_entropy = None if grads.grad_entropy is None else grads.grad_entropy.contiguous()
+    a, b = coefficients_of(args)
     plan = vocab_plan(logits)
     _token_logprobs_bwd_kernel[(B * T, plan["splits"])](
         logits, logits.stride(0), logits.stride(1), out, out.stride(0), out.stride(1), targets, mask, lse,
         lse if entropy is None else entropy, lse if grad_logp is None else grad_logp,
         lse if grad_entropy is None else grad_entropy, T, V, plan["chunk"], a, b,
-        HAS_SOFTCAP=softcap is not None, HAS_GRAD_LOGP=grad_logp is not None, HAS_GRAD_ENTROPY=grad_entropy is not None,
-        IN_PLACE=_same_rows(out, logits), OUT_LIKE_IN=_same_alignment(out, logits), BLOCK_V=plan["block_v"],
-        VEC=plan["vec"], num_warps=plan["warps"], enable_fp_fusion=True,
+        HAS_SOFTCAP=args.softcap is not None, HAS_GRAD_LOGP=grad_logp is not None,
+        HAS_GRAD_ENTROPY=grad_entropy is not None, IN_PLACE=_same_rows(out, logits),
+        OUT_LIKE_IN=_same_alignment(out, logits), BLOCK_V=plan["block_v"], VEC=plan["vec"], num_warps=plan["warps"],
+        enable_fp_fusion=True,
     )  # fmt: skip
