@@ -30,6 +30,8 @@ from torch import Tensor
 
 from grpo_kernels.kernels.pass_options import PassOptions, Replay
 from grpo_kernels.kernels.protocol import compute_dtype
+from grpo_kernels.kernels import replay_narrow as narrow_rows
+from grpo_kernels.kernels.replay_narrow import Narrow
 from grpo_kernels.kernels.transform import chain_rule_, transform_
 
 REPLAY_STATS = ("log_kept_mass", "outside_support")  # per-token statistics of a replayed pass (float32, bool)
@@ -182,10 +184,11 @@ def _top_p_cut(z: Tensor, top_p: float, theta: Tensor, candidates: Tensor | None
 
 
 def _row_lse(z: Tensor, out: Tensor) -> Tensor:
-    """logsumexp of each row of z [C, V], [C]: max − log_softmax at the max (a log-prob in [−log V, 0], exact to
-    rounding), through `out` [C, V]: on CPU a fused log_softmax is a few times faster than logsumexp."""
-    top, at = z.max(dim=-1, keepdim=True)  # [C, 1] each
-    lse = top - torch.log_softmax(z, dim=-1, out=out).gather(1, at)  # [C, 1]
+    """logsumexp of each row of z [C, V], [C]: max − the largest log_softmax (the one at the max, a log-prob in
+    [−log V, 0], exact to rounding), through `out` [C, V]: on CPU a fused log_softmax is a few times faster than
+    logsumexp, and `amax` than a max with its index."""
+    top = z.amax(dim=-1, keepdim=True)  # [C, 1]
+    lse = top - torch.log_softmax(z, dim=-1, out=out).amax(dim=-1, keepdim=True)  # [C, 1]
     return torch.where(top == -math.inf, top, lse)[:, 0]  # a row of -inf: -inf
 
 
@@ -202,47 +205,64 @@ def keep_ids_(z: Tensor, ids: Tensor) -> Tensor:
 def mask_window_(z: Tensor, targets: Tensor, *, replay: Replay, ids: Tensor | None, theta: Tensor | None,
                  rows: RowReduce, owned: Tensor | None = None, scratch: Scratch | None = None,
                  with_lse: bool = False):  # fmt: skip
-    """Set z [C, V] to -inf outside support ∪ {target} in place (targets [C, 1] inside [0, V); ids [C, K] the kept
-    ids, or θ [C, 1] from `thresholds`, computed when None), a window of `window_rows` rows at a time through
-    `scratch`'s "temp" buffer. On a shard, `owned` [C] says which rows' target is this shard's (the others'
-    stand-in column is not kept for them). Returns (this window's lse over its columns [C] with `with_lse`, else
-    None; target outside [C] bool (owned rows only); θ)."""
-    C = z.shape[0]
+    """Set z [C, V] to -inf outside support ∪ {target} in place, or gather the support into narrow rows
+    (`replay_narrow`, z left as it is) where one process holds the rows and each row's support is narrow (targets
+    [C, 1] inside [0, V); ids [C, K] the kept ids, or θ [C, 1] from `thresholds`, computed when None), a window of
+    `window_rows` rows at a time through `scratch`'s "temp" buffer. On a shard, `owned` [C] says which rows' target
+    is this shard's (the others' stand-in column is not kept for them). Returns (this window's lse over its columns
+    [C] with `with_lse`, else None; target outside [C] bool (owned rows only); θ; the narrow rows or None)."""
+    C, V = z.shape
     target_z = z.gather(1, targets)  # [C, 1]
     lse_full = z.new_empty(C) if with_lse else None
     thetas = [] if ids is None and theta is None else None
+    narrows = owned is None and rows.group is None and (ids is not None or not _no_host_read(z))
+    pieces = [] if narrows else None  # each window's support columns, while every one is narrow
     step = window_rows(rows.vocab, C)
     for start in range(0, C, step):
         part = z[start : start + step]  # [c, V], every rank of a shard's group runs the same windows
         if with_lse:
             lse_full[start : start + step] = _row_lse(part, scratch.get("temp", part.shape[0]))
         if ids is not None:
-            keep_ids_(part, ids[start : start + step])
+            if pieces is not None:
+                pieces.append(narrow_rows.kept_columns(ids[start : start + step], V))
+            else:
+                keep_ids_(part, ids[start : start + step])
             continue
         if thetas is not None:
             thetas.append(thresholds(part, replay, rows, scratch))
-        fill_below_(part, thetas[-1] if thetas is not None else theta[start : start + step])
-    if ids is not None:
-        outside = ~(ids == targets).any(-1)  # [C]
-    else:
-        theta = torch.cat(thetas) if thetas is not None else theta
-        outside = (target_z < theta)[:, 0]  # [C]
+        part_theta = thetas[-1] if thetas is not None else theta[start : start + step]
+        if pieces is not None:
+            pieces.append(narrow_rows.columns_above(part, part_theta))
+            if pieces[-1] is not None:
+                continue
+            pieces = None  # a wide support: the windows before are masked too
+            if start:
+                fill_below_(z[:start], torch.cat(thetas[:-1]) if thetas is not None else theta[:start])
+        fill_below_(part, part_theta)
+    if thetas is not None:
+        theta = torch.cat(thetas)
+    if pieces is not None:
+        narrow = narrow_rows.narrow(z, targets, narrow_rows.joined(pieces, V))
+        return lse_full, narrow.outside, theta, narrow
+    outside = ~(ids == targets).any(-1) if ids is not None else (target_z < theta)[:, 0]  # [C]
     if owned is not None:
         outside &= owned
         target_z = torch.where(owned[:, None], target_z, z.gather(1, targets))
     z.scatter_(1, targets, target_z)
-    return lse_full, outside, theta
+    return lse_full, outside, theta, None
 
 
 @dataclass
 class Window:
     """One window of a replayed pass: the masked transformed logits z [C, V] (the logits' own buffer, or a view of
-    the scratch buffer), the full lse, the outside flags and the rule's θ (None for kept ids)."""
+    the scratch buffer; as they were where the support is gathered into `narrow`, and the gradient's buffer), the
+    full lse, the outside flags, the rule's θ (None for kept ids) and the narrow rows (None: z is masked)."""
 
     z: Tensor
     lse_full: Tensor | None
     outside: Tensor
     theta: Tensor | None
+    narrow: Narrow | None = None
 
 
 class Scratch:
@@ -299,18 +319,19 @@ def masked_window(x: Tensor, targets: Tensor, *, ids: Tensor | None, theta: Tens
         transform_(z, opts.temperature, opts.logit_scale, opts.final_logit_softcapping)
     safe = targets.clamp(0, x.shape[-1] - 1).reshape(-1, 1)  # masked rows may hold any id
     rows = RowReduce(x.shape[-1]) if rows is None else rows
-    lse_full, outside, theta = mask_window_(
+    lse_full, outside, theta, narrow = mask_window_(
         z, safe, replay=opts.replay, ids=ids, theta=theta, rows=rows, owned=owned, scratch=scratch, with_lse=forward
     )
-    return Window(z, lse_full, outside, theta)
+    return Window(z, lse_full, outside, theta, narrow)
 
 
 def window_forward(kernels, window: Window, targets: Tensor, mask: Tensor, with_entropy: bool, stats: tuple,
                    truncates: bool = True):  # fmt: skip
     """The backend's plain pass over the masked window: (logp, lse of the support, entropy or None, the statistics
     by name), [C] each; masked rows 0 (False). Without truncation the log kept mass is 0 exactly."""
+    z, targets = (window.z, targets) if window.narrow is None else (window.narrow.z, window.narrow.targets)
     logp, lse, entropy, kernel_stats = kernels.token_logprobs_fwd(
-        window.z[None],
+        z[None],
         targets[None],
         mask[None],
         1.0,
@@ -352,11 +373,12 @@ def window_grad_(kernels, window: Window, x: Tensor, grads: RowGrads, opts: Pass
     place, then the transform's chain rule (`transform.chain_rule_`). Outside the support 0. On a vocabulary shard
     `foreign` [C] is the one-hot the backward put in column 0 for rows whose target another shard owns
     (`parallel.remove_foreign_onehot`), taken back out before the chain rule."""
-    z = window.z[None]
+    part = window.narrow
+    z = (window.z if part is None else part.z)[None]
     one = lambda x: None if x is None else x[None]  # noqa: E731  [1, C]
     kernels.token_logprobs_bwd(
         z,
-        grads.targets[None],
+        (grads.targets if part is None else part.targets)[None],
         grads.mask[None],
         grads.lse[None],
         one(grads.entropy),
@@ -366,6 +388,8 @@ def window_grad_(kernels, window: Window, x: Tensor, grads: RowGrads, opts: Pass
         z,
     )
     grad = window.z
+    if part is not None:
+        grad = narrow_rows.scatter_grad_(z[0], part, grad)
     if foreign is not None:
         grad[:, 0].sub_(foreign.to(grad.dtype))
     if not _transforms(opts):
