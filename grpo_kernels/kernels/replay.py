@@ -93,14 +93,21 @@ def thresholds(z: Tensor, replay: Replay, rows: RowReduce, scratch: Scratch | No
     rule's support is {z ≥ θ}; NaN for a row that holds NaN (masking leaves it whole: its pass gives NaN). On
     shards top-p needs top_k (its candidates; the engine checks). `scratch`: top-p's scan (None: it sorts the
     rows)."""
+    return rule_support(z, replay, rows, scratch)[0]
+
+
+def rule_support(z: Tensor, replay: Replay, rows: RowReduce, scratch: Scratch | None = None):
+    """(θ [C, 1] as `thresholds`, the support's columns [C, k] (V: padding) where top-k's candidates hold all of it
+    on one process (no tie at the k-th beyond them; one host read), else None)."""
     top = rows.max(z.amax(-1, keepdim=True))  # [C, 1]
     theta = z.new_full((z.shape[0], 1), -math.inf)
     if replay.min_p > 0.0:  # q_v ≥ min_p · max q  ⟺  z_v ≥ max z + log min_p
         theta = top + math.log(replay.min_p)
-    candidates = None
+    candidates = columns = None
     k = replay.top_k
     if 0 < k < rows.vocab:  # the k-th largest of all z: min-p keeps a prefix of the sorted z, so max(θ, it) is exact
-        candidates = rows.top(z, k + 1)  # [C, k + 1], descending: the (k + 1)-th tells a tie at the k-th
+        # [C, k + 1], descending: the (k + 1)-th tells a tie at the k-th
+        candidates, columns = z.topk(k + 1, dim=-1) if rows.group is None else (rows.top(z, k + 1), None)
         theta = torch.maximum(theta, candidates[:, k - 1 : k])
     if replay.top_p < 1.0:
         if candidates is None and scratch is not None and rows.group is None and not _no_host_read(z):
@@ -108,7 +115,10 @@ def thresholds(z: Tensor, replay: Replay, rows: RowReduce, scratch: Scratch | No
         else:
             cut = _top_p_cut(z, replay.top_p, theta, candidates, k, rows)
         theta = torch.maximum(theta, cut)
-    return theta.masked_fill_(top.isnan(), math.nan)
+    theta.masked_fill_(top.isnan(), math.nan)
+    if columns is not None and (_no_host_read(z) or not bool((candidates[:, k:] < theta).all())):  # NaN θ too
+        columns = None
+    return theta, None if columns is None else columns[:, :k].masked_fill(candidates[:, :k] < theta, rows.vocab)
 
 
 TOP_P_BINS = 8192  # value bins of top-p's scan between a row's max and its smallest kept logit
@@ -228,11 +238,12 @@ def mask_window_(z: Tensor, targets: Tensor, *, replay: Replay, ids: Tensor | No
             else:
                 keep_ids_(part, ids[start : start + step])
             continue
+        part_theta, columns = (None, None) if theta is None else (theta[start : start + step], None)
         if thetas is not None:
-            thetas.append(thresholds(part, replay, rows, scratch))
-        part_theta = thetas[-1] if thetas is not None else theta[start : start + step]
+            part_theta, columns = rule_support(part, replay, rows, scratch)
+            thetas.append(part_theta)
         if pieces is not None:
-            pieces.append(narrow_rows.columns_above(part, part_theta))
+            pieces.append(columns if columns is not None else narrow_rows.columns_above(part, part_theta))
             if pieces[-1] is not None:
                 continue
             pieces = None  # a wide support: the windows before are masked too
@@ -241,10 +252,10 @@ def mask_window_(z: Tensor, targets: Tensor, *, replay: Replay, ids: Tensor | No
         fill_below_(part, part_theta)
     if thetas is not None:
         theta = torch.cat(thetas)
-    if pieces is not None:
-        narrow = narrow_rows.narrow(z, targets, narrow_rows.joined(pieces, V))
-        return lse_full, narrow.outside, theta, narrow
     outside = ~(ids == targets).any(-1) if ids is not None else (target_z < theta)[:, 0]  # [C]
+    if pieces is not None:  # the target in its own column
+        columns = narrow_rows.joined(pieces, V)
+        return lse_full, outside, theta, narrow_rows.narrow(z, targets, columns.masked_fill_(columns == targets, V))
     if owned is not None:
         outside &= owned
         target_z = torch.where(owned[:, None], target_z, z.gather(1, targets))

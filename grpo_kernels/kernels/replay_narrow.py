@@ -25,14 +25,13 @@ NARROW_FRACTION = 4  # a rule's support is gathered when its widest row keeps at
 
 @dataclass(frozen=True)
 class Narrow:
-    """A window's support gathered: `z` [C, K + 1] the kept values then the target's where it lies outside,
-    `columns` [C, K + 1] int32 the vocabulary column of each (V: padding; the last, the target; int32 halves the
-    memory they hold from the forward to the backward), `targets` [C] the target's column in z, `outside` [C]."""
+    """A window's support gathered: `z` [C, K + 1] the kept values (-inf: padding) then the target's, `columns`
+    [C, K + 1] int32 the vocabulary column of each (the target's last; 0 at padding, whose gradient is 0; int32
+    halves what is held from the forward to the backward), `targets` [C] the target's column in z (K)."""
 
     z: Tensor
     columns: Tensor
     targets: Tensor
-    outside: Tensor
 
 
 def kept_columns(ids: Tensor, vocab: int) -> Tensor:
@@ -66,19 +65,17 @@ def joined(pieces: list[Tensor], vocab: int) -> Tensor:
 
 
 def narrow(z: Tensor, targets: Tensor, columns: Tensor) -> Narrow:
-    """The narrow rows of z [C, V] over `columns` [C, K] (V: padding) and the targets [C, 1] inside [0, V)."""
-    V, K = z.shape[1], columns.shape[1]
-    padding = columns >= V
-    values = z.gather(1, columns.masked_fill(padding, 0)).masked_fill_(padding, -math.inf)  # [C, K]
-    hit = columns == targets  # [C, K]: at most one per row
-    inside = hit.any(-1, keepdim=True)  # [C, 1]
-    at = torch.where(inside, hit.to(torch.uint8).argmax(-1, keepdim=True), K)  # [C, 1]
-    target_z = z.gather(1, targets).masked_fill_(inside, -math.inf)  # [C, 1]: kept at column K when outside
-    z = torch.cat([values, target_z], dim=1)
-    return Narrow(z, torch.cat([columns, targets.to(columns.dtype)], dim=1), at[:, 0], ~inside[:, 0])
+    """The narrow rows of z [C, V] over `columns` [C, K] (V: padding; never the target) and the targets [C, 1]
+    inside [0, V): the target in the last column, kept or not (the caller tells which)."""
+    padding = columns >= z.shape[1]
+    columns = columns.masked_fill(padding, 0)
+    values = z.gather(1, columns).masked_fill_(padding, -math.inf)  # [C, K]
+    columns = torch.cat([columns, targets.to(columns.dtype)], dim=1)
+    at = torch.full_like(targets[:, 0], values.shape[1])
+    return Narrow(torch.cat([values, z.gather(1, targets)], dim=1), columns, at)
 
 
 def scatter_grad_(grad: Tensor, part: Narrow, out: Tensor) -> Tensor:
     """dL/dz [C, V] into `out` from the narrow rows' gradient `grad` [C, K + 1]: the kept columns' and the target
-    column's, 0 elsewhere (padding's -inf has a gradient of 0, added at column 0)."""
-    return out.zero_().scatter_add_(1, part.columns.masked_fill(part.columns >= out.shape[1], 0), grad)
+    column's, 0 elsewhere."""
+    return out.zero_().scatter_add_(1, part.columns, grad)
