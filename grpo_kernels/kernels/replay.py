@@ -254,9 +254,8 @@ def mask_window_(z: Tensor, targets: Tensor, *, replay: Replay, ids: Tensor | No
         theta = torch.cat(thetas)
     outside = ~(ids == targets).any(-1) if ids is not None else (target_z < theta)[:, 0]  # [C]
     if pieces is not None:  # the target in its own column
-        groups = narrow_rows.grouped(pieces, V)
-        parts = [(r, narrow_rows.narrow(z[r], targets[r], c.masked_fill_(c == targets[r], V))) for r, c in groups]
-        return lse_full, outside, theta, parts
+        columns = narrow_rows.joined(pieces, V)
+        return lse_full, outside, theta, narrow_rows.narrow(z, targets, columns.masked_fill_(columns == targets, V))
     if owned is not None:
         outside &= owned
         target_z = torch.where(owned[:, None], target_z, z.gather(1, targets))
@@ -268,14 +267,13 @@ def mask_window_(z: Tensor, targets: Tensor, *, replay: Replay, ids: Tensor | No
 class Window:
     """One window of a replayed pass: the masked transformed logits z [C, V] (the logits' own buffer, or a view of
     the scratch buffer; as they were where the support is gathered into `narrow`, and the gradient's buffer), the
-    full lse, the outside flags, the rule's θ (None for kept ids) and the narrow rows by group of rows (None: z is
-    masked)."""
+    full lse, the outside flags, the rule's θ (None for kept ids) and the narrow rows (None: z is masked)."""
 
     z: Tensor
     lse_full: Tensor | None
     outside: Tensor
     theta: Tensor | None
-    narrow: list[tuple[slice, Narrow]] | None = None
+    narrow: Narrow | None = None
 
 
 class Scratch:
@@ -342,28 +340,24 @@ def window_forward(kernels, window: Window, targets: Tensor, mask: Tensor, with_
                    truncates: bool = True):  # fmt: skip
     """The backend's plain pass over the masked window: (logp, lse of the support, entropy or None, the statistics
     by name), [C] each; masked rows 0 (False). Without truncation the log kept mass is 0 exactly."""
-    kernel_stats = tuple(s for s in stats if s not in REPLAY_STATS)
-    calls = [
-        kernels.token_logprobs_fwd(z[None], t[None], mask[rows][None], 1.0, with_entropy, stats=kernel_stats)
-        for rows, z, t in _calls(window, targets)
-    ]
-    logp, lse, entropy = (None if calls[0][i] is None else torch.cat([c[i][0] for c in calls]) for i in range(3))
-    found = {name: torch.cat([c[3][name][0] for c in calls]) for name in calls[0][3]}
+    z, targets = (window.z, targets) if window.narrow is None else (window.narrow.z, window.narrow.targets)
+    logp, lse, entropy, kernel_stats = kernels.token_logprobs_fwd(
+        z[None],
+        targets[None],
+        mask[None],
+        1.0,
+        with_entropy,
+        stats=tuple(s for s in stats if s not in REPLAY_STATS),
+    )
+    logp, lse = logp[0], lse[0]
+    found = {name: x[0] for name, x in kernel_stats.items()}
     if "log_kept_mass" in stats:  # log S = lse_support − lse_full ≤ 0
         found["log_kept_mass"] = (lse - window.lse_full.to(lse.dtype)).clamp_(max=0.0).masked_fill_(~mask, 0.0)
         if not truncates:
             found["log_kept_mass"].zero_()
     if "outside_support" in stats:
         found["outside_support"] = window.outside & mask
-    return logp, lse, entropy, found
-
-
-def _calls(window: Window, targets: Tensor) -> list[tuple[slice, Tensor, Tensor]]:
-    """(rows, z, targets) of each backend call over the window: the masked window whole, or each group of narrow
-    rows."""
-    if window.narrow is None:
-        return [(slice(None), window.z, targets)]
-    return [(rows, part.z, part.targets) for rows, part in window.narrow]
+    return logp, lse, None if entropy is None else entropy[0], found
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -390,25 +384,23 @@ def window_grad_(kernels, window: Window, x: Tensor, grads: RowGrads, opts: Pass
     place, then the transform's chain rule (`transform.chain_rule_`). Outside the support 0. On a vocabulary shard
     `foreign` [C] is the one-hot the backward put in column 0 for rows whose target another shard owns
     (`parallel.remove_foreign_onehot`), taken back out before the chain rule."""
-    one = lambda x: None if x is None else x[None]  # noqa: E731  [1, c]
-    for rows, z, targets in _calls(window, grads.targets):
-        part = grads.at(rows)
-        kernels.token_logprobs_bwd(
-            z[None],
-            targets[None],
-            part.mask[None],
-            part.lse[None],
-            one(part.entropy),
-            one(part.grad_logp),
-            one(part.grad_entropy),
-            1.0,
-            z[None],
-        )
+    part = window.narrow
+    z = (window.z if part is None else part.z)[None]
+    one = lambda x: None if x is None else x[None]  # noqa: E731  [1, C]
+    kernels.token_logprobs_bwd(
+        z,
+        (grads.targets if part is None else part.targets)[None],
+        grads.mask[None],
+        grads.lse[None],
+        one(grads.entropy),
+        one(grads.grad_logp),
+        one(grads.grad_entropy),
+        1.0,
+        z,
+    )
     grad = window.z
-    if window.narrow is not None:  # the narrow rows' gradients put back in their columns, 0 elsewhere
-        grad.zero_()
-        for rows, part in window.narrow:
-            grad[rows].scatter_add_(1, part.columns, part.z)
+    if part is not None:
+        grad = narrow_rows.scatter_grad_(z[0], part, grad)
     if foreign is not None:
         grad[:, 0].sub_(foreign.to(grad.dtype))
     if not _transforms(opts):

@@ -21,7 +21,6 @@ import torch
 from torch import Tensor
 
 NARROW_FRACTION = 4  # a rule's support is gathered when its widest row keeps at most V / 4 columns
-GROUP_PADDING = 0.5  # windows share a backend call while padding them to the widest adds at most half
 
 
 @dataclass(frozen=True)
@@ -65,25 +64,6 @@ def joined(pieces: list[Tensor], vocab: int) -> Tensor:
     return torch.cat([torch.nn.functional.pad(piece, (0, widest - piece.shape[1]), value=vocab) for piece in pieces])
 
 
-def grouped(pieces: list[Tensor], vocab: int) -> list[tuple[slice, Tensor]]:
-    """Consecutive windows' support columns [c_i, K_i] joined (`joined`) into groups (rows, [c, K]), one backend
-    call each: a window joins the group before while padding them all to the widest adds at most
-    `GROUP_PADDING` to their own widths (padding costs the -inf exp; a call costs its launch)."""
-    groups: list[tuple[slice, Tensor]] = []
-    members: list[Tensor] = []
-    start = rows = area = widest = 0
-    for piece in pieces:
-        c, k = piece.shape
-        if members and (rows + c) * max(widest, k) > (1 + GROUP_PADDING) * (area + c * k):
-            groups.append((slice(start, start + rows), joined(members, vocab)))
-            members, start, rows, area, widest = [], start + rows, 0, 0, 0
-        members.append(piece)
-        rows, area, widest = rows + c, area + c * k, max(widest, k)
-    if members:
-        groups.append((slice(start, start + rows), joined(members, vocab)))
-    return groups
-
-
 def narrow(z: Tensor, targets: Tensor, columns: Tensor) -> Narrow:
     """The narrow rows of z [C, V] over `columns` [C, K] (V: padding; never the target) and the targets [C, 1]
     inside [0, V): the target in the last column, kept or not (the caller tells which)."""
@@ -93,3 +73,9 @@ def narrow(z: Tensor, targets: Tensor, columns: Tensor) -> Narrow:
     columns = torch.cat([columns, targets.to(columns.dtype)], dim=1)
     at = torch.full_like(targets[:, 0], values.shape[1])
     return Narrow(torch.cat([values, z.gather(1, targets)], dim=1), columns, at)
+
+
+def scatter_grad_(grad: Tensor, part: Narrow, out: Tensor) -> Tensor:
+    """dL/dz [C, V] into `out` from the narrow rows' gradient `grad` [C, K + 1]: the kept columns' and the target
+    column's, 0 elsewhere."""
+    return out.zero_().scatter_add_(1, part.columns, grad)
