@@ -225,8 +225,7 @@ def mask_window_(z: Tensor, targets: Tensor, *, replay: Replay, ids: Tensor | No
     target_z = z.gather(1, targets)  # [C, 1]
     lse_full = z.new_empty(C) if with_lse else None
     thetas = [] if ids is None and theta is None else None
-    narrows = owned is None and rows.group is None and (ids is not None or not _no_host_read(z))
-    pieces = [] if narrows else None  # each window's support columns, while every one is narrow
+    pieces = [] if owned is None and rows.group is None else None  # each window's support columns, while known
     step = window_rows(rows.vocab, C)
     for start in range(0, C, step):
         part = z[start : start + step]  # [c, V], every rank of a shard's group runs the same windows
@@ -243,10 +242,10 @@ def mask_window_(z: Tensor, targets: Tensor, *, replay: Replay, ids: Tensor | No
             part_theta, columns = rule_support(part, replay, rows, scratch)
             thetas.append(part_theta)
         if pieces is not None:
-            pieces.append(columns if columns is not None else narrow_rows.columns_above(part, part_theta))
-            if pieces[-1] is not None:
+            if columns is not None:
+                pieces.append(columns)
                 continue
-            pieces = None  # a wide support: the windows before are masked too
+            pieces = None  # no columns (a tie beyond top-k's candidates, or none asked): the windows before masked too
             if start:
                 fill_below_(z[:start], torch.cat(thetas[:-1]) if thetas is not None else theta[:start])
         fill_below_(part, part_theta)
@@ -254,7 +253,7 @@ def mask_window_(z: Tensor, targets: Tensor, *, replay: Replay, ids: Tensor | No
         theta = torch.cat(thetas)
     outside = ~(ids == targets).any(-1) if ids is not None else (target_z < theta)[:, 0]  # [C]
     if pieces is not None:  # the target in its own column
-        columns = narrow_rows.joined(pieces, V)
+        columns = torch.cat(pieces)
         return lse_full, outside, theta, narrow_rows.narrow(z, targets, columns.masked_fill_(columns == targets, V))
     if owned is not None:
         outside &= owned
