@@ -37,8 +37,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from grpo_kernels.kernels import transform
-from grpo_kernels.kernels.row_reduce import RowReduce
-from grpo_kernels.kernels.row_reduce import all_reduce as _all_reduce
+from grpo_kernels.kernels.replay import RowReduce
+from grpo_kernels.kernels.replay import all_reduce as _all_reduce
 
 _REDUCE_HIDDEN_GRAD = contextvars.ContextVar("reduce_hidden_grad", default=True)
 
