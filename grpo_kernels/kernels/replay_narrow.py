@@ -34,6 +34,17 @@ class Narrow:
     targets: Tensor
 
 
+def keep_ids_(z: Tensor, ids: Tensor) -> Tensor:
+    """z [C, V] ← -inf outside each row's kept ids [C, K] (-1 or any id outside [0, V): padding), in place: the
+    kept values gathered, the row filled, the values put back (no [C, V] mask). The masked form, for a vocabulary
+    shard's rows, whose target may lie on another rank."""
+    V = z.shape[-1]
+    padding = (ids < 0) | (ids >= V)  # [C, K]
+    at = ids.masked_fill(padding, 0)
+    values = z.gather(1, at).masked_fill_(padding, -math.inf)  # [C, K]
+    return z.fill_(-math.inf).scatter_reduce_(1, at, values, "amax")  # padding's -inf never wins over a kept value
+
+
 def kept_columns(ids: Tensor, vocab: int) -> Tensor:
     """Kept ids [C, K] (any order; -1, ids outside [0, V) and repeats: padding) as support columns [C, K]: sorted,
     then V at padding, each id once."""
@@ -44,9 +55,9 @@ def kept_columns(ids: Tensor, vocab: int) -> Tensor:
 
 
 def narrow(z: Tensor, targets: Tensor, columns: Tensor) -> Narrow:
-    """The narrow rows of z [C, V] over `columns` [C, K] (V: padding; never the target) and the targets [C, 1]
-    inside [0, V): the target in the last column, kept or not (the caller tells which)."""
-    padding = columns >= z.shape[1]
+    """The narrow rows of z [C, V] over the support's `columns` [C, K] (V: padding) and the targets [C, 1] inside
+    [0, V): the target in the last column, kept or not (the caller tells which), and nowhere else."""
+    padding = (columns >= z.shape[1]) | (columns == targets)
     columns = columns.masked_fill(padding, 0)
     values = z.gather(1, columns).masked_fill_(padding, -math.inf)  # [C, K]
     columns = torch.cat([columns, targets.to(columns.dtype)], dim=1)
