@@ -249,7 +249,6 @@ def test_gpu_backends_replay_a_vocabulary_wider_than_a_block(dtype):
         assert_close(got, want, torch.float32, f"{backend} fused lm_head")
 
 
-
 @pytest.mark.parametrize("tie_row", [0, 2], ids=["first_window", "last_window"])
 def test_top_k_narrow_rows_fall_back_to_masking_on_a_tie_beyond_the_candidates(monkeypatch, tie_row):
     """A fused lm_head chunk of three rows in windows of one: top-k's candidates gather each window's support into
