@@ -247,3 +247,32 @@ def test_gpu_backends_replay_a_vocabulary_wider_than_a_block(dtype):
         logits = torch.nn.functional.linear(hidden, weight)
         want = gk.token_logprobs(logits, targets, backend="torch", **RULES["all"])
         assert_close(got, want, torch.float32, f"{backend} fused lm_head")
+
+
+@pytest.mark.parametrize("tie_row", [0, 2], ids=["first_window", "last_window"])
+def test_top_k_narrow_rows_fall_back_to_masking_on_a_tie_beyond_the_candidates(monkeypatch, tie_row):
+    """A fused lm_head chunk of three rows in windows of one: top-k's candidates gather each window's support into
+    narrow rows until a window ties at the k-th beyond them; then the whole chunk, the windows before it too, is
+    masked instead. logp and dL/dhidden against the oracle, ties all kept."""
+    from grpo_kernels.kernels import replay
+
+    V, H, k = 16, 8, 3
+    monkeypatch.setattr(replay, "WINDOW_ELEMENTS", V)  # one row per window
+    g = torch.Generator().manual_seed(3)
+    weight, hidden = torch.randn(V, H, generator=g), torch.randn(1, 3, H, generator=g)
+    weight[:5] = weight[0] * 4.0  # tokens 0..4 share each row's logit: the largest in `tie_row`, the least elsewhere
+    u = weight[0] / weight[0].norm()
+    hidden[0] -= (hidden[0] @ u)[:, None] * u + 2 * u
+    hidden[0, tie_row] = u
+    targets = torch.tensor([[7, 0, 4]])
+    logits = (hidden.double() @ weight.double().T).float()
+    support = support_of(logits, {"top_k": k})
+    assert support[0, tie_row].sum() == 5 and support[0, 1].sum() == k, "five tied at the top in one row only"
+    hidden.requires_grad_()
+    got = gk.fused_linear_token_logprobs(hidden, weight, targets, top_k=k, backend="torch")
+    w = torch.randn(1, 3, generator=g)
+    (got * w).sum().backward()
+    want = oracle(logits, targets, support)
+    (want["logp"] * w.double()).sum().backward()
+    assert_close(got, want["logp"], torch.float32, "logp")
+    assert_close(hidden.grad, want["x"].grad @ weight.double(), torch.float32, "grad hidden")

@@ -2,8 +2,9 @@
 
 A window of logits rows is transformed (z = transform(x)), the tokens outside support ∪ {target} are set to -inf in
 place, and the backend's plain pass runs on that window with the identity transform: its logp, entropy and gradient
-(onehot − q_support, 0 outside) are then exactly the replayed ones, the support held fixed. The backward masks the
-window again (from each row's saved threshold, or the kept ids) and applies the transform's chain rule. A chunk of
+(onehot − q_support, 0 outside) are then exactly the replayed ones, the support held fixed; where the support's
+columns come free (kept ids, top-k's candidates) the pass runs on them gathered instead (`replay_narrow`). The
+backward masks the window again (from each row's saved threshold, or the kept ids), then the chain rule. A chunk of
 the fused lm_head is masked in its own buffer (`masks_in_place`); the logits API's rows, a soft-capped chunk and
 one whose whole distribution's entropy is asked are copied into a compute-dtype scratch first. Extra memory: the
 scratch windows, never [N, V].
@@ -28,8 +29,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from grpo_kernels.kernels import replay_narrow as narrow_rows
 from grpo_kernels.kernels.pass_options import PassOptions, Replay
 from grpo_kernels.kernels.protocol import RowGrads, VocabPassArgs, compute_dtype
+from grpo_kernels.kernels.replay_narrow import Narrow, keep_ids_
 from grpo_kernels.kernels.transform import chain_rule_, transform_
 
 REPLAY_STATS = ("log_kept_mass", "outside_support")  # per-token statistics of a replayed pass (float32, bool)
@@ -87,18 +90,25 @@ def fill_below_(z: Tensor, theta: Tensor, value: float = -math.inf) -> Tensor:
 
 
 def thresholds(z: Tensor, replay: Replay, rows: RowReduce, scratch: Scratch | None = None) -> Tensor:
-    """θ [C, 1] per row of the transformed window z [C, V] (a shard's columns with `rows.group`) such that the
-    rule's support is {z ≥ θ}; NaN for a row that holds NaN (masking leaves it whole: its pass gives NaN). On
-    shards top-p needs top_k (its candidates; the engine checks). `scratch`: top-p's scan (None: it sorts the
-    rows)."""
+    """θ [C, 1] per row (`rule_support`)."""
+    return rule_support(z, replay, rows, scratch)[0]
+
+
+def rule_support(z: Tensor, replay: Replay, rows: RowReduce, scratch: Scratch | None = None):
+    """(θ, columns) of the transformed window z [C, V] (a shard's columns with `rows.group`): θ [C, 1] per row such
+    that the rule's support is {z ≥ θ}, NaN for a row that holds NaN (masking leaves it whole: its pass gives NaN);
+    the support's columns [C, k] (V: padding) where top-k's candidates hold all of it on one process (no tie at the
+    k-th beyond them; one host read), else None. On shards top-p needs top_k (its candidates; the engine checks).
+    `scratch`: top-p's scan (None: it sorts the rows)."""
     top = rows.max(z.amax(-1, keepdim=True))  # [C, 1]
     theta = z.new_full((z.shape[0], 1), -math.inf)
     if replay.min_p > 0.0:  # q_v ≥ min_p · max q  ⟺  z_v ≥ max z + log min_p
         theta = top + math.log(replay.min_p)
-    candidates = None
+    candidates = columns = None
     k = replay.top_k
     if 0 < k < rows.vocab:  # the k-th largest of all z: min-p keeps a prefix of the sorted z, so max(θ, it) is exact
-        candidates = rows.top(z, k + 1)  # [C, k + 1], descending: the (k + 1)-th tells a tie at the k-th
+        # [C, k + 1], descending: the (k + 1)-th tells a tie at the k-th
+        candidates, columns = z.topk(k + 1, dim=-1) if rows.group is None else (rows.top(z, k + 1), None)
         theta = torch.maximum(theta, candidates[:, k - 1 : k])
     if replay.top_p < 1.0:
         if candidates is None and scratch is not None and rows.group is None and not _no_host_read(z):
@@ -106,7 +116,10 @@ def thresholds(z: Tensor, replay: Replay, rows: RowReduce, scratch: Scratch | No
         else:
             cut = _top_p_cut(z, replay.top_p, theta, candidates, k, rows)
         theta = torch.maximum(theta, cut)
-    return theta.masked_fill_(top.isnan(), math.nan)
+    theta.masked_fill_(top.isnan(), math.nan)
+    if columns is not None and (_no_host_read(z) or not bool((candidates[:, k:] < theta).all())):  # NaN θ too
+        columns = None
+    return theta, None if columns is None else columns[:, :k].masked_fill(candidates[:, :k] < theta, rows.vocab)
 
 
 TOP_P_BINS = 8192  # value bins of top-p's scan between a row's max and its smallest kept logit
@@ -124,7 +137,10 @@ def top_p_scan(z: Tensor, top_p: float, theta: Tensor, top: Tensor, scratch: Scr
         finite = torch.nan_to_num(z, nan=0.0, posinf=0.0, neginf=-math.inf)
         top, theta = finite.amax(-1, keepdim=True), theta.nan_to_num(nan=-math.inf)
     safe_top = top.clamp(min=torch.finfo(z.dtype).min)  # a row of -inf: the masses are all 0
-    mass = _masses(finite, theta, safe_top, scratch.get("temp", C))  # [C, V]: exp(z − top) over {z ≥ θ}, else 0
+    mass = scratch.get("temp", C).copy_(finite)  # [C, V]: exp(z − top) over {z ≥ θ}, else 0
+    if bool((theta > -math.inf).any()):
+        fill_below_(mass, theta)
+    mass.sub_(safe_top).exp_()
     # bins: u = (top − z) / width, width = (top − lo) / (BINS − 1), lo the smallest value a cut can take
     span = -math.log(torch.finfo(z.dtype).tiny)  # below top − span every mass is 0 (never a cut)
     lo = torch.maximum(finite.amin(-1, keepdim=True), safe_top - span)
@@ -147,14 +163,6 @@ def top_p_scan(z: Tensor, top_p: float, theta: Tensor, top: Tensor, scratch: Scr
     before = masses.cumsum(-1).sub_(masses).add_(above)  # [C, K]: the mass ahead of each token
     kept = (before < need) & (values > -math.inf)
     return values.masked_fill(~kept, math.inf).amin(-1, keepdim=True)  # [C, 1]; a row of no mass: +inf
-
-
-def _masses(z: Tensor, theta: Tensor, top: Tensor, buffer: Tensor) -> Tensor:
-    """exp(z − top) where z ≥ θ, 0 elsewhere, [C, V] in `buffer`."""
-    kept = buffer.copy_(z)
-    if bool((theta > -math.inf).any()):
-        fill_below_(kept, theta)
-    return kept.sub_(top).exp_()
 
 
 def _top_p_cut(z: Tensor, top_p: float, theta: Tensor, candidates: Tensor | None, k: int, rows: RowReduce) -> Tensor:
@@ -182,67 +190,70 @@ def _top_p_cut(z: Tensor, top_p: float, theta: Tensor, candidates: Tensor | None
 
 
 def _row_lse(z: Tensor, out: Tensor) -> Tensor:
-    """logsumexp of each row of z [C, V], [C]: max − log_softmax at the max (a log-prob in [−log V, 0], exact to
-    rounding), through `out` [C, V]: on CPU a fused log_softmax is a few times faster than logsumexp."""
-    top, at = z.max(dim=-1, keepdim=True)  # [C, 1] each
-    lse = top - torch.log_softmax(z, dim=-1, out=out).gather(1, at)  # [C, 1]
+    """logsumexp of each row of z [C, V], [C]: max − the largest log_softmax (a log-prob in [−log V, 0], exact to
+    rounding), through `out` [C, V]: on CPU a fused log_softmax and `amax` are faster than logsumexp and `max`."""
+    top = z.amax(dim=-1, keepdim=True)  # [C, 1]
+    lse = top - torch.log_softmax(z, dim=-1, out=out).amax(dim=-1, keepdim=True)  # [C, 1]
     return torch.where(top == -math.inf, top, lse)[:, 0]  # a row of -inf: -inf
-
-
-def keep_ids_(z: Tensor, ids: Tensor) -> Tensor:
-    """z [C, V] ← -inf outside each row's kept ids [C, K] (-1 or any id outside [0, V): padding), in place: the
-    kept values gathered, the row filled, the values put back (no [C, V] mask)."""
-    V = z.shape[-1]
-    padding = (ids < 0) | (ids >= V)  # [C, K]
-    at = ids.masked_fill(padding, 0)
-    values = z.gather(1, at).masked_fill_(padding, -math.inf)  # [C, K]
-    return z.fill_(-math.inf).scatter_reduce_(1, at, values, "amax")  # padding's -inf never wins over a kept value
 
 
 def mask_window_(z: Tensor, targets: Tensor, *, replay: Replay, ids: Tensor | None, theta: Tensor | None,
                  rows: RowReduce, owned: Tensor | None = None, scratch: Scratch | None = None,
                  with_lse: bool = False):  # fmt: skip
-    """Set z [C, V] to -inf outside support ∪ {target} in place (targets [C, 1] inside [0, V); ids [C, K] the kept
-    ids, or θ [C, 1] from `thresholds`, computed when None), a window of `window_rows` rows at a time through
-    `scratch`'s "temp" buffer. On a shard, `owned` [C] says which rows' target is this shard's (the others'
-    stand-in column is not kept for them). Returns (this window's lse over its columns [C] with `with_lse`, else
-    None; target outside [C] bool (owned rows only); θ)."""
-    C = z.shape[0]
+    """Set z [C, V] to -inf outside support ∪ {target} in place, or (one process, columns known) gather the support
+    into narrow rows, z left whole (targets [C, 1] inside [0, V); ids [C, K] the kept ids, or θ [C, 1] from
+    `rule_support`, computed when None), a window of `window_rows` rows at a time through `scratch`'s "temp" buffer.
+    On a shard, `owned` [C] says which rows' target is this shard's (the others' stand-in column is not kept for
+    them). Returns (the lse over its columns [C] with `with_lse`, else None; target outside [C] bool (owned rows
+    only); θ; the narrow rows or None)."""
+    C, V = z.shape
     target_z = z.gather(1, targets)  # [C, 1]
     lse_full = z.new_empty(C) if with_lse else None
     thetas = [] if ids is None and theta is None else None
+    pieces = [] if owned is None and rows.group is None else None  # each window's support columns, while known
     step = window_rows(rows.vocab, C)
     for start in range(0, C, step):
         part = z[start : start + step]  # [c, V], every rank of a shard's group runs the same windows
         if with_lse:
             lse_full[start : start + step] = _row_lse(part, scratch.get("temp", part.shape[0]))
         if ids is not None:
-            keep_ids_(part, ids[start : start + step])
+            if pieces is not None:
+                pieces.append(narrow_rows.kept_columns(ids[start : start + step], V))
+            else:
+                keep_ids_(part, ids[start : start + step])
             continue
+        part_theta, columns = (None, None) if theta is None else (theta[start : start + step], None)
         if thetas is not None:
-            thetas.append(thresholds(part, replay, rows, scratch))
-        fill_below_(part, thetas[-1] if thetas is not None else theta[start : start + step])
-    if ids is not None:
-        outside = ~(ids == targets).any(-1)  # [C]
-    else:
-        theta = torch.cat(thetas) if thetas is not None else theta
-        outside = (target_z < theta)[:, 0]  # [C]
+            part_theta, columns = rule_support(part, replay, rows, scratch)
+            thetas.append(part_theta)
+        if pieces is not None:
+            if columns is not None:
+                pieces.append(columns)
+                continue
+            pieces = None  # no columns (a tie beyond top-k's candidates, or none asked): the windows before masked too
+            fill_below_(z[:start], (torch.cat(thetas) if thetas is not None else theta)[:start])
+        fill_below_(part, part_theta)
+    theta = torch.cat(thetas) if thetas is not None else theta
+    outside = ~(ids == targets).any(-1) if ids is not None else (target_z < theta)[:, 0]  # [C]
+    if pieces is not None:
+        return lse_full, outside, theta, narrow_rows.narrow(z, targets, torch.cat(pieces))
     if owned is not None:
         outside &= owned
         target_z = torch.where(owned[:, None], target_z, z.gather(1, targets))
     z.scatter_(1, targets, target_z)
-    return lse_full, outside, theta
+    return lse_full, outside, theta, None
 
 
 @dataclass
 class Window:
-    """One window of a replayed pass: the masked transformed logits z [C, V] (the logits' own buffer, or a view of
-    the scratch buffer), the full lse, the outside flags and the rule's θ (None for kept ids)."""
+    """One window of a replayed pass: the transformed logits z [C, V] (the logits' own buffer, or a view of the
+    scratch), masked or (`narrow`) left whole, the full lse, the outside flags and the rule's θ (None for kept ids)."""
 
     z: Tensor
     lse_full: Tensor | None
     outside: Tensor
     theta: Tensor | None
+    narrow: Narrow | None = None
 
 
 class Scratch:
@@ -299,19 +310,20 @@ def masked_window(x: Tensor, targets: Tensor, *, ids: Tensor | None, theta: Tens
         transform_(z, opts.temperature, opts.logit_scale, opts.final_logit_softcapping)
     safe = targets.clamp(0, x.shape[-1] - 1).reshape(-1, 1)  # masked rows may hold any id
     rows = RowReduce(x.shape[-1]) if rows is None else rows
-    lse_full, outside, theta = mask_window_(
+    lse_full, outside, theta, narrow = mask_window_(
         z, safe, replay=opts.replay, ids=ids, theta=theta, rows=rows, owned=owned, scratch=scratch, with_lse=forward
     )
-    return Window(z, lse_full, outside, theta)
+    return Window(z, lse_full, outside, theta, narrow)
 
 
 def window_forward(kernels, window: Window, targets: Tensor, mask: Tensor, with_entropy: bool, stats: tuple,
                    truncates: bool = True):  # fmt: skip
     """The backend's plain pass over the masked window: (logp, lse of the support, entropy or None, the statistics
     by name), [C] each; masked rows 0 (False). Without truncation the log kept mass is 0 exactly."""
+    z, targets = (window.z, targets) if window.narrow is None else (window.narrow.z, window.narrow.targets)
     logp, lse, entropy, kernel_stats = kernels.token_logprobs_fwd(
         VocabPassArgs(
-            logits=window.z[None],
+            logits=z[None],
             targets=targets[None],
             mask=mask[None],
             with_entropy=with_entropy,
@@ -350,9 +362,11 @@ def window_grad_(kernels, window: Window, x: Tensor, grads: WindowGrads, opts: P
     place, then the transform's chain rule (`transform.chain_rule_`). Outside the support 0. On a vocabulary shard
     `foreign` [C] is the one-hot the backward put in column 0 for rows whose target another shard owns
     (`parallel.remove_foreign_onehot`), taken back out before the chain rule."""
-    z, rows = window.z[None], grads.at(None)  # [1, C, V], [1, C] each
-    kernels.token_logprobs_bwd(VocabPassArgs(logits=z, targets=rows.targets, mask=rows.mask), rows, z)
-    grad = window.z
+    part = window.narrow
+    z, rows = (window.z if part is None else part.z)[None], grads.at(None)  # [1, C, V or K + 1], [1, C] each
+    targets = rows.targets if part is None else part.targets[None]
+    kernels.token_logprobs_bwd(VocabPassArgs(logits=z, targets=targets, mask=rows.mask), rows, z)
+    grad = window.z if part is None else narrow_rows.scatter_grad_(z[0], part, window.z)
     if foreign is not None:
         grad[:, 0].sub_(foreign.to(grad.dtype))
     if not _transforms(opts):
