@@ -150,7 +150,9 @@ def build_plan(*, source: Source, arguments: dict[str, Any], options: LossOption
         checks += input_checks
     gather = weight is not None and not layout.all_rows and not torch.compiler.is_compiling()
     # compiled, every row runs masked: a count read on the host would break the graph
-    own_sequence_ratio = gather and loss and inputs.ratio_reads_pass and inputs.sampler_correction.per_sequence
+    own_sequence_ratio = (  # padded rows only: packed ones keep the no-grad pass (`_own_ratio_chunks`)
+        gather and loss and inputs.ratio_reads_pass and inputs.sampler_correction.per_sequence and not layout.flat
+    )
     asked = ([layout.mask.sum()] if gather else []) + ([_kept_per_sequence(layout)] if own_sequence_ratio else [])
     numbers = sync.read_checks(checks, asked)  # the call's one host sync
     kept = None if weight is None else _kept_rows(layout.mask, numbers[0] if gather else None)
@@ -278,7 +280,9 @@ def _own_ratio_chunks(
     separate π_old pass gives, bitwise): a chunk grown to hold it would need [its rows, V] logits beyond the rows
     the engine chose (`memory.chunk_rows`: from free memory on CUDA), and long sequences are where the fused head's
     bounded memory matters. So too where the kept rows were not counted on the host (every row runs masked: a CUDA
-    graph capture with the checks off, or torch.compile)."""
+    graph capture with the checks off, or torch.compile), and for packed rows (`cu_seqlens`): the trainer's
+    padding-free micro-batches, whose two-pass twin (`--old-logprobs pass`) gives the same floats only on uniform
+    chunks."""
     if not inputs.ratio_reads_pass or not inputs.sampler_correction.per_sequence:
         return opts, False
     if opts.chunk_size >= kept.index[0].shape[0]:
@@ -306,12 +310,8 @@ def sequence_chunks(rows_per_sequence: list[int], budget: int) -> tuple[int, ...
 
 
 def _kept_per_sequence(layout: Layout) -> Tensor:
-    """The kept rows of each sequence, [B] (padded) / [S] (packed: `cu_seqlens`' segments), in the gathered rows'
-    order."""
-    if layout.padded_index is None:
-        return layout.mask.sum(1)
-    counts = torch.zeros(layout.padded_shape[0], dtype=torch.long, device=layout.mask.device)
-    return counts.index_add_(0, layout.padded_index[0], layout.mask[0].long())
+    """The kept rows of each sequence of a padded [B, T] layout, [B], in the gathered rows' order."""
+    return layout.mask.sum(1)
 
 
 def _memory_mode(
