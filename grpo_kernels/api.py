@@ -273,8 +273,9 @@ def fused_linear_grpo_loss(
     With old_logp None, π_old is the pass's own log-probs, detached (π_θ at the update: no separate π_old pass),
     and the ratio is formed from them inside the loss, in each chunk of the 3-GEMM route: per token, or per sequence
     on chunks that end at sequence boundaries (whole sequences, at most the chunk's rows each; no separate pass).
-    Only a call with a sequence longer than the chunk's rows (`chunk_size`, or the engine's choice) keeps a no-grad
-    pass over the kept rows first (1 GEMM more), its chunks as they were: the memory stays one chunk.
+    A call with a sequence longer than the chunk's rows (`chunk_size`, or the engine's choice), or with packed rows
+    (`cu_seqlens`), keeps a no-grad pass over the kept rows first (1 GEMM more), its chunks uniform: the memory stays
+    one chunk, and packed calls give their two-pass twin's floats.
     `return_logprobs` appends the pass's detached log-probs to the result, `{"logp", and with replay
     "log_kept_mass", "outside_support"}` in the layout of `targets`: `(output, logprobs)`, or `(output,
     sequence_losses, logprobs)`.
