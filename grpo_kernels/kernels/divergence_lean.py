@@ -141,7 +141,7 @@ def _student_gradients(heads: _Heads, *, lse_s, lse_t, centre, scale, tile, exac
     d_hidden = hidden.new_zeros(hidden.shape, dtype=dtype) if needs[0] else None
     d_weight = weight.new_empty(weight.shape) if needs[1] else None
     d_bias = bias.new_empty(bias.shape) if needs[2] else None
-    spec = dataclasses.replace(opts.chunk_spec(True), block=columns)  # a tile's columns in one block
+    spec = dataclasses.replace(opts.chunk_spec(True, hidden.device), block=columns)  # a tile's columns in one block
     in_place = d_weight is not None and weight.dtype == dtype and r >= M > 0  # one GEMM per tile straight into dW
     scale = scale.to(dtype)
     for cols in _spans(V, columns):
