@@ -114,3 +114,40 @@ def test_the_drop_in_loss_is_trls_on_the_same_tensors():
     ours = chunked_divergence_loss(s_h, t_h, s_w, t_w, mask, 0.5, num_items_in_batch=7, temperature=0.8)
     for a, b in zip(ours, theirs, strict=True):
         assert torch.allclose(a.double(), b.double(), rtol=1e-5, atol=1e-6)
+
+
+def test_fsdp2_dtensor_heads_are_gathered_once_each(tmp_path, monkeypatch):
+    """Heads held as DTensors (FSDP2's sharded parameters; the teacher's frozen, as TRL holds it): each is gathered
+    with one full_tensor, as TRL does, and the loss, entropy, count and the student's gradients (the head's a DTensor
+    again) equal TRL's on the same heads: a 1-rank gloo group on CPU."""
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("needs torch.distributed and no process group yet")
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+    from trl.trainer.distillation_trainer import _chunked_divergence_loss
+
+    g = torch.Generator().manual_seed(0)
+    s_h, t_h = torch.randn(2, 5, 8, generator=g), torch.randn(2, 5, 12, generator=g)
+    heads = [torch.randn(50, 8, generator=g), torch.randn(50, 12, generator=g)]
+    mask = (torch.rand(2, 5, generator=g) > 0.3).float()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        results = []
+        for loss_fn in (_chunked_divergence_loss, chunked_divergence_loss):
+            s_w, t_w = (distribute_tensor(x.clone(), mesh, [Shard(0)]) for x in heads)
+            s_w.requires_grad_()
+            hidden = s_h.clone().requires_grad_()
+            gathers = []
+            full_tensor = DTensor.full_tensor
+            monkeypatch.setattr(DTensor, "full_tensor", lambda self: gathers.append(1) or full_tensor(self))
+            loss, entropy, count = loss_fn(hidden, t_h, s_w, t_w, mask, 0.5, num_items_in_batch=7, temperature=0.8)
+            loss.backward()
+            monkeypatch.undo()
+            assert len(gathers) == 2 and isinstance(s_w.grad, DTensor) and t_w.grad is None
+            results.append((loss, entropy, count, hidden.grad, s_w.grad.full_tensor()))
+        for a, b in zip(results[1], results[0], strict=True):
+            assert torch.allclose(a.double(), b.double(), rtol=1e-5, atol=1e-6)
+    finally:
+        dist.destroy_process_group()
