@@ -134,13 +134,12 @@ def test_fsdp2_dtensor_heads_are_gathered_once_each(tmp_path, monkeypatch):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         mesh = init_device_mesh("cpu", (1,))
-        results = []
+        results, gathers, full_tensor = [], [], DTensor.full_tensor
         for loss_fn in (_chunked_divergence_loss, chunked_divergence_loss):
             s_w, t_w = (distribute_tensor(x.clone(), mesh, [Shard(0)]) for x in heads)
             s_w.requires_grad_()
             hidden = s_h.clone().requires_grad_()
-            gathers = []
-            full_tensor = DTensor.full_tensor
+            gathers.clear()
             monkeypatch.setattr(DTensor, "full_tensor", lambda self: gathers.append(1) or full_tensor(self))
             loss, entropy, count = loss_fn(hidden, t_h, s_w, t_w, mask, 0.5, num_items_in_batch=7, temperature=0.8)
             loss.backward()

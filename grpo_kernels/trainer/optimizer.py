@@ -21,7 +21,6 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
-
 FUSED_ADAMW_DEVICES = ("cpu", "cuda")  # where torch's fused AdamW kernel runs
 
 
