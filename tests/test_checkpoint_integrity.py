@@ -195,3 +195,22 @@ def test_a_checkpoint_written_before_checksums_is_taken_as_it_is(tmp_path):
     torch.save(state, saved / "trainer_state.pt")
     (saved / "checksums.json").unlink()
     assert GRPOTrainer(tiny(out, steps=2, checkpoint_every=1, resume=True)).resumed_from == saved
+
+
+def test_the_guards_latest_gaps_are_kept_across_resume(tmp_path):
+    """The sampler-sync guard's mean gaps of the latest steps go into the checkpoint and a resumed run's trend rule
+    reads them (a gap rising across the resume stops it as it would the run without one); a checkpoint whose gaps
+    are not finite numbers >= 0 is refused in one line naming its trainer state."""
+    from grpo_kernels.trainer.checkpoint import TRAINER_STATE_FILE, write_checksums
+
+    out = tmp_path / "run"
+    first = GRPOTrainer(tiny(out, steps=2, checkpoint_every=1))
+    first.train()
+    resumed = GRPOTrainer(tiny(out, steps=3, checkpoint_every=1, resume=True))
+    assert len(first.sync_gaps) == 2 and resumed.sync_gaps == first.sync_gaps
+    state_file = checkpoint_dir(out, 2) / TRAINER_STATE_FILE
+    state = torch.load(state_file, weights_only=True)
+    torch.save({**state, "sync_gaps": [0.1, math.nan]}, state_file)
+    write_checksums(checkpoint_dir(out, 2))
+    with pytest.raises(ValueError, match=rf"{TRAINER_STATE_FILE}: sync_gaps must be gaps >= 0, got \[0.1, nan\]"):
+        GRPOTrainer(tiny(out, steps=3, checkpoint_every=1, resume=True))

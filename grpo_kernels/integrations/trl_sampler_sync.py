@@ -26,8 +26,8 @@ from grpo_kernels.trainer.sampler_sync import (
 @dataclass
 class StepGaps:
     """The guard's mean gaps per optimizer step, for the trend rule: the finished steps' (the latest `TREND_RISES`)
-    and the running sums of the step in progress. Kept in memory: a resumed run starts the trend afresh, as the
-    trainer's does."""
+    and the running sums of the step in progress. Kept in memory, not in TRL's checkpoints: a resumed run starts the
+    trend afresh."""
 
     step: int = -1
     total: float = 0.0  # the gaps' sum over the step's micro-batches so far, every process

@@ -19,6 +19,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import math
 import os
 import random
 import re
@@ -116,13 +117,15 @@ def save(
     components_state: dict,
     config_dict: dict,
     parallel: ParallelState,
+    sync_gaps: list[float] = (),
 ) -> Path:
     """Write the checkpoint after `step` completed optimizer steps (every rank calls this); returns its directory.
 
     `policy` is the `PolicyModule`, bare or under DDP / FSDP2: model and optimizer state are gathered whole
     (FSDP2 shards are collected), rank 0 writes them, and each rank writes its own RNG states. A failure removes the
     `.tmp/` folder; no space left on the device is a `DiskFull` that says so. Everything after `output_dir` is
-    passed by keyword: the two models and the three state mappings would each take the other's place silently."""
+    passed by keyword: the two models and the three state mappings would each take the other's place silently.
+    `sync_gaps`: the sampler-sync guard's mean gaps of the latest steps, which its trend rule reads on resume."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
     final = checkpoint_dir(output_dir, step)
@@ -144,6 +147,7 @@ def save(
                 "data": data_state,
                 "components": components_state,
                 "config": config_dict,
+                "sync_gaps": [float(gap) for gap in sync_gaps],  # the guard's trend rule goes on where it was
             }
             _save_torch(state, tmp / TRAINER_STATE_FILE)
         _barrier(parallel)
@@ -194,14 +198,18 @@ def check_weights_finite(model: nn.Module, parallel: ParallelState, final: Path)
 
 def read(path: str | Path, rank: int, *, lora: bool, ref_model: bool) -> dict:
     """Check every file of checkpoint `path` that this rank will load and read its `.pt` files: the trainer state
-    (step, optimizer, data, components, config) with this rank's RNG states under "rng". Nothing is restored yet.
-    An `UnreadableCheckpoint` names the first file that is missing, truncated, corrupt, or not plain data."""
+    (step, optimizer, data, components, config, the guard's sync_gaps) with this rank's RNG states under "rng".
+    Nothing is restored yet. An `UnreadableCheckpoint` names the first file that is missing, truncated, corrupt, or
+    not plain data."""
     path = Path(path)
     for name in [ADAPTER_FILE if lora else MODEL_FILE] + ([REF_MODEL_FILE] if ref_model else []):
         _check_safetensors(path / name)
     state = _load_torch(path / TRAINER_STATE_FILE)
     if not isinstance(state, dict) or not {"step", "optimizer", "data"} <= set(state):
         raise UnreadableCheckpoint(path / TRAINER_STATE_FILE, "not a trainer state (step, optimizer, data)")
+    gaps = state.get("sync_gaps", [])  # absent before the guard's gaps were kept
+    if not isinstance(gaps, list) or not all(isinstance(g, float) and math.isfinite(g) and g >= 0 for g in gaps):
+        raise UnreadableCheckpoint(path / TRAINER_STATE_FILE, f"sync_gaps must be gaps >= 0, got {shown(gaps)}")
     rng = _load_torch(path / f"rng_rank{rank}.pt")
     if not isinstance(rng, dict) or not {"torch", "python"} <= set(rng):
         raise UnreadableCheckpoint(path / f"rng_rank{rank}.pt", "not an RNG state (torch, python)")

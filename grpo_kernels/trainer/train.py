@@ -150,7 +150,8 @@ class GRPOTrainer:
             trained, getattr(rollout, "dtype", trained)
         )  # the guard's limit
         self.dropout = dropout_settings(self.model)  # the guard's other suspect
-        self.sync_gaps: list[float] = []  # the guard's mean gaps of the latest steps (its trend rule)
+        # the guard's mean gaps of the latest steps (its trend rule), kept across --resume
+        self.sync_gaps: list[float] = [] if start is None else start.state.get("sync_gaps", [])
         self.old_logp_source = old_logp_source(config, self.components, self.dropout)  # "update", "pass" or "sampler"
         self.components.bind_policy(self.model, tokenizer, self.ref_model)  # DRA's embeddings, PVPO's pre-rollouts
         self.crash = CrashCheckpoint(self.optimizer)  # the checkpoint an exception in a step leaves
@@ -413,6 +414,7 @@ class GRPOTrainer:
             components_state=self.components.state_dict(),
             config_dict=self.config.to_dict(),
             parallel=self.parallel,
+            sync_gaps=self.sync_gaps,
         )
         self.saved_step = self.step
 
