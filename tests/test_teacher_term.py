@@ -9,6 +9,8 @@ import torch
 
 from grpo_kernels import GRPOLoss, LossOptions, fused_linear_grpo_loss, grpo_loss, reference, teacher_term
 from grpo_kernels import reference_divergence as ref_div
+from grpo_kernels.distillation import teacher_divergence_fields
+from grpo_kernels.kernels.divergence import DivergenceOptions
 from tests.conftest import assert_close
 
 B, T, H, HT, V = 3, 5, 16, 24, 37
@@ -60,7 +62,9 @@ def omega(mask: torch.Tensor, loss_type: str) -> torch.Tensor:
     return m / (m.shape[0] * m.sum(1, keepdim=True).clamp(min=1))
 
 
-def oracle(t: dict, options: dict, divergence: dict | None) -> tuple[torch.Tensor, dict]:
+def oracle(t: dict, options: dict, divergence: dict | DivergenceOptions | None) -> tuple[torch.Tensor, dict]:
+    if isinstance(divergence, DivergenceOptions):
+        divergence = teacher_divergence_fields(divergence)
     p = {k: t[k].detach().double().requires_grad_() for k in ("hidden", "weight", "bias")}
     logits = p["hidden"] @ p["weight"].T + p["bias"]
     args = {k: t[k] for k in ("targets", "advantages", "old_logp", "ref_logp", "mask")}

@@ -11,10 +11,10 @@ bf16/fp16/fp32, float64 for float64): a half-precision head is upcast once per p
 Rows may carry weights (`row_weights`: each row's divergence and gradient scaled), and a `ChunkTerm` may share the
 pass: a token-level loss on the student's own log-probs (the GRPO loss of a step with a teacher term,
 `teacher_term.py`), its dL/dlogits added to the divergence's before the gradient GEMMs. Where its head transform and
-temperature are the divergence's student's and the backend's chunk pass takes it (`shared_sweeps_refusal`), it reads
-its logp and entropy from the divergence's sweeps and its gradient joins the divergence's in the last sweep: one
-student vocabulary pass per chunk. Elsewhere it runs its own vocabulary pass on the student's raw chunk logits
-before the divergence overwrites them, into a third `[rows, V]` buffer.
+temperature are the divergence's student's and there is no top_k (`shared_sweeps_refusal`), it reads its logp and
+entropy from the divergence's sweeps and its gradient joins the divergence's in the last sweep (the backend's chunk
+pass takes it as `token_loss`): one student vocabulary pass per chunk. Elsewhere it runs its own vocabulary pass on
+the student's raw chunk logits before the divergence overwrites them, into a third `[rows, V]` buffer.
 
 `memory="lean"` runs `divergence_lean.py` instead (tiles of rows × vocabulary columns, the gradients in the backward).
 `SUPPORT` is the capability record of this pass, one entry per backend: what runs it, or why it is refused.
@@ -42,8 +42,7 @@ from grpo_kernels.kernels.torch.divergence import ChunkSpec, Head, TokenGradient
 class DivergenceSupport:
     """A backend's record for the two-head divergence: whether it runs it and why not, the module of its chunk pass
     (`divergence_chunk`, imported on first use; the top-k-plus-tail variant's `topk_divergence_chunk` from the
-    module's `_topk` sibling), why it refuses float64 heads or memory="lean" ("" where it runs them), and why its
-    chunk pass takes no shared token loss (then a `ChunkTerm` runs its own pass)."""
+    module's `_topk` sibling), and why it refuses float64 heads or memory="lean" ("" where it runs them)."""
 
     backend: str
     runs: bool
@@ -51,7 +50,6 @@ class DivergenceSupport:
     module: str = ""
     float64_why_not: str = ""
     lean_why_not: str = ""
-    token_loss_why_not: str = ""
 
     def refusal(self, top_k: int, dtype: torch.dtype, memory: str = "fast") -> str:
         """Why this backend refuses a call with `top_k` on heads of `dtype` in `memory` mode, or "" when it runs it."""
@@ -71,8 +69,6 @@ SUPPORT = {
         float64_why_not="float64 heads: the Triton divergence computes in float32; use backend='torch'",
         lean_why_not="memory='lean' (vocabulary tiles) runs on backend='torch' only: the Triton kernel works on whole "
         "rows of a chunk",
-        token_loss_why_not="the Triton divergence kernel forms its gradient in one launch and takes no token loss's "
-        "dL/dlogp (known only between its sweeps): the loss runs its own vocabulary pass per chunk",
     ),  # fmt: skip
     "cuda": DivergenceSupport(
         "cuda", False, "the two-head divergence has no CUDA extension kernels: use backend='torch' or 'triton'"
@@ -188,8 +184,6 @@ def shared_sweeps_refusal(term: PassOptions, opts: DivergenceOptions) -> str:
     divergence's sweeps ("" where it shares them)."""
     if opts.top_k:
         return "top_k > 0: the top-k-plus-tail divergence's chunk pass takes no token loss"
-    if SUPPORT[opts.backend].token_loss_why_not:
-        return SUPPORT[opts.backend].token_loss_why_not
     head = Head(term.logit_scale, term.final_logit_softcapping)
     if (term.temperature, head) != (opts.temperature, opts.student):
         return (f"the loss's temperature {term.temperature} and head {head} are not the divergence's student's "

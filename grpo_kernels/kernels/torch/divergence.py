@@ -256,18 +256,10 @@ class _RowCoefficients:
 
     @classmethod
     def of(cls, sweep: GradientSweep) -> _RowCoefficients:
-        token, beta, column = sweep.token, sweep.beta, lambda x: None if x is None else x[:, None]  # noqa: E731
-        a = torch.ones_like(sweep.centre) if token.weight is None else token.weight.to(sweep.centre.dtype)
-        a = a * (1 - beta) if 0.0 < beta < 1.0 else a
-        c0 = -a if beta == 0.0 else a * sweep.centre
-        u = None if beta == 0.0 else a
-        if token.grad_logp is not None:
-            c0 = c0 + token.grad_logp
-        if token.grad_entropy is not None:
-            c0 = c0 + token.grad_entropy * sweep.entropy
-            u = -token.grad_entropy if u is None else u - token.grad_entropy
+        column = lambda x: None if x is None else x[:, None]  # noqa: E731
+        a, u, c0, g = row_coefficients(sweep.token, sweep.beta, sweep.centre, sweep.entropy)
         a_column = a[:, None]
-        return cls(beta, a_column, a_column if u is a else column(u), c0[:, None], column(token.grad_logp))
+        return cls(sweep.beta, a_column, a_column if u is a else column(u), c0[:, None], column(g))
 
     def gradient_(self, ls, lt, ps, log_mix, exact: bool, targets: Tensor, cols: slice) -> None:
         """A block's log p_s `ls` ← its dL/dz_s (lt, the block's log p_t, is overwritten)."""
@@ -289,6 +281,24 @@ class _RowCoefficients:
             local = targets[:, None] - cols.start  # [c, 1]: the target's column in this block
             inside = (local >= 0) & (local < ls.shape[1])
             ls.scatter_add_(1, local.clamp(0, ls.shape[1] - 1), torch.where(inside, self.grad_logp, 0.0).to(ls.dtype))
+
+
+def row_coefficients(
+    token: TokenGradient, beta: float, centre: Tensor, entropy: Tensor
+) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
+    """The per-row (a, u, c0, g) `[c]` of `_RowCoefficients` (its docstring has the formulas; g = dL/dlogp) from a
+    token loss's gradients, the rows' `centre` and student entropy: the one source of the torch and Triton gradient
+    sweeps' coefficients. u is a itself when the loss has no dL/dentropy (and beta > 0)."""
+    a = torch.ones_like(centre) if token.weight is None else token.weight.to(centre.dtype)
+    a = a * (1 - beta) if 0.0 < beta < 1.0 else a
+    c0 = -a if beta == 0.0 else a * centre
+    u = None if beta == 0.0 else a
+    if token.grad_logp is not None:
+        c0 = c0 + token.grad_logp
+    if token.grad_entropy is not None:
+        c0 = c0 + token.grad_entropy * entropy
+        u = -token.grad_entropy if u is None else u - token.grad_entropy
+    return a, u, c0, token.grad_logp
 
 
 def student_gradient_(zs: Tensor, zt: Tensor, *, centre: Tensor, lse_s: Tensor, spec: ChunkSpec, exact: bool) -> None:

@@ -13,6 +13,12 @@ z = c·tanh(s·x/c)/T (or s·x/T) done in the kernel on every load:
    (1 − β)·p_s·(log p_s − log m − KL(p_s || m))·dz/dx.
 A term whose weight p is 0 is 0 (0·log 0 = 0), so −inf logits anywhere are exact; a token one side reaches and the
 other excludes gives +inf, as in `reference_divergence`. The math is `kernels/torch/divergence.py`'s, in float32.
+
+A token-level loss sharing the sweeps (`token_loss`, the GRPO loss of a step with a teacher term) needs its
+dL/dlogp and dL/dentropy, known only once the rows' logp and entropy are: the kernel then runs without its gradient
+sweeps, the loss is called on the host, and a second kernel (`_token_gradient_kernel`) writes the summed gradient
+from per-row coefficients (`torch/divergence.row_coefficients`): two launches per chunk, and no vocabulary pass of
+the loss's own.
 """
 
 from __future__ import annotations
@@ -24,11 +30,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from grpo_kernels.kernels.torch.divergence import ChunkSpec
+from grpo_kernels.kernels.torch.divergence import ChunkSpec, TokenLoss, row_coefficients
 from grpo_kernels.kernels.triton.token_logprobs import softcapped, transform_coefficients
 
 KINDS = {"forward_kl": 0, "reverse_kl": 1, "jsd": 2}
-OUTPUTS = ("divergence", "entropy", "logp", "lse_s", "lse_t")  # the rows of the kernel's [5, c] output
+OUTPUTS = ("divergence", "entropy", "logp", "lse_s", "lse_t")  # the rows of the kernels' [5, c] outputs
+CENTRE = len(OUTPUTS)  # the chunk kernel's sixth output row: the student gradient's centre (D, or KL(p_s || m))
+_CENTRE = tl.constexpr(CENTRE)
 MAX_BLOCK_V = 1024
 NUM_WARPS = 8
 _FLOAT32_LOWEST = tl.constexpr(-3.4028234663852886e38)
@@ -115,7 +123,8 @@ def _divergence_chunk_kernel(
     rows, V, a_s, b_s, capped_s, a_t, b_t, capped_t, has_targets, beta, log_1mb, log_b,
     KIND: tl.constexpr, WITH_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
-    """One row per program: out [5, rows] (`OUTPUTS`); with WITH_GRAD the student's logits become dD/dx."""
+    """One row per program: out [6, rows] (`OUTPUTS`, then `CENTRE`); with WITH_GRAD the student's logits become
+    dD/dx."""
     row = tl.program_id(0).to(tl.int64)
     s_row = s_ptr + row * s_stride_row
     t_row = t_ptr + row * t_stride_row
@@ -165,6 +174,47 @@ def _divergence_chunk_kernel(
                 grad = _weighted(tl.exp(ls), ls - log_m - centre) * (derivative * (1.0 - beta))
             tl.store(s_row + (start + cols).to(tl.int64) * s_stride_v, grad, mask=valid)
     store_outputs(out_ptr, rows, row, divergence, tl.sum(entropy, axis=0), logp, lse_s, lse_t)
+    tl.store(out_ptr + _CENTRE * rows + row, centre)
+
+
+@triton.jit
+def _token_gradient_kernel(
+    s_ptr, s_stride_row, s_stride_v, t_ptr, t_stride_row, t_stride_v, targets_ptr, stats_ptr, coef_ptr,
+    rows, V, a_s, b_s, capped_s, a_t, b_t, capped_t, log_1mb, log_b,
+    KIND: tl.constexpr, HAS_U: tl.constexpr, HAS_G: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    """One row per program: the student's raw logits ← dL/dx_s of the divergence weighted by a and a token loss,
+    from the row's coefficients coef [4, rows] (a, u, c0, g: `row_coefficients`) and lse_s, lse_t in stats (the
+    chunk kernel's output): (p_s·(u·log p_s − c0) − a·p_t) for the forward KL, p_s·(u·log p_s − a·X − c0) with
+    X = log p_t or log m for the others (HAS_U False: no u term), g added at the target (HAS_G), times dz/dx."""
+    row = tl.program_id(0).to(tl.int64)
+    s_row = s_ptr + row * s_stride_row
+    t_row = t_ptr + row * t_stride_row
+    lse_s = tl.load(stats_ptr + 3 * rows + row)
+    lse_t = tl.load(stats_ptr + 4 * rows + row)
+    a = tl.load(coef_ptr + row)
+    u = tl.load(coef_ptr + rows + row)
+    c0 = tl.load(coef_ptr + 2 * rows + row)
+    g = tl.load(coef_ptr + 3 * rows + row)
+    target = tl.load(targets_ptr + row)  # (unused without HAS_G)
+    cols = tl.arange(0, BLOCK_V)
+    for start in range(0, V, BLOCK_V):
+        valid = start + cols < V
+        ls, lt, derivative = _log_probs(s_row, s_stride_v, lse_s, t_row, t_stride_v, lse_t, start + cols, valid, a_s,
+                                        b_s, capped_s, a_t, b_t, capped_t)  # fmt: skip
+        ps = tl.exp(ls)
+        if KIND == 0:
+            if HAS_U:
+                grad = _weighted(ps, u * ls - c0) - a * tl.exp(lt)
+            else:
+                grad = -c0 * ps - a * tl.exp(lt)
+        elif KIND == 1:
+            grad = _weighted(ps, u * ls - a * lt - c0)
+        else:
+            grad = _weighted(ps, u * ls - a * _log_mix(ls, lt, log_1mb, log_b) - c0)
+        if HAS_G:
+            grad += tl.where(start + cols == target, g, 0.0)
+        tl.store(s_row + (start + cols).to(tl.int64) * s_stride_v, grad * derivative, mask=valid)
 
 
 @triton.jit
@@ -192,20 +242,51 @@ def scalar_arguments(zs: Tensor, zt: Tensor, spec: ChunkSpec):
 
 
 def divergence_chunk(
-    zs: Tensor, zt: Tensor, targets: Tensor | None, spec: ChunkSpec
+    zs: Tensor, zt: Tensor, targets: Tensor | None, spec: ChunkSpec, *, token_loss: TokenLoss | None = None
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor]:
-    """`kernels/torch/divergence.divergence_chunk` in one launch: (divergence, entropy, logp of `targets` or None,
-    student lse, teacher lse), `[c]` float32 each, from the raw float32 logits zs, zt `[c, V]` (any strides); zs is
-    overwritten with dD/dx_s when `spec.with_grad` (else left as it is)."""
+    """`kernels/torch/divergence.divergence_chunk`: (divergence, entropy, logp of `targets` or None, student lse,
+    teacher lse), `[c]` float32 each, from the raw float32 logits zs, zt `[c, V]` (any strides); zs is overwritten
+    with dL/dx_s when `spec.with_grad` (else left as it is). One launch without `token_loss`; with it (and
+    `targets`), the statistics, the loss called once with the rows' logp and entropy, then (with the gradient) its
+    `TokenGradient`'s sweep: two launches."""
     heads, divergence_args, kind = scalar_arguments(zs, zt, spec)
     rows, V = zs.shape
-    out = torch.empty((len(OUTPUTS), rows), dtype=torch.float32, device=zs.device)  # [5, c]
+    out = torch.empty((CENTRE + 1, rows), dtype=torch.float32, device=zs.device)  # [6, c]
+    block_v = block_v_for(V, spec.block)
     if rows:
         _divergence_chunk_kernel[(rows,)](
             zs, zs.stride(0), zs.stride(1), zt, zt.stride(0), zt.stride(1), out if targets is None else targets, out,
             rows, V, *heads, targets is not None, *divergence_args,
-            KIND=kind, WITH_GRAD=spec.with_grad, BLOCK_V=block_v_for(V, spec.block), num_warps=NUM_WARPS,
+            KIND=kind, WITH_GRAD=spec.with_grad and token_loss is None, BLOCK_V=block_v, num_warps=NUM_WARPS,
             enable_fp_fusion=True,
         )  # fmt: skip
-    divergence, entropy, logp, lse_s, lse_t = out.unbind(0)
-    return divergence, entropy, None if targets is None else logp, lse_s, lse_t
+    divergence, entropy, logp, lse_s, lse_t, centre = out.unbind(0)
+    logp = None if targets is None else logp
+    if token_loss is not None:
+        token = token_loss(logp, entropy)
+        if spec.with_grad and rows:
+            coefficients = row_coefficients(token, spec.beta, centre, entropy)
+            _token_gradient_(zs, zt, token.targets, coefficients, out, spec, block_v)
+    return divergence, entropy, logp, lse_s, lse_t
+
+
+def _token_gradient_(
+    zs: Tensor,
+    zt: Tensor,
+    targets: Tensor,
+    coefficients: tuple[Tensor, Tensor | None, Tensor, Tensor | None],
+    stats: Tensor,
+    spec: ChunkSpec,
+    block_v: int,
+) -> None:
+    """zs ← dL/dx_s by `_token_gradient_kernel`, from the rows' (a, u, c0, g) `[c]` (`row_coefficients`; u or g
+    None: that term absent, a stands in its row) and the chunk kernel's output `stats` (its lse rows)."""
+    heads, (_, log_1mb, log_b), kind = scalar_arguments(zs, zt, spec)
+    a, u, c0, g = coefficients
+    coef = torch.stack([(a if x is None else x).to(torch.float32) for x in (a, u, c0, g)])  # [4, c]
+    _token_gradient_kernel[(zs.shape[0],)](
+        zs, zs.stride(0), zs.stride(1), zt, zt.stride(0), zt.stride(1), targets.contiguous(), stats, coef,
+        zs.shape[0], zs.shape[1], *heads, log_1mb, log_b,
+        KIND=kind, HAS_U=u is not None, HAS_G=g is not None, BLOCK_V=block_v, num_warps=NUM_WARPS,
+        enable_fp_fusion=True,
+    )  # fmt: skip
