@@ -1,8 +1,9 @@
 """The trainer's training phase at μ = 1 and β = 0 (everything after generation and scoring: π_old, the sampler
-correction, the `sampling/*` metrics, the update and its optimizer step), with a separate π_old pass ("two_pass")
-and with the update pass as its own ("one_pass", `own_pass_loss` in `grpo_kernels/trainer/policy.py`). The policy
-is a 2-layer Qwen2 built from a config with Qwen's vocabulary (V = 151,936 at the cpu and gpu sizes), so the head
-dominates. The ratio of the two medians of one run is in docs/benchmarks.md with its command."""
+correction, the `sampling/*` metrics, the update and the trainer's AdamW step, `build_optimizer`), with a separate
+π_old pass ("two_pass") and with the update pass as its own ("one_pass", `own_pass_loss` in
+`grpo_kernels/trainer/policy.py`). The policy is a 2-layer Qwen2 built from a config with Qwen's vocabulary
+(V = 151,936 at the cpu and gpu sizes), so the head dominates. The ratio of the two medians of one run is in
+docs/benchmarks.md with its command."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from grpo_kernels import presets
+from grpo_kernels.trainer.optimizer import build_optimizer
 from grpo_kernels.trainer.policy import OwnPass, PolicyModule, UpdateBatch
 from grpo_kernels.trainer.sampler_correction import SamplerCorrection
 from grpo_kernels.trainer.sampler_sync import sampling_metrics
@@ -91,7 +93,7 @@ def bench_one_pass(benchmark, bench_size, path):
     policy = PolicyModule(qwen2(size["hidden"], size["vocab"]).to(device))
     batch = rollout_batch(policy, size["rows"], size["prompt"], size["completion"], size["vocab"])
     batch = UpdateBatch(**{k: None if v is None else v.to(device) for k, v in vars(batch).items()})
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-7)  # the step runs; the weights barely move
+    optimizer = build_optimizer(policy.parameters(), lr=1e-7, weight_decay=0.0)  # the weights barely move
     options = dataclasses.replace(presets.load("grpo").loss, beta=0.0)
     tokens = int(batch.attention_mask.sum())
     benchmark.extra_info.update(bench="one_pass", provider=path, size=bench_size, tokens=tokens, **size)

@@ -75,8 +75,7 @@ SUPPORT = {
     ),  # fmt: skip
 }
 # Vocabulary columns per elementwise block of the torch chunk pass: on the CPU a block of a chunk's few hundred rows
-# stays in its last-level cache (4,096 columns took 0.55× the time of 32,768 at 441 × 151,936); elsewhere wide
-# blocks, fewer launches.
+# stays in its last-level cache (docs/benchmarks.md, the teacher term); elsewhere wide blocks, fewer launches.
 BLOCK_COLUMNS = {"cpu": 4096, "other": 32768}
 MEMORY_MODES = ("fast", "lean")  # row chunks with two [rows, V] buffers; tiles (`divergence_lean.py`)
 LEAN_TOP_K = "top_k > 0 with memory='lean': the top-k-plus-tail divergence needs whole rows; use memory='fast'"

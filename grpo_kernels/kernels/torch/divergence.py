@@ -86,8 +86,8 @@ def logsumexp(z: Tensor, block: int) -> Tensor:
 def log_softmax_(z: Tensor) -> Tensor:
     """z ← z − lse(z) in place, rows whole (torch's fused kernel: three reads and a write, no temporary; a blocked
     logsumexp and a subtraction took 2.7× as long on CPU); returns lse `[c, 1]`, as the row's max minus its largest
-    log-prob (≥ −log V, so the difference is exact to rounding; two `amax` reads took half the time of one `max`
-    with its indices on CPU)."""
+    log-prob (≥ −log V, so the difference is exact to rounding; two `amax` reads cost less than one `max` with
+    its indices on the CPU)."""
     top = z.amax(-1, keepdim=True)  # [c, 1]
     torch.log_softmax(z, -1, out=z)
     return top - z.amax(-1, keepdim=True)
