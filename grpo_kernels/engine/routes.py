@@ -141,12 +141,14 @@ def linear_token_loss(plan: Plan):
 
 def replay_metrics(stats: dict[str, Tensor], mask: Tensor) -> dict[str, Tensor]:
     """With sampling replay, the kept tokens' mean log kept mass and the fraction of targets outside the support
-    ("sampling/log_kept_mass", "sampling/outside_support"); nothing without replay."""
+    ("sampling/log_kept_mass", "sampling/outside_support"); nothing without replay. Summed in float64, then
+    float32: the same floats from packed `[N]` and padded `[B, T]` layouts (whose float32 sums run in other orders,
+    which the CPU's vector width changes)."""
     names = [name for name in REPLAY_STATS if name in stats]
     if not names:  # no op without replay: at small shapes ops are the host time
         return {}
     count = mask.sum().clamp(min=1)
-    return {f"sampling/{name}": (stats[name].float() * mask).sum() / count for name in names}
+    return {f"sampling/{name}": ((stats[name].double() * mask).sum() / count).float() for name in names}
 
 
 def token_omega(inputs: LossInputs, options: LossOptions, dtype: torch.dtype) -> Tensor:
