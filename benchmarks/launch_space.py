@@ -47,7 +47,7 @@ def reachable_cases() -> dict[str, Callable]:
     (with entropy), each combination of entropy and soft-capping in the forward (with every statistic and without) and
     the backward, the fused loss with each epilogue (with entropy) and each combination of entropy and soft-capping
     (clip), and the two-head divergence's chunk passes (whole vocabulary, top-k plus tail) for each divergence, with and
-    without the gradient."""
+    without the gradient, and with a token loss sharing its sweeps (with and without dL/dentropy)."""
     from grpo_kernels.kernels.protocol import TOKEN_STATS
 
     out = {}
@@ -68,6 +68,9 @@ def reachable_cases() -> dict[str, Callable]:
             out[_name("divergence_chunk", [kind] + ["grad"] * with_grad)] = launch
             launch = static_report._divergence_chunk(beta, with_grad, top_k=32)
             out[_name("topk_divergence_chunk", [kind] + ["grad"] * with_grad)] = launch
+        for token_loss in ("logp", "entropy"):  # a token loss sharing the sweeps: the gradient kernel's u term or not
+            launch = static_report._divergence_chunk(beta, token_loss=token_loss)
+            out[_name("divergence_chunk", [kind, "grad", f"token_loss={token_loss}"])] = launch
     for epilogue, keywords in _epilogues().items():
         keywords = dict(keywords)
         launch = static_report._grpo_loss_fwd(keywords.pop("kind"), with_entropy=True, **keywords)

@@ -145,12 +145,13 @@ def _grpo_loss_fwd(
     return launch
 
 
-def _divergence_chunk(beta: float, with_grad: bool = True, top_k: int = 0) -> Callable:
+def _divergence_chunk(beta: float, with_grad: bool = True, top_k: int = 0, token_loss: str = "") -> Callable:
     """The two-head divergence's chunk pass (with top_k: the top-k-plus-tail one, the teacher's top k): it reads the
-    driver's float32 logits buffers whatever the heads' dtype."""
+    driver's float32 logits buffers whatever the heads' dtype. `token_loss` ("logp", or "entropy": with dL/dentropy
+    too): a token loss sharing its sweeps (the statistics launch, then the gradient kernel)."""
 
     def launch(dtype, V, B, T):
-        from grpo_kernels.kernels.torch.divergence import ChunkSpec, Head
+        from grpo_kernels.kernels.torch.divergence import ChunkSpec, Head, TokenGradient
         from grpo_kernels.kernels.triton import divergence as divergence_triton
         from grpo_kernels.kernels.triton import divergence_topk
 
@@ -159,6 +160,13 @@ def _divergence_chunk(beta: float, with_grad: bool = True, top_k: int = 0) -> Ca
         spec = ChunkSpec(beta, teacher=Head(final_logit_softcapping=30.0), with_grad=with_grad)
         if top_k:
             divergence_topk.topk_divergence_chunk(*chunk, spec, k=top_k, ids=None)
+        elif token_loss:
+
+            def gradients(logp, entropy):
+                grad_entropy = torch.empty_like(entropy) if token_loss == "entropy" else None
+                return TokenGradient(chunk[2], torch.empty_like(logp), grad_entropy)
+
+            divergence_triton.divergence_chunk(*chunk, spec, token_loss=gradients)
         else:
             divergence_triton.divergence_chunk(*chunk, spec)
 
@@ -187,6 +195,7 @@ def cases() -> dict[str, Callable]:
     }
     out["divergence_chunk[jsd]"] = _divergence_chunk(DIVERGENCES["jsd"])  # the others: benchmarks/launch_space.py
     out["topk_divergence_chunk[jsd]"] = _divergence_chunk(DIVERGENCES["jsd"], top_k=32)
+    out["divergence_chunk[jsd,token_loss]"] = _divergence_chunk(DIVERGENCES["jsd"], token_loss="entropy")
     for kind in EPILOGUES:
         out[f"grpo_loss_fwd[{kind}]"] = _grpo_loss_fwd(kind)
     for kl in KL_KINDS:
