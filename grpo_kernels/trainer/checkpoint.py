@@ -25,6 +25,7 @@ import random
 import re
 import shutil
 import struct
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -117,7 +118,7 @@ def save(
     components_state: dict,
     config_dict: dict,
     parallel: ParallelState,
-    sync_gaps: list[float] = (),
+    sync_gaps: Sequence[float] = (),
 ) -> Path:
     """Write the checkpoint after `step` completed optimizer steps (every rank calls this); returns its directory.
 
