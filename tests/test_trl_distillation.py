@@ -116,37 +116,51 @@ def test_the_drop_in_loss_is_trls_on_the_same_tensors():
         assert torch.allclose(a.double(), b.double(), rtol=1e-5, atol=1e-6)
 
 
-def test_fsdp2_dtensor_heads_are_gathered_once_each(tmp_path, monkeypatch):
-    """Heads held as DTensors (FSDP2's sharded parameters; the teacher's frozen, as TRL holds it): each is gathered
-    with one full_tensor, as TRL does, and the loss, entropy, count and the student's gradients (the head's a DTensor
-    again) equal TRL's on the same heads: a 1-rank gloo group on CPU."""
-    dist = pytest.importorskip("torch.distributed")
-    if not dist.is_available() or dist.is_initialized():
-        pytest.skip("needs torch.distributed and no process group yet")
+def _fsdp2_worker(rank: int, store: str, queue) -> None:
+    """One of 2 gloo ranks holding each head as a DTensor sharded over the vocabulary (25 of 50 rows each, as FSDP2
+    holds them; the teacher's frozen, as TRL holds it), with hidden states of its own: TRL's loss and the drop-in's,
+    each gathering each head with one full_tensor, give the same loss, entropy, count and student gradients (the
+    head's a DTensor again, sharded as before)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
     from trl.trainer.distillation_trainer import _chunked_divergence_loss
 
-    g = torch.Generator().manual_seed(0)
-    s_h, t_h = torch.randn(2, 5, 8, generator=g), torch.randn(2, 5, 12, generator=g)
-    heads = [torch.randn(50, 8, generator=g), torch.randn(50, 12, generator=g)]
-    mask = (torch.rand(2, 5, generator=g) > 0.3).float()
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        mesh = init_device_mesh("cpu", (1,))
+    from tests.rendezvous import run_rank
+
+    def checks() -> None:
+        torch.set_num_threads(1)
+        heads_g, g = torch.Generator().manual_seed(0), torch.Generator().manual_seed(1 + rank)
+        heads = [torch.randn(50, 8, generator=heads_g), torch.randn(50, 12, generator=heads_g)]  # the same on each rank
+        s_h, t_h = torch.randn(2, 5, 8, generator=g), torch.randn(2, 5, 12, generator=g)
+        mask = (torch.rand(2, 5, generator=g) > 0.3).float()
+        mesh = init_device_mesh("cpu", (2,))
         results, gathers, full_tensor = [], [], DTensor.full_tensor
         for loss_fn in (_chunked_divergence_loss, chunked_divergence_loss):
             s_w, t_w = (distribute_tensor(x.clone(), mesh, [Shard(0)]) for x in heads)
+            assert s_w.to_local().shape == (25, 8) and t_w.to_local().shape == (25, 12)
             s_w.requires_grad_()
             hidden = s_h.clone().requires_grad_()
             gathers.clear()
-            monkeypatch.setattr(DTensor, "full_tensor", lambda self: gathers.append(1) or full_tensor(self))
-            loss, entropy, count = loss_fn(hidden, t_h, s_w, t_w, mask, 0.5, num_items_in_batch=7, temperature=0.8)
-            loss.backward()
-            monkeypatch.undo()
+            DTensor.full_tensor = lambda self: gathers.append(1) or full_tensor(self)
+            try:
+                loss, entropy, count = loss_fn(hidden, t_h, s_w, t_w, mask, 0.5, num_items_in_batch=7, temperature=0.8)
+                loss.backward()
+            finally:
+                DTensor.full_tensor = full_tensor
             assert len(gathers) == 2 and isinstance(s_w.grad, DTensor) and t_w.grad is None
+            assert s_w.grad.placements == (Shard(0),)
             results.append((loss, entropy, count, hidden.grad, s_w.grad.full_tensor()))
         for a, b in zip(results[1], results[0], strict=True):
             assert torch.allclose(a.double(), b.double(), rtol=1e-5, atol=1e-6)
-    finally:
-        dist.destroy_process_group()
+
+    run_rank(rank, 2, store, queue, checks)
+
+
+def test_fsdp2_dtensor_heads_are_gathered_once_each():
+    """FSDP2's sharded heads on 2 CPU processes (gloo): see `_fsdp2_worker`."""
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available():
+        pytest.skip("needs torch.distributed")
+    from tests.rendezvous import spawn_ranks
+
+    spawn_ranks(_fsdp2_worker, 2)
