@@ -3,13 +3,18 @@
 log-probs of a micro-batch differ by more than the limit, "warn" warns, and a sampler on the policy's weights passes
 with the loss unchanged."""
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
 trl = pytest.importorskip("trl")
+transformers = pytest.importorskip("transformers")
 
 import tests.test_trl as base  # noqa: E402
 from grpo_kernels.integrations import trl as drop_in  # noqa: E402
+from grpo_kernels.integrations.trl_sampler_sync import step_gaps  # noqa: E402
 from grpo_kernels.trainer.sampler_sync import StaleSampler  # noqa: E402
 
 tokenizer, model_path = base.tokenizer, base.model_path  # test_trl's fixtures
@@ -70,3 +75,56 @@ def test_steady_gaps_under_the_limit_do_not_stop(monkeypatch, model_path, tokeni
     for step in range(4):
         trainer.state.global_step = step
         base.step(trainer, inputs)
+
+
+def _resumed(monkeypatch, model_path, tokenizer, checkpoint: Path | None, **config):
+    """A new drop-in trainer at the start of training, as `train(resume_from_checkpoint=checkpoint)` sets it up:
+    the checkpoint's trainer state and callback states (transformers' own readers), then the callbacks'
+    `on_train_begin`."""
+    trainer, inputs = trainer_and_inputs(monkeypatch, model_path, tokenizer, 0.0, sampler_sync="stop",
+                                         sampler_sync_tolerance=0.5, **config)  # fmt: skip
+    if checkpoint is None:
+        trainer.state.global_step = 2
+    else:
+        trainer.state = transformers.TrainerState.load_from_json(str(checkpoint / "trainer_state.json"))
+        trainer._load_callback_state()  # a copy of each callback, when restore_callback_states_from_checkpoint
+    trainer.callback_handler.on_train_begin(trainer.args, trainer.state, trainer.control)
+    return trainer, inputs
+
+
+@pytest.mark.parametrize("restore_callbacks", [False, True])
+def test_a_resumed_run_goes_on_with_its_trend(monkeypatch, model_path, tokenizer, tmp_path, restore_callbacks):
+    """Steps 1 and 2's gaps (0.04, 0.1) go into the checkpoint transformers writes after step 2, and a new trainer
+    resumed from it stops at step 3's 0.25, as the run would have (also where transformers replaces the callbacks
+    with restored copies); one that starts afresh does not."""
+    trainer, inputs = trainer_and_inputs(monkeypatch, model_path, tokenizer, 0.0, sampler_sync="stop",
+                                         sampler_sync_tolerance=0.5, output_dir=str(tmp_path),
+                                         save_only_model=True)  # fmt: skip
+    trainer.callback_handler.on_train_begin(trainer.args, trainer.state, trainer.control)  # as `train` does
+    mask, old = inputs["completion_mask"], inputs["old_per_token_logps"]
+    for step, gap in enumerate((0.04, 0.1)):
+        trainer.state.global_step = step
+        base.step(trainer, {**inputs, "sampling_per_token_logps": old - gap * mask})
+    trainer.state.global_step = 2
+    trainer._save_checkpoint(trainer.model, trial=None)  # what the training loop calls after step 2
+    checkpoint = tmp_path / "checkpoint-2"
+    saved = json.loads((checkpoint / "trainer_state.json").read_text())["stateful_callbacks"]["StepGaps"]
+    assert saved["attributes"]["finished"] == pytest.approx([0.04, 0.1])
+
+    shifted = {**inputs, "sampling_per_token_logps": old - 0.25 * mask}
+    restore = dict(restore_callback_states_from_checkpoint=restore_callbacks)
+    resumed, _ = _resumed(monkeypatch, model_path, tokenizer, checkpoint, **restore)
+    with pytest.raises(StaleSampler, match=r"^step 3: .* under the limit 0\.5 but rising .* 0\.04 → 0\.1 → 0\.25"):
+        base.step(resumed, shifted)
+    afresh, _ = _resumed(monkeypatch, model_path, tokenizer, None)
+    base.step(afresh, shifted)
+    assert step_gaps(afresh).latest() == pytest.approx([0.25])
+
+
+@pytest.mark.parametrize("finished", [[float("nan")], [-0.1], ["0.1"], None])
+def test_a_checkpoint_with_gaps_that_are_not_gaps_is_refused(monkeypatch, model_path, tokenizer, tmp_path, finished):
+    state = transformers.TrainerState()
+    state.stateful_callbacks = {"StepGaps": {"args": {}, "attributes": {"finished": finished}}}
+    state.save_to_json(str(tmp_path / "trainer_state.json"))
+    with pytest.raises(ValueError, match=r"^trainer_state\.json: stateful_callbacks\.StepGaps\.attributes\.finished"):
+        _resumed(monkeypatch, model_path, tokenizer, tmp_path)

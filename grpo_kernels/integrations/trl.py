@@ -410,7 +410,7 @@ def _check_text_only(fields: dict) -> None:
 def _install(trainer: trl.GRPOTrainer) -> None:
     """Check the options, then give the policy and the reference model the fused-head forward."""
     check_supported(trainer)
-    trainer._sampler_sync_gaps = StepGaps()  # the guard's trend rule
+    trainer.add_callback(StepGaps())  # the guard's trend rule, kept in checkpoints
     for target in (trainer.model, trainer.ref_model):
         if target is not None:
             _install_forward(_hf_model(trainer, target))

@@ -19,7 +19,6 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
-import math
 import os
 import random
 import re
@@ -36,6 +35,7 @@ from torch import nn
 from grpo_kernels.shown import shown
 from grpo_kernels.trainer import atomic_write
 from grpo_kernels.trainer.parallel import ParallelState, unwrap
+from grpo_kernels.trainer.sampler_sync import valid_gaps
 
 CHECKPOINTS = "checkpoints"
 _PREFIX = "step_"
@@ -209,7 +209,7 @@ def read(path: str | Path, rank: int, *, lora: bool, ref_model: bool) -> dict:
     if not isinstance(state, dict) or not {"step", "optimizer", "data"} <= set(state):
         raise UnreadableCheckpoint(path / TRAINER_STATE_FILE, "not a trainer state (step, optimizer, data)")
     gaps = state.get("sync_gaps", [])  # absent before the guard's gaps were kept
-    if not isinstance(gaps, list) or not all(isinstance(g, float) and math.isfinite(g) and g >= 0 for g in gaps):
+    if not valid_gaps(gaps):
         raise UnreadableCheckpoint(path / TRAINER_STATE_FILE, f"sync_gaps must be gaps >= 0, got {shown(gaps)}")
     rng = _load_torch(path / f"rng_rank{rank}.pt")
     if not isinstance(rng, dict) or not {"torch", "python"} <= set(rng):

@@ -23,6 +23,7 @@ numbers and the command. The limit sits well above the noise and well below the 
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 
 import torch
@@ -120,6 +121,11 @@ def over_ranks(metrics: dict[str, float], parallel: ParallelState) -> dict[str, 
         extreme = name.endswith(("/min", "/max"))
         out[name] = float(extremes[i] * sign) if extreme else float(means[i])
     return out
+
+
+def valid_gaps(gaps: object) -> bool:
+    """Whether `gaps`, read back from a checkpoint, is a list of the guard's mean gaps: finite floats >= 0."""
+    return isinstance(gaps, list) and all(isinstance(g, float) and math.isfinite(g) and g >= 0 for g in gaps)
 
 
 def rising_gap(means: Sequence[float], tolerance: float) -> bool:
