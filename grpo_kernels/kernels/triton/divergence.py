@@ -249,7 +249,8 @@ def divergence_chunk(
     with dL/dx_s when `spec.with_grad` (else left as it is). One launch without `token_loss`; with it (and
     `targets`), the statistics, the loss called once with the rows' logp and entropy, then (with the gradient) its
     `TokenGradient`'s sweep: two launches."""
-    heads, divergence_args, kind = scalar_arguments(zs, zt, spec)
+    scalars = scalar_arguments(zs, zt, spec)
+    heads, divergence_args, kind = scalars
     rows, V = zs.shape
     out = torch.empty((CENTRE + 1, rows), dtype=torch.float32, device=zs.device)  # [6, c]
     block_v = block_v_for(V, spec.block)
@@ -266,7 +267,7 @@ def divergence_chunk(
         token = token_loss(logp, entropy)
         if spec.with_grad and rows:
             coefficients = row_coefficients(token, spec.beta, centre, entropy)
-            _token_gradient_(zs, zt, token.targets, coefficients, out, spec, block_v)
+            _token_gradient_(zs, zt, token.targets, coefficients, out, scalars, block_v)
     return divergence, entropy, logp, lse_s, lse_t
 
 
@@ -276,12 +277,13 @@ def _token_gradient_(
     targets: Tensor,
     coefficients: tuple[Tensor, Tensor | None, Tensor, Tensor | None],
     stats: Tensor,
-    spec: ChunkSpec,
+    scalars: tuple,
     block_v: int,
 ) -> None:
     """zs ← dL/dx_s by `_token_gradient_kernel`, from the rows' (a, u, c0, g) `[c]` (`row_coefficients`; u or g
-    None: that term absent, a stands in its row) and the chunk kernel's output `stats` (its lse rows)."""
-    heads, (_, log_1mb, log_b), kind = scalar_arguments(zs, zt, spec)
+    None: that term absent, a stands in its row), the chunk kernel's output `stats` (its lse rows) and run-time
+    `scalars` (`scalar_arguments`)."""
+    heads, (_, log_1mb, log_b), kind = scalars
     a, u, c0, g = coefficients
     coef = torch.stack([(a if x is None else x).to(torch.float32) for x in (a, u, c0, g)])  # [4, c]
     _token_gradient_kernel[(zs.shape[0],)](
